@@ -1,0 +1,1 @@
+"""Adapters: one subpackage per engine family (``rollout_backends.adapters.<name>``)."""

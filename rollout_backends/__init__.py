@@ -1,0 +1,1 @@
+"""rollout-backends: one protocol for RL rollouts and weight updates over SGLang and Dynamo."""

@@ -1,0 +1,182 @@
+"""The exception tree of ``rollout_backends``.
+
+Every error this library raises derives from :class:`RolloutBackendError`. The tree::
+
+    RolloutBackendError
+    ├── TransientError            retryable: the same call may succeed if sent again
+    │   ├── BackendTimeout        no answer within the timeout
+    │   ├── ConnectionFailed      could not connect / connection dropped before an answer
+    │   └── Overloaded            the server said "busy" (HTTP 429/503 while serving)
+    ├── BackendUnavailable        a worker or the whole fleet is down (after retries, or none registered)
+    ├── InvalidRequest            the caller's input is wrong; ``.field`` names the offending field
+    ├── Aborted                   a generation ended by abort, where the caller asked to treat that as an error
+    ├── ControlFailed             a control call (pause, flush, update, ...) failed on one or more workers
+    │   └── WeightUpdateFailed    a ``weight_update`` transaction failed; the version was not advanced
+    ├── StaleWeights              a worker serves another weight version than expected
+    ├── ContractViolation         a server answered something that breaks the protocol (never padded or guessed)
+    └── Unsupported               the backend does not declare the capability this call needs
+
+Rules the adapters follow:
+
+* ``TransientError`` is raised only when re-sending the *same* request is safe. A ``generate``
+  that may have produced tokens is never retried by the library (tokens would be counted twice);
+  the caller decides, see ``docs/errors.md``.
+* ``ControlFailed.failures`` names each worker and step that failed; an error never names fewer
+  workers than failed.
+* Secrets (API keys) never appear in messages.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import attrs
+
+__all__ = [
+    "Aborted",
+    "BackendTimeout",
+    "BackendUnavailable",
+    "ConnectionFailed",
+    "ContractViolation",
+    "ControlFailed",
+    "InvalidRequest",
+    "Overloaded",
+    "RolloutBackendError",
+    "StaleWeights",
+    "TransientError",
+    "Unsupported",
+    "WeightUpdateFailed",
+    "WorkerFailure",
+]
+
+
+class RolloutBackendError(Exception):
+    """Root of every error raised by ``rollout_backends``."""
+
+    #: Whether sending the same call again may succeed.
+    retryable: bool = False
+
+
+class TransientError(RolloutBackendError):
+    """A failure that may go away if the same request is sent again."""
+
+    retryable = True
+
+    def __init__(self, message: str, *, worker: str | None = None) -> None:
+        super().__init__(message)
+        self.worker = worker
+
+
+class BackendTimeout(TransientError):
+    """No complete answer arrived within the configured timeout."""
+
+
+class ConnectionFailed(TransientError):
+    """The connection could not be made, or broke before an answer arrived."""
+
+
+class Overloaded(TransientError):
+    """The server answered that it is busy (HTTP 429, or 503 from a serving worker)."""
+
+
+class BackendUnavailable(RolloutBackendError):
+    """A worker, or the whole fleet, cannot serve: it is down, unreachable after retries, or absent."""
+
+    def __init__(self, message: str, *, worker: str | None = None) -> None:
+        super().__init__(message)
+        self.worker = worker
+
+
+class InvalidRequest(RolloutBackendError):
+    """The caller's input is invalid. ``field`` names the offending field (dotted path)."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.reason = message
+
+
+class Aborted(RolloutBackendError):
+    """A generation was aborted, where the caller asked for that to be an error."""
+
+    def __init__(self, request_id: str, message: str = "request was aborted") -> None:
+        super().__init__(f"{request_id}: {message}")
+        self.request_id = request_id
+
+
+@attrs.frozen(slots=True)
+class WorkerFailure:
+    """One failed step on one worker."""
+
+    worker: str
+    step: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.worker} [{self.step}]: {self.message}"
+
+
+class ControlFailed(RolloutBackendError):
+    """A control call failed on one or more workers; ``failures`` names each one."""
+
+    def __init__(self, operation: str, failures: Sequence[WorkerFailure]) -> None:
+        self.operation = operation
+        self.failures: tuple[WorkerFailure, ...] = tuple(failures)
+        detail = "; ".join(str(f) for f in self.failures) or "no detail"
+        super().__init__(f"{operation} failed: {detail}")
+
+    @property
+    def workers(self) -> tuple[str, ...]:
+        """The workers that failed, in order, without repeats."""
+        return tuple(dict.fromkeys(f.worker for f in self.failures))
+
+
+class WeightUpdateFailed(ControlFailed):
+    """A weight-update transaction failed. Every paused worker was resumed; the version was not advanced.
+
+    ``failures`` names each worker and the step (``pause``, ``flush_cache``, ``begin``, ``update``,
+    ``set_version``, ``end``, ``resume``) that failed. ``version`` is the version that was *not*
+    installed; ``previous`` what the workers serve instead.
+    """
+
+    def __init__(
+        self,
+        failures: Sequence[WorkerFailure],
+        *,
+        version: str,
+        previous: str | None,
+    ) -> None:
+        super().__init__(f"weight update to version {version!r}", failures)
+        self.version = version
+        self.previous = previous
+
+    @property
+    def steps(self) -> tuple[str, ...]:
+        """The steps that failed, in order, without repeats."""
+        return tuple(dict.fromkeys(f.step for f in self.failures))
+
+
+class StaleWeights(RolloutBackendError):
+    """One or more workers serve a weight version other than the expected one."""
+
+    def __init__(self, expected: str | None, served: dict[str, str | None]) -> None:
+        self.expected = expected
+        self.served = dict(served)
+        detail = ", ".join(f"{w}={v!r}" for w, v in self.served.items())
+        super().__init__(f"expected weight version {expected!r}, workers serve: {detail}")
+
+
+class ContractViolation(RolloutBackendError):
+    """A server's answer breaks the protocol (missing fields, misaligned logprobs, bad types)."""
+
+    def __init__(self, message: str, *, worker: str | None = None) -> None:
+        super().__init__(message if worker is None else f"{worker}: {message}")
+        self.worker = worker
+
+
+class Unsupported(RolloutBackendError):
+    """The backend does not declare the capability this call needs."""
+
+    def __init__(self, capability: str, message: str = "") -> None:
+        super().__init__(f"unsupported: {capability}" + (f" ({message})" if message else ""))
+        self.capability = capability

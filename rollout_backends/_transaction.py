@@ -1,0 +1,242 @@
+"""The weight-update transaction and the protocol helpers every backend shares.
+
+``weight_update`` is the one place that sequences a weight update; backends only supply the
+individual steps. Its guarantees:
+
+* every worker it tried to pause is resumed, whatever failed (resume runs in ``finally``);
+* an opened update session (``begin``) is always closed (``end``);
+* the new version label is set only after the body succeeded, and if setting or closing fails,
+  the labels already moved are put back, so no half-updated fleet advertises the new version;
+* any failure raises ``WeightUpdateFailed`` naming each worker and step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from contextlib import asynccontextmanager
+from typing import Any
+
+import attrs
+
+from rollout_backends._errors import (
+    BackendUnavailable,
+    ControlFailed,
+    RolloutBackendError,
+    StaleWeights,
+    WeightUpdateFailed,
+    WorkerFailure,
+)
+from rollout_backends._protocol import RolloutBackend
+from rollout_backends._types import (
+    GenerateRequest,
+    Generation,
+    HealthReport,
+    PauseMode,
+    SamplingParams,
+    WeightBucket,
+)
+
+__all__ = ["WeightUpdateTransaction", "generate_group", "wait_ready", "weight_update"]
+
+
+@attrs.define(slots=True)
+class WeightUpdateTransaction:
+    """Handed to the body of ``weight_update``: the loaders to call, with the right flags.
+
+    The loaders never pass ``version`` (the label moves only at commit) and never flush (the
+    transaction flushed already, or must not in ``IN_PLACE`` mode).
+    """
+
+    backend: RolloutBackend
+    version: str
+    mode: PauseMode
+    previous: Mapping[str, str | None]
+
+    async def update_from_distributed(self, bucket: WeightBucket, *, group_name: str = "weight_update_group") -> None:
+        await self.backend.update_weights_from_distributed(bucket, group_name=group_name, flush_cache=False)
+
+    async def update_from_tensors(self, named_tensors: Sequence[tuple[str, Any]], *, load_format: str | None = None) -> None:
+        await self.backend.update_weights_from_tensors(named_tensors, flush_cache=False, load_format=load_format)
+
+    async def update_from_disk(self, path: str, *, load_format: str | None = None) -> None:
+        await self.backend.update_weights_from_disk(path, load_format=load_format, flush_cache=False)
+
+
+def _failures(step: str, exc: BaseException, workers: Sequence[str]) -> list[WorkerFailure]:
+    if isinstance(exc, ControlFailed):
+        return [WorkerFailure(f.worker, step, f.message) for f in exc.failures]
+    worker = getattr(exc, "worker", None)
+    targets = [worker] if isinstance(worker, str) else list(workers) or ["*"]
+    msg = f"{type(exc).__name__}: {exc}"
+    return [WorkerFailure(w, step, msg) for w in targets]
+
+
+@asynccontextmanager
+async def weight_update(
+    backend: RolloutBackend,
+    version: str,
+    *,
+    mode: PauseMode = PauseMode.RETRACT,
+    selector: str = "all",
+) -> AsyncIterator[WeightUpdateTransaction]:
+    """Pause → flush (unless ``IN_PLACE``) → begin → *body* → set version → end → resume.
+
+    Usage::
+
+        async with backend.weight_update("step-7") as tx:
+            await tx.update_from_disk("/ckpt/step-7")
+
+    Raises ``WeightUpdateFailed`` (the version is not advanced; every worker is resumed).
+    """
+    if not isinstance(version, str) or not version:
+        from rollout_backends._errors import InvalidRequest
+
+        raise InvalidRequest("version", "must be a non-empty string")
+    mode = PauseMode(mode)
+    caps = backend.capabilities
+    workers = backend.workers
+    failures: list[WorkerFailure] = []
+    try:
+        previous = dict(await backend.weight_versions())
+    except RolloutBackendError as exc:
+        raise WeightUpdateFailed(_failures("read_version", exc, workers), version=version, previous=None) from exc
+    prev_common = next(iter(previous.values()), None) if len(set(previous.values())) == 1 else None
+
+    async def step(name: str, call: Callable[[], Awaitable[None]]) -> bool:
+        try:
+            await call()
+            return True
+        except Exception as exc:  # any failure is recorded against the step; cleanup still runs
+            failures.extend(_failures(name, exc, workers))
+            return False
+
+    began = False
+    labelled = False
+    first_exc: BaseException | None = None
+    try:
+        ok = await step("pause", lambda: backend.pause(mode))
+        if ok and mode is not PauseMode.IN_PLACE:
+            ok = await step("flush_cache", backend.flush_cache)
+        if ok and caps.begin_end_update:
+            ok = began = await step("begin", lambda: backend.begin_weight_update(selector))
+        if ok:
+            tx = WeightUpdateTransaction(backend, version, mode, previous)
+            try:
+                yield tx
+            except Exception as exc:
+                first_exc = exc
+                failures.extend(_failures("update", exc, workers))
+                ok = False
+        if ok:
+            labelled = True
+            ok = await step("set_version", lambda: backend.set_weight_version(version))
+        if began:
+            began = False
+            ok = await step("end", backend.end_weight_update) and ok
+        if not ok and labelled:
+            # Put back the labels that moved: a half-updated fleet must not advertise `version`.
+            for worker, old in previous.items():
+                if old is not None:
+                    await step("rollback_version", lambda w=worker, o=old: backend.set_weight_version(o, workers=[w]))
+    except BaseException as exc:  # cancellation or an error thrown into the body's frame
+        first_exc = first_exc or exc
+        failures.extend(_failures("update", exc, workers))
+        raise
+    finally:
+        if began:
+            await step("end", backend.end_weight_update)
+        # Resume everything we may have paused, even after a cancellation.
+        await asyncio.shield(step("resume", backend.resume))
+    if failures:
+        raise WeightUpdateFailed(failures, version=version, previous=prev_common) from first_exc
+
+
+async def fleet_weight_version(backend: RolloutBackend) -> str | None:
+    """The one version every worker serves; ``StaleWeights`` if they disagree."""
+    versions = dict(await backend.weight_versions())
+    distinct = set(versions.values())
+    if len(distinct) > 1:
+        majority = max(distinct, key=lambda v: sum(1 for x in versions.values() if x == v))
+        raise StaleWeights(majority, versions)
+    return next(iter(distinct), None)
+
+
+async def wait_ready(
+    backend: RolloutBackend,
+    timeout: float = 60.0,
+    *,
+    interval: float = 0.1,
+    on_poll: Callable[[HealthReport], None] | None = None,
+) -> HealthReport:
+    """Poll ``health()`` until every worker is ready; ``BackendUnavailable`` names those that are not."""
+    deadline = time.monotonic() + timeout
+    report: HealthReport | None = None
+    while True:
+        report = await backend.health()
+        if on_poll is not None:
+            on_poll(report)
+        if report.ready:
+            return report
+        if time.monotonic() >= deadline:
+            bad = report.unhealthy_workers or ("<router>",)
+            detail = "; ".join(
+                f"{w.worker}: live={w.live} ready={w.ready}" + (f" ({w.error})" if w.error else "")
+                for w in report.workers
+                if w.worker in bad
+            )
+            raise BackendUnavailable(f"not ready after {timeout:.1f}s: {', '.join(bad)}. {detail}")
+        await asyncio.sleep(interval)
+
+
+async def generate_group(
+    backend: RolloutBackend,
+    input_ids: Sequence[int],
+    n: int,
+    sampling: SamplingParams | None = None,
+    *,
+    base_seed: int | None = None,
+    group_id: str | None = None,
+) -> list[Generation]:
+    """``n`` samples of one prompt as ``n`` concurrent requests sharing a routing key.
+
+    Each sample gets its own seed (``base_seed + i`` where given, else the sampling seed + i).
+    If any request fails, the others are aborted and the first error is raised: no sample is
+    silently dropped or left running.
+    """
+    from rollout_backends._errors import InvalidRequest
+
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise InvalidRequest("n", f"must be an int >= 1, got {n!r}")
+    sampling = sampling or SamplingParams()
+    group_id = group_id or uuid.uuid4().hex
+    seed0 = base_seed if base_seed is not None else sampling.seed
+    requests = [
+        GenerateRequest(
+            input_ids=tuple(input_ids),
+            sampling=sampling if seed0 is None else sampling.replace(seed=seed0 + i),
+            request_id=f"{group_id}-{i}",
+            routing_key=group_id,
+        )
+        for i in range(n)
+    ]
+    tasks = [asyncio.ensure_future(backend.generate(r)) for r in requests]
+    try:
+        done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        failed = [t for t in done if t.exception() is not None]
+        if failed:
+            await asyncio.gather(*(backend.abort(r.request_id) for r, t in zip(requests, tasks) if not t.done()), return_exceptions=True)
+            for t in pending:
+                t.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+            exc = failed[0].exception()
+            assert exc is not None
+            raise exc
+        return [t.result() for t in tasks]
+    except asyncio.CancelledError:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise

@@ -1,0 +1,441 @@
+"""Value types: frozen, slotted, validated at construction.
+
+A bad value raises :class:`~rollout_backends.InvalidRequest` naming the field, so that an
+error surfaces where the request is built, not deep inside an engine.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import uuid
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import attrs
+
+from rollout_backends._errors import InvalidRequest
+
+__all__ = [
+    "Capabilities",
+    "FinishReason",
+    "GenerateRequest",
+    "Generation",
+    "HealthReport",
+    "MemoryTag",
+    "PauseMode",
+    "RoutingKind",
+    "SamplingParams",
+    "TensorSpec",
+    "VersionSource",
+    "WeightBucket",
+    "WeightGroup",
+    "WeightTransport",
+    "WorkerHealth",
+]
+
+#: Largest value a signed 64-bit seed may take (SGLang's ``sampling_seed`` is int64).
+_INT64_MAX = 2**63 - 1
+
+
+class FinishReason(str, enum.Enum):
+    """Why a generation ended."""
+
+    STOP = "stop"  #: an EOS or stop token was produced (and is included in the output)
+    LENGTH = "length"  #: ``max_new_tokens`` (or the context) was reached
+    ABORT = "abort"  #: aborted by ``abort``/``abort_all``/``pause(ABORT)``; partial tokens are kept
+
+
+class PauseMode(str, enum.Enum):
+    """What ``pause`` does to in-flight requests. See ``docs/pause-modes.md``."""
+
+    ABORT = "abort"  #: in-flight requests end now with ``FinishReason.ABORT`` and their partial tokens
+    RETRACT = "retract"  #: in-flight requests are parked, KV dropped, and recomputed after resume
+    IN_PLACE = "in_place"  #: in-flight requests are frozen with their KV; the cache cannot be flushed
+
+
+class WeightTransport(str, enum.Enum):
+    """How new weights can reach an engine."""
+
+    DISTRIBUTED = "distributed"  #: a torch.distributed group (NCCL on GPU, gloo on CPU), bucket broadcasts
+    TENSOR = "tensor"  #: in-memory tensors handed over on the same host (CUDA IPC on GPU)
+    DISK = "disk"  #: a checkpoint directory the engine reads
+
+
+class RoutingKind(str, enum.Enum):
+    """How generation requests are spread over workers."""
+
+    SINGLE = "single"  #: one worker, no router
+    ROUND_ROBIN = "round_robin"
+    RANDOM = "random"
+    CACHE_AWARE = "cache_aware"  #: approximate prefix tree in the router (smg/sglang-router)
+    KV = "kv"  #: KV-event-fed prefix tree plus load (Dynamo's KV router)
+    OTHER = "other"
+
+
+class VersionSource(str, enum.Enum):
+    """Where a ``Generation.weight_version`` comes from."""
+
+    RESPONSE = "response"  #: the engine reports it in each response
+    STAMPED = "stamped"  #: the adapter stamps the version it last installed on the serving worker
+    NONE = "none"  #: not known
+
+
+class MemoryTag(str, enum.Enum):
+    """What ``release_memory``/``resume_memory`` act on (SGLang's tags)."""
+
+    WEIGHTS = "weights"
+    KV_CACHE = "kv_cache"
+    CUDA_GRAPH = "cuda_graph"
+
+
+def _fail(field: str, message: str) -> InvalidRequest:
+    return InvalidRequest(field, message)
+
+
+def _check_int(field: str, value: object) -> int:
+    # bool is an int subclass; a True max_new_tokens is a bug, not a 1.
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _fail(field, f"must be an int, got {type(value).__name__}")
+    return value
+
+
+def _check_float(field: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise _fail(field, f"must be a number, got {type(value).__name__}")
+    f = float(value)
+    if not math.isfinite(f):
+        raise _fail(field, f"must be finite, got {value!r}")
+    return f
+
+
+def _token_ids(field: str, value: object) -> tuple[int, ...]:
+    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+        raise _fail(field, f"must be a sequence of ints, got {type(value).__name__}")
+    out = []
+    for i, t in enumerate(value):
+        if isinstance(t, bool) or not isinstance(t, int):
+            raise _fail(f"{field}[{i}]", f"must be an int token id, got {type(t).__name__}")
+        if t < 0:
+            raise _fail(f"{field}[{i}]", f"token ids are >= 0, got {t}")
+        out.append(int(t))
+    return tuple(out)
+
+
+@attrs.frozen(slots=True, kw_only=True)
+class SamplingParams:
+    """Sampling parameters, engine-neutral. Every field is sent explicitly to the engine.
+
+    ``temperature == 0`` means greedy. ``seed`` makes sampling reproducible on engines that
+    declare ``Capabilities.seeded_sampling``.
+    """
+
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  #: -1 = whole vocabulary
+    min_p: float = 0.0
+    min_new_tokens: int = 0
+    stop_token_ids: tuple[int, ...] = attrs.field(default=(), converter=tuple)
+    ignore_eos: bool = False  #: also disables ``stop_token_ids`` (SGLang semantics)
+    seed: int | None = None
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+
+    def __attrs_post_init__(self) -> None:
+        m = _check_int("sampling.max_new_tokens", self.max_new_tokens)
+        if m < 1:
+            raise _fail("sampling.max_new_tokens", f"must be >= 1, got {m}")
+        t = _check_float("sampling.temperature", self.temperature)
+        if t < 0:
+            raise _fail("sampling.temperature", f"must be >= 0, got {t}")
+        p = _check_float("sampling.top_p", self.top_p)
+        if not 0.0 < p <= 1.0:
+            raise _fail("sampling.top_p", f"must be in (0, 1], got {p}")
+        k = _check_int("sampling.top_k", self.top_k)
+        if k == 0 or k < -1:
+            raise _fail("sampling.top_k", f"must be -1 (all) or >= 1, got {k}")
+        mp = _check_float("sampling.min_p", self.min_p)
+        if not 0.0 <= mp <= 1.0:
+            raise _fail("sampling.min_p", f"must be in [0, 1], got {mp}")
+        mn = _check_int("sampling.min_new_tokens", self.min_new_tokens)
+        if mn < 0 or mn > m:
+            raise _fail("sampling.min_new_tokens", f"must be in [0, max_new_tokens={m}], got {mn}")
+        _token_ids("sampling.stop_token_ids", self.stop_token_ids)
+        if not isinstance(self.ignore_eos, bool):
+            raise _fail("sampling.ignore_eos", "must be a bool")
+        if self.seed is not None:
+            s = _check_int("sampling.seed", self.seed)
+            if not 0 <= s <= _INT64_MAX:
+                raise _fail("sampling.seed", f"must be in [0, 2**63-1], got {s}")
+        rp = _check_float("sampling.repetition_penalty", self.repetition_penalty)
+        if not 0.0 < rp <= 2.0:
+            raise _fail("sampling.repetition_penalty", f"must be in (0, 2], got {rp}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            v = _check_float(f"sampling.{name}", getattr(self, name))
+            if not -2.0 <= v <= 2.0:
+                raise _fail(f"sampling.{name}", f"must be in [-2, 2], got {v}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def replace(self, **changes: Any) -> SamplingParams:
+        return attrs.evolve(self, **changes)
+
+    @classmethod
+    def from_mapping(cls, data: Mapping[str, Any]) -> SamplingParams:
+        """Build from a plain mapping; an unknown key is an ``InvalidRequest`` naming it."""
+        known = {a.name for a in attrs.fields(cls)}
+        for key in data:
+            if key not in known:
+                raise _fail(f"sampling.{key}", f"unknown sampling parameter (known: {sorted(known)})")
+        return cls(**data)
+
+
+def _new_request_id() -> str:
+    return uuid.uuid4().hex
+
+
+@attrs.frozen(slots=True, kw_only=True)
+class GenerateRequest:
+    """One token-in/token-out generation request (one sample; ``n`` samples are ``n`` requests)."""
+
+    input_ids: tuple[int, ...] = attrs.field(converter=lambda v: _token_ids("input_ids", v))
+    sampling: SamplingParams = attrs.field(factory=SamplingParams)
+    request_id: str = attrs.field(factory=_new_request_id)
+    return_logprobs: bool = True
+    #: Ask the backend to serve this on one worker (by its id); ``None`` lets the router choose.
+    worker: str | None = None
+    #: A key that routers may use to keep related requests (one group's samples) together.
+    routing_key: str | None = None
+
+    def __attrs_post_init__(self) -> None:
+        if not self.input_ids:
+            raise _fail("input_ids", "must not be empty")
+        if not isinstance(self.sampling, SamplingParams):
+            raise _fail("sampling", f"must be SamplingParams, got {type(self.sampling).__name__}")
+        if not isinstance(self.request_id, str) or not self.request_id:
+            raise _fail("request_id", "must be a non-empty string")
+        if not isinstance(self.return_logprobs, bool):
+            raise _fail("return_logprobs", "must be a bool")
+
+
+@attrs.frozen(slots=True, kw_only=True)
+class Generation:
+    """The result of one ``generate``.
+
+    ``logprobs[i]`` is the log-probability of ``output_ids[i]`` from the same forward pass that
+    chose it; both tuples have the same length (an adapter raises ``ContractViolation`` rather than
+    pad). A matched stop/EOS token is included in ``output_ids``.
+    """
+
+    request_id: str
+    output_ids: tuple[int, ...]
+    logprobs: tuple[float, ...] | None
+    finish_reason: FinishReason
+    weight_version: str | None
+    prompt_tokens: int
+    cached_tokens: int = 0
+    worker: str | None = None
+    latency_s: float = 0.0
+    #: The stop/EOS token that ended the generation, when ``finish_reason`` is STOP.
+    matched_stop: int | None = None
+
+    def __attrs_post_init__(self) -> None:
+        if self.logprobs is not None and len(self.logprobs) != len(self.output_ids):
+            # A value type cannot name a worker; adapters check first and raise ContractViolation.
+            raise ValueError(
+                f"logprobs ({len(self.logprobs)}) and output_ids ({len(self.output_ids)}) differ in length"
+            )
+
+    @property
+    def aborted(self) -> bool:
+        return self.finish_reason is FinishReason.ABORT
+
+
+def _dtype_name(value: object) -> str:
+    # Accept torch dtypes without importing torch: str(torch.bfloat16) == "torch.bfloat16".
+    s = str(value)
+    return s[len("torch.") :] if s.startswith("torch.") else s
+
+
+@attrs.frozen(slots=True)
+class TensorSpec:
+    """Name, dtype (e.g. ``"bfloat16"``) and shape of one tensor in a weight bucket."""
+
+    name: str
+    dtype: str = attrs.field(converter=_dtype_name)
+    shape: tuple[int, ...] = attrs.field(converter=tuple)
+
+    def __attrs_post_init__(self) -> None:
+        if not self.name:
+            raise _fail("tensor.name", "must not be empty")
+        for i, d in enumerate(self.shape):
+            if isinstance(d, bool) or not isinstance(d, int) or d < 0:
+                raise _fail(f"tensor[{self.name}].shape[{i}]", f"must be an int >= 0, got {d!r}")
+
+
+@attrs.frozen(slots=True)
+class WeightBucket:
+    """Metadata for one broadcast bucket: the tensors arrive over the group in this order."""
+
+    tensors: tuple[TensorSpec, ...] = attrs.field(converter=tuple)
+
+    def __attrs_post_init__(self) -> None:
+        if not self.tensors:
+            raise _fail("bucket.tensors", "must not be empty")
+        seen: set[str] = set()
+        for t in self.tensors:
+            if t.name in seen:
+                raise _fail("bucket.tensors", f"duplicate tensor name {t.name!r}")
+            seen.add(t.name)
+
+    @classmethod
+    def from_named_tensors(cls, named: Iterable[tuple[str, Any]]) -> WeightBucket:
+        """Describe real tensors (anything with ``.dtype`` and ``.shape``)."""
+        return cls(tuple(TensorSpec(n, t.dtype, tuple(t.shape)) for n, t in named))
+
+    @property
+    def names(self) -> list[str]:
+        return [t.name for t in self.tensors]
+
+    @property
+    def dtypes(self) -> list[str]:
+        return [t.dtype for t in self.tensors]
+
+    @property
+    def shapes(self) -> list[list[int]]:
+        return [list(t.shape) for t in self.tensors]
+
+
+@attrs.frozen(slots=True, kw_only=True)
+class WeightGroup:
+    """A torch.distributed group between a trainer (rank 0) and the engines' ranks."""
+
+    master_address: str
+    master_port: int
+    world_size: int
+    rank_offset: int = 1
+    group_name: str = "weight_update_group"
+    backend: str = "nccl"  #: "nccl" on GPU, "gloo" on CPU
+
+    def __attrs_post_init__(self) -> None:
+        if not self.master_address:
+            raise _fail("group.master_address", "must not be empty")
+        port = _check_int("group.master_port", self.master_port)
+        if not 0 < port < 65536:
+            raise _fail("group.master_port", f"must be in 1..65535, got {port}")
+        ws = _check_int("group.world_size", self.world_size)
+        if ws < 2:
+            raise _fail("group.world_size", f"must be >= 2 (trainer + engine), got {ws}")
+        ro = _check_int("group.rank_offset", self.rank_offset)
+        if not 1 <= ro < ws:
+            raise _fail("group.rank_offset", f"must be in [1, world_size), got {ro}")
+        if self.backend not in ("nccl", "gloo"):
+            raise _fail("group.backend", f"must be 'nccl' or 'gloo', got {self.backend!r}")
+
+
+@attrs.frozen(slots=True, kw_only=True)
+class WorkerHealth:
+    """One worker's health, as seen by the client at ``checked_at`` (monotonic seconds)."""
+
+    worker: str
+    live: bool  #: the process answers
+    ready: bool  #: it accepts generation (not starting, not paused)
+    making_progress: bool | None  #: a probe generation completed (None: not probed)
+    weight_version: str | None
+    stale: bool  #: serves another version than the fleet's expected one
+    error: str | None = None
+
+
+@attrs.frozen(slots=True, kw_only=True)
+class HealthReport:
+    """Per-worker health plus a fleet summary."""
+
+    workers: tuple[WorkerHealth, ...]
+    expected_version: str | None = None
+    #: The entry point (router/frontend) answers; None where there is none.
+    router_live: bool | None = None
+
+    @property
+    def live(self) -> bool:
+        return bool(self.workers) and all(w.live for w in self.workers) and self.router_live is not False
+
+    @property
+    def ready(self) -> bool:
+        return bool(self.workers) and all(w.ready for w in self.workers) and self.router_live is not False
+
+    @property
+    def any_ready(self) -> bool:
+        return any(w.ready for w in self.workers) and self.router_live is not False
+
+    @property
+    def stale_workers(self) -> tuple[str, ...]:
+        return tuple(w.worker for w in self.workers if w.stale)
+
+    @property
+    def unhealthy_workers(self) -> tuple[str, ...]:
+        return tuple(w.worker for w in self.workers if not (w.live and w.ready))
+
+    def worker(self, worker_id: str) -> WorkerHealth:
+        for w in self.workers:
+            if w.worker == worker_id:
+                return w
+        raise KeyError(worker_id)
+
+
+def _frozenset_of(kind: type[enum.Enum]) -> Any:
+    def convert(values: Iterable[Any]) -> frozenset[Any]:
+        return frozenset(kind(v) for v in values)
+
+    return convert
+
+
+@attrs.frozen(slots=True, kw_only=True)
+class Capabilities:
+    """What a backend can do. The conformance suite skips checks for what is not declared.
+
+    A backend must not declare what it cannot do: a declared capability that fails is a
+    conformance failure, an undeclared one is a skip.
+    """
+
+    pause_modes: frozenset[PauseMode] = attrs.field(
+        factory=frozenset, converter=_frozenset_of(PauseMode)
+    )
+    weight_transports: frozenset[WeightTransport] = attrs.field(
+        factory=frozenset, converter=_frozenset_of(WeightTransport)
+    )
+    memory_release: bool = False
+    logprobs: bool = True
+    streaming: bool = False
+    routing: RoutingKind = RoutingKind.SINGLE
+    lora: bool = False
+    abort: bool = True
+    seeded_sampling: bool = False
+    begin_end_update: bool = False  #: the engine has begin/end weight-update sessions
+    version_source: VersionSource = VersionSource.RESPONSE
+    cached_tokens: bool = True  #: ``Generation.cached_tokens`` is reported
+    worker_pinning: bool = False  #: ``GenerateRequest.worker`` is honoured
+    max_context: int | None = None
+    vocab_size: int | None = None
+
+    def supports_pause(self, mode: PauseMode) -> bool:
+        return mode in self.pause_modes
+
+    def supports_transport(self, transport: WeightTransport) -> bool:
+        return transport in self.weight_transports
+
+
+def ensure_tags(tags: Sequence[MemoryTag | str] | None) -> tuple[MemoryTag, ...] | None:
+    """Validate memory tags; ``None`` means all."""
+    if tags is None:
+        return None
+    out = []
+    for i, t in enumerate(tags):
+        try:
+            out.append(MemoryTag(t))
+        except ValueError:
+            raise _fail(f"tags[{i}]", f"unknown memory tag {t!r} (known: {[m.value for m in MemoryTag]})") from None
+    return tuple(out)
