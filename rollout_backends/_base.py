@@ -1,0 +1,124 @@
+"""``BackendBase``: the protocol methods every backend gets for free from its primitives."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from contextlib import AbstractAsyncContextManager
+from types import TracebackType
+from typing import TypeVar
+
+from rollout_backends._errors import ControlFailed, InvalidRequest, RolloutBackendError, Unsupported, WorkerFailure
+from rollout_backends._transaction import WeightUpdateTransaction, fleet_weight_version, wait_ready, weight_update
+from rollout_backends._types import Capabilities, HealthReport, PauseMode, WeightTransport
+
+__all__ = ["BackendBase", "fan_out"]
+
+_T = TypeVar("_T")
+_B = TypeVar("_B", bound="BackendBase")
+
+
+async def fan_out(
+    operation: str,
+    workers: Sequence[str],
+    call: Callable[[str], Awaitable[_T]],
+) -> dict[str, _T]:
+    """Run ``call(worker)`` on every worker concurrently; ``ControlFailed`` names each that failed.
+
+    Every call runs to completion even when some fail, so the error is complete and no worker is
+    left half-way through a step because a sibling failed first.
+    """
+    if not workers:
+        raise ControlFailed(operation, [WorkerFailure("*", operation, "no workers selected")])
+    results = await asyncio.gather(*(call(w) for w in workers), return_exceptions=True)
+    failures: list[WorkerFailure] = []
+    out: dict[str, _T] = {}
+    for worker, res in zip(workers, results):
+        if isinstance(res, BaseException):
+            if isinstance(res, asyncio.CancelledError):
+                raise res
+            if isinstance(res, ControlFailed):
+                failures.extend(res.failures)
+            else:
+                msg = str(res) if isinstance(res, RolloutBackendError) else f"{type(res).__name__}: {res}"
+                failures.append(WorkerFailure(worker, operation, msg))
+        else:
+            out[worker] = res
+    if failures:
+        raise ControlFailed(operation, failures)
+    return out
+
+
+class BackendBase:
+    """Shared behaviour: the transaction, fleet version, readiness, selection, async context.
+
+    Subclasses implement the primitive protocol methods and set ``capabilities`` and ``workers``.
+    """
+
+    capabilities: Capabilities
+    _expected_version: str | None = None
+
+    @property
+    def workers(self) -> tuple[str, ...]:  # pragma: no cover - overridden
+        raise NotImplementedError
+
+    def _select(self, workers: Sequence[str] | None) -> tuple[str, ...]:
+        """Validate a worker selection; ``None`` = all."""
+        if workers is None:
+            return self.workers
+        if isinstance(workers, str):
+            raise InvalidRequest("workers", "must be a sequence of worker ids, not a string")
+        known = set(self.workers)
+        for i, w in enumerate(workers):
+            if w not in known:
+                raise InvalidRequest(f"workers[{i}]", f"unknown worker {w!r} (known: {sorted(known)})")
+        return tuple(workers)
+
+    def _require_pause_mode(self, mode: PauseMode | str) -> PauseMode:
+        try:
+            m = PauseMode(mode)
+        except ValueError:
+            raise InvalidRequest("mode", f"unknown pause mode {mode!r}") from None
+        if m not in self.capabilities.pause_modes:
+            raise Unsupported(f"pause_mode.{m.value}")
+        return m
+
+    def _require_transport(self, transport: WeightTransport) -> None:
+        if transport not in self.capabilities.weight_transports:
+            raise Unsupported(f"weight_transport.{transport.value}")
+
+    def weight_update(
+        self, version: str, *, mode: PauseMode = PauseMode.RETRACT, selector: str = "all"
+    ) -> AbstractAsyncContextManager[WeightUpdateTransaction]:
+        """A weight-update transaction; see :func:`rollout_backends.weight_update`."""
+        self._require_pause_mode(mode)
+        return weight_update(self, version, mode=mode, selector=selector)  # type: ignore[arg-type]
+
+    async def weight_versions(self) -> Mapping[str, str | None]:  # pragma: no cover - overridden
+        raise NotImplementedError
+
+    async def weight_version(self) -> str | None:
+        return await fleet_weight_version(self)  # type: ignore[arg-type]
+
+    async def health(self, *, probe: bool = False) -> HealthReport:  # pragma: no cover - overridden
+        raise NotImplementedError
+
+    async def wait_ready(self, timeout: float = 60.0) -> HealthReport:
+        return await wait_ready(self, timeout)  # type: ignore[arg-type]
+
+    async def aclose(self) -> None:
+        return None
+
+    async def __aenter__(self: _B) -> _B:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} workers={list(self.workers)}>"
