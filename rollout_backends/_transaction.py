@@ -58,7 +58,9 @@ class WeightUpdateTransaction:
     async def update_from_distributed(self, bucket: WeightBucket, *, group_name: str = "weight_update_group") -> None:
         await self.backend.update_weights_from_distributed(bucket, group_name=group_name, flush_cache=False)
 
-    async def update_from_tensors(self, named_tensors: Sequence[tuple[str, Any]], *, load_format: str | None = None) -> None:
+    async def update_from_tensors(
+        self, named_tensors: Sequence[tuple[str, Any]], *, load_format: str | None = None
+    ) -> None:
         await self.backend.update_weights_from_tensors(named_tensors, flush_cache=False, load_format=load_format)
 
     async def update_from_disk(self, path: str, *, load_format: str | None = None) -> None:
@@ -227,7 +229,10 @@ async def generate_group(
         done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
         failed = [t for t in done if t.exception() is not None]
         if failed:
-            await asyncio.gather(*(backend.abort(r.request_id) for r, t in zip(requests, tasks) if not t.done()), return_exceptions=True)
+            await asyncio.gather(
+                *(backend.abort(r.request_id) for r, t in zip(requests, tasks, strict=False) if not t.done()),
+                return_exceptions=True,
+            )
             for t in pending:
                 t.cancel()
             await asyncio.gather(*pending, return_exceptions=True)

@@ -401,9 +401,7 @@ class Capabilities:
     conformance failure, an undeclared one is a skip.
     """
 
-    pause_modes: frozenset[PauseMode] = attrs.field(
-        factory=frozenset, converter=_frozenset_of(PauseMode)
-    )
+    pause_modes: frozenset[PauseMode] = attrs.field(factory=frozenset, converter=_frozenset_of(PauseMode))
     weight_transports: frozenset[WeightTransport] = attrs.field(
         factory=frozenset, converter=_frozenset_of(WeightTransport)
     )
