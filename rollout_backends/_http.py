@@ -25,7 +25,7 @@ try:  # orjson is optional: faster, same output for the JSON we send
     import orjson as _orjson
 
     def _dumps(obj: Any) -> bytes:
-        return _orjson.dumps(obj)
+        return bytes(_orjson.dumps(obj))
 
     def _loads(data: bytes) -> Any:
         return _orjson.loads(data)
@@ -136,7 +136,7 @@ class AiohttpTransport:
 
         try:
             if _HAS_TIMEOUT:  # 3.11+: no extra task per call
-                async with asyncio.timeout(timeout):
+                async with getattr(asyncio, "timeout")(timeout):  # noqa: B009
                     return await self._send(request)
             return await asyncio.wait_for(self._send(request), timeout)
         except (asyncio.TimeoutError, TimeoutError) as exc:
@@ -192,7 +192,7 @@ class RetryPolicy:
 
     def delay(self, attempt: int) -> float:
         base = min(self.max_backoff_s, self.backoff_s * (2**attempt))
-        return base * (0.5 + random.random() / 2)
+        return float(base * (0.5 + random.random() / 2))
 
 
 def _safe_url(url: str) -> str:

@@ -13,6 +13,7 @@ individual steps. Its guarantees:
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
@@ -142,7 +143,7 @@ async def weight_update(
             # Put back the labels that moved: a half-updated fleet must not advertise `version`.
             for worker, old in previous.items():
                 if old is not None:
-                    await step("rollback_version", lambda w=worker, o=old: backend.set_weight_version(o, workers=[w]))
+                    await step("rollback_version", functools.partial(backend.set_weight_version, old, workers=[worker]))
     except BaseException as exc:  # cancellation or an error thrown into the body's frame
         first_exc = first_exc or exc
         failures.extend(_failures("update", exc, workers))

@@ -164,7 +164,10 @@ class SGLangWire:
 
     def control(self, op: Op, worker: Worker, **args: Any) -> HttpRequest | None:
         url = worker.control_url
-        post = lambda path, body=None: HttpRequest("POST", f"{url}{path}", json=body if body is not None else {})  # noqa: E731
+
+        def post(path: str, body: dict[str, Any] | None = None) -> HttpRequest:
+            return HttpRequest("POST", f"{url}{path}", json=body if body is not None else {})
+
         if op is Op.ABORT:
             return post("/abort_request", {"rid": args["request_id"], "abort_all": False})
         if op is Op.ABORT_ALL:
