@@ -116,7 +116,7 @@ async def weight_update(
             failures.extend(_failures(name, exc, workers))
             return False
 
-    began = False
+    began: list[str] = []
     labelled = False
     first_exc: BaseException | None = None
     try:
@@ -124,7 +124,11 @@ async def weight_update(
         if ok and mode is not PauseMode.IN_PLACE:
             ok = await step("flush_cache", backend.flush_cache)
         if ok and caps.begin_end_update:
-            ok = began = await step("begin", lambda: backend.begin_weight_update(selector))
+            n_failed = len(failures)
+            ok = await step("begin", lambda: backend.begin_weight_update(selector))
+            # Close the session wherever it opened, even if it failed to open elsewhere.
+            failed_here = {f.worker for f in failures[n_failed:]}
+            began = [w for w in workers if w not in failed_here]
         if ok:
             tx = WeightUpdateTransaction(backend, version, mode, previous)
             try:
@@ -137,8 +141,8 @@ async def weight_update(
             labelled = True
             ok = await step("set_version", lambda: backend.set_weight_version(version))
         if began:
-            began = False
-            ok = await step("end", backend.end_weight_update) and ok
+            closing, began = began, []
+            ok = await step("end", functools.partial(backend.end_weight_update, workers=closing)) and ok
         if not ok and labelled:
             # Put back the labels that moved: a half-updated fleet must not advertise `version`.
             for worker, old in previous.items():
@@ -150,7 +154,7 @@ async def weight_update(
         raise
     finally:
         if began:
-            await step("end", backend.end_weight_update)
+            await step("end", functools.partial(backend.end_weight_update, workers=began))
         # Resume everything we may have paused, even after a cancellation.
         await asyncio.shield(step("resume", backend.resume))
     if failures:
