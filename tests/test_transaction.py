@@ -123,7 +123,7 @@ async def test_no_begin_end_on_servers_without_sessions() -> None:
         await tx.update_from_disk("/x")
     paths = [p for _, p, _ in fleet.calls]
     assert "/begin_weight_update" not in paths and "/end_weight_update" not in paths
-    assert list(fleet.workers.values())[0].version == "v9"
+    assert next(iter(fleet.workers.values())).version == "v9"
 
 
 async def test_invalid_version_and_unsupported_mode() -> None:
