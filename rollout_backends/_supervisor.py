@@ -217,6 +217,12 @@ def _to_ports(value: Iterable[int | tuple[str, int]]) -> tuple[tuple[str, int], 
     return tuple(out)
 
 
+def _to_argv(value: Iterable[object]) -> tuple[str, ...]:
+    if isinstance(value, (str, bytes)):
+        raise TypeError("argv must be a sequence of arguments, not a string")
+    return tuple(str(a) for a in value)
+
+
 def _to_env(value: Mapping[str, str | None] | None) -> Mapping[str, str | None]:
     return dict(value or {})
 
@@ -231,7 +237,7 @@ class ProcessSpec:
     """
 
     name: str
-    argv: tuple[str, ...] = attrs.field(converter=lambda v: tuple(str(a) for a in v))
+    argv: tuple[str, ...] = attrs.field(converter=_to_argv)
     env: Mapping[str, str | None] = attrs.field(factory=dict, converter=_to_env, repr=False)
     cwd: str | None = None
     log_path: str | None = None
@@ -580,7 +586,7 @@ class Supervisor:
             return bool(ok)
         except asyncio.CancelledError:
             raise
-        except Exception as e:  # noqa: BLE001 - any failure means "not yet"
+        except Exception as e:
             proc.last_check_error = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
             return False
 
@@ -625,7 +631,7 @@ class Supervisor:
                 pending = [p for p in procs if not ready[p.name]]
                 if pending:
                     results = await asyncio.gather(*(self._check(p, session) for p in pending))
-                    for p, ok in zip(pending, results):
+                    for p, ok in zip(pending, results, strict=True):
                         if ok:
                             # A check can pass just before the process dies; re-check liveness.
                             if not p.alive():

@@ -92,7 +92,12 @@ def test_ports_and_redaction() -> None:
         s.listen()
         assert port_in_use("127.0.0.1", port)
     assert redact_argv(["x", "--api-key", "SECRET", "--admin-api-key=S2", "--port", "1"]) == [
-        "x", "--api-key", "***", "--admin-api-key=***", "--port", "1",
+        "x",
+        "--api-key",
+        "***",
+        "--admin-api-key=***",
+        "--port",
+        "1",
     ]
 
 
@@ -123,7 +128,9 @@ async def test_timeout_names_process_and_shows_log_tail(tmp_path: Path) -> None:
     port = free_port()
     script = "import time\nfor i in range(30): print(f'line {i}', flush=True)\ntime.sleep(1000)"
     async with Supervisor(tmp_path, grace=1) as sup:
-        await sup.start(ProcessSpec(name="never-ready", argv=[PY, "-c", script], ready=f"http://127.0.0.1:{port}/health"))
+        await sup.start(
+            ProcessSpec(name="never-ready", argv=[PY, "-c", script], ready=f"http://127.0.0.1:{port}/health")
+        )
         await sup.start(ProcessSpec(name="no-check", argv=[PY, "-c", "import time; time.sleep(1000)"]))
         await asyncio.sleep(0.5)  # let it print
         with pytest.raises(BackendUnavailable) as ei:
@@ -165,7 +172,9 @@ async def test_custom_ready_check(tmp_path: Path) -> None:
         return calls >= 3
 
     async with Supervisor(tmp_path, poll_interval=0.01) as sup:
-        await sup.start(ProcessSpec(name="c", argv=[PY, "-c", "import time; time.sleep(1000)"], ready=ReadyCheck.custom(check)))
+        await sup.start(
+            ProcessSpec(name="c", argv=[PY, "-c", "import time; time.sleep(1000)"], ready=ReadyCheck.custom(check))
+        )
         await sup.wait_ready(timeout=10)
         assert calls == 3
 
@@ -269,9 +278,7 @@ _CRASHING_PARENT = textwrap.dedent(
 
 
 def test_crashed_parent_leaves_no_orphans(tmp_path: Path) -> None:
-    out = subprocess.run(
-        [PY, "-c", _CRASHING_PARENT, _TREE, str(tmp_path)], capture_output=True, text=True, timeout=30
-    )
+    out = subprocess.run([PY, "-c", _CRASHING_PARENT, _TREE, str(tmp_path)], capture_output=True, text=True, timeout=30)
     assert out.returncode == -signal.SIGKILL, out.stderr
     pids = json.loads(out.stdout.strip().splitlines()[-1])
     # PDEATHSIG takes the leader; the watchdog takes the grandchild (same group), then exits.
