@@ -161,4 +161,4 @@ class FakeEngine:
 def factory(args: Any) -> FakeEngine:
     """``--engine-factory fake_engine:factory`` for CLI tests."""
     return FakeEngine(worker_id=args.worker_id or f"{args.host}:{args.port}", weight_version=args.weight_version,
-                      step_s=0.01)  # fmt: skip
+                      step_s=0.01, max_context=4096)  # fmt: skip
