@@ -72,7 +72,6 @@ def _config_dict(size: str, std: float) -> dict[str, Any]:
         **shape,
         max_position_embeddings=4096,
         rms_norm_eps=1e-6,
-        rope_theta=10000.0,
         tie_word_embeddings=True,
         bos_token_id=0,
         eos_token_id=0,
@@ -147,7 +146,7 @@ def _write_tokenizer(out: Path, vocab_size: int) -> int:
             vocab[s] = n
             n += 1
     full = Tokenizer.from_str(json.dumps(spec))
-    fast = PreTrainedTokenizerFast(
+    fast = PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
         tokenizer_object=full,
         bos_token=SPECIAL_TOKENS[0],
         eos_token=SPECIAL_TOKENS[0],

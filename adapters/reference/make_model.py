@@ -6,7 +6,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from rollout_backends.adapters.reference._model import SIZES, make_tiny_model
+from ._model import SIZES, make_tiny_model
 
 
 def main(argv: Sequence[str] | None = None) -> int:
