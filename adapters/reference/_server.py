@@ -726,8 +726,6 @@ class ReferenceServer:
         if len(entries) != 1:
             return self._result(False, f"expected 1 serialized_named_tensors entry (tp_size=1), got {len(entries)}")
         load_format = _field(body, "load_format", str, None, nullable=True)
-        if load_format not in (None, "direct"):
-            return self._result(False, f"load_format {load_format!r} is not supported by the reference server")
         version = _field(body, "weight_version", str, None, nullable=True)
         flush = _field(body, "flush_cache", bool, True)
         if (err := self._session_error()) is not None:
@@ -739,7 +737,7 @@ class ReferenceServer:
         await self._maybe_abort(body)
         return await self._control(
             "update weights from tensor",
-            self.engine.update_weights_from_tensors(named, version=version, flush_cache=flush),
+            self.engine.update_weights_from_tensors(named, version=version, flush_cache=flush, load_format=load_format),
         )
 
     async def init_weights_update_group(self, request: web.Request) -> web.StreamResponse:
@@ -766,15 +764,19 @@ class ReferenceServer:
         version = _field(body, "weight_version", str, None, nullable=True)
         flush = _field(body, "flush_cache", bool, True)
         load_format = _field(body, "load_format", str, None, nullable=True)
-        if load_format is not None:
-            return self._result(False, f"load_format {load_format!r} is not supported by the reference server")
         if (err := self._session_error()) is not None:
             return err
         await self._maybe_abort(body)
         return await self._control(
             "update weights from distributed",
             self.engine.update_weights_from_distributed(
-                names, dtypes, shapes, group_name=group_name, version=version, flush_cache=flush
+                names,
+                dtypes,
+                shapes,
+                group_name=group_name,
+                version=version,
+                flush_cache=flush,
+                load_format=load_format,
             ),
         )
 
