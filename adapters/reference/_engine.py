@@ -947,4 +947,3 @@ class ReferenceEngine:
 
     def __repr__(self) -> str:
         return f"<ReferenceEngine {self._worker_id} version={self._version!r} paused={self._paused}>"
-

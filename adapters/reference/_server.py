@@ -20,20 +20,18 @@ is the command line.
 from __future__ import annotations
 
 import asyncio
-import base64
 import hmac
-import io
 import logging
 import os
-import pickle
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Mapping
-from typing import Any, ClassVar
+from typing import Any
 
 from aiohttp import web
 
 from rollout_backends._errors import InvalidRequest
+from rollout_backends._tensors import deserialize_named_tensors, serialize_named_tensors
 from rollout_backends._types import FinishReason, GenerateRequest, Generation, MemoryTag, PauseMode, SamplingParams
 
 __all__ = [
@@ -138,71 +136,6 @@ def _err(message: str) -> _BadRequest:
 
 
 # -- tensors over HTTP (SGLang's MultiprocessingSerializer) ------------------------------------
-
-
-class _TorchOnlyUnpickler(pickle.Unpickler):
-    """Like SGLang's ``SafeUnpickler``: only what ForkingPickler emits for tensors may be loaded."""
-
-    _ALLOWED: ClassVar[frozenset[tuple[str, str]]] = frozenset(
-        {
-            ("torch", "Tensor"),
-            ("torch", "Size"),
-            ("torch", "device"),
-            ("torch.storage", "UntypedStorage"),
-            ("torch.storage", "TypedStorage"),
-            ("torch.nn.parameter", "Parameter"),
-            ("torch._tensor", "_rebuild_from_type_v2"),
-            ("collections", "OrderedDict"),
-            ("multiprocessing.resource_sharer", "DupFd"),
-        }
-    )
-
-    def find_class(self, module: str, name: str) -> Any:
-        if (
-            (module, name) in self._ALLOWED
-            or (module == "torch.multiprocessing.reductions" and name.startswith("rebuild_"))
-            or (module == "torch._utils" and name.startswith("_rebuild_"))
-            or (module == "torch" and self._is_dtype(name))
-        ):
-            return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"refusing to unpickle {module}.{name}")
-
-    @staticmethod
-    def _is_dtype(name: str) -> bool:
-        import torch
-
-        return isinstance(getattr(torch, name, None), torch.dtype)
-
-
-def serialize_named_tensors(named_tensors: Any) -> str:
-    """``MultiprocessingSerializer.serialize(named_tensors, output_str=True)``: base64 of a ForkingPickler dump.
-
-    CPU tensors travel as shared memory; across unrelated processes that needs the ``file_system``
-    sharing strategy (``torch.multiprocessing.set_sharing_strategy("file_system")``), which this
-    function sets. Keep the tensors alive until the HTTP call returns.
-    """
-    from multiprocessing.reduction import ForkingPickler
-
-    import torch.multiprocessing as tmp
-
-    if tmp.get_sharing_strategy() != "file_system":  # type: ignore[no-untyped-call]
-        tmp.set_sharing_strategy("file_system")  # type: ignore[no-untyped-call]
-    buf = io.BytesIO()
-    ForkingPickler(buf).dump(list(named_tensors))
-    return base64.b64encode(buf.getvalue()).decode("ascii")
-
-
-def deserialize_named_tensors(data: str) -> list[tuple[str, Any]]:
-    """The inverse of :func:`serialize_named_tensors`; only torch objects are unpickled."""
-    import torch.multiprocessing  # noqa: F401 - registers the tensor reductions
-
-    raw = base64.b64decode(data, validate=True)
-    obj = _TorchOnlyUnpickler(io.BytesIO(raw)).load()
-    if not isinstance(obj, list) or not all(
-        isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], str) for x in obj
-    ):
-        raise ValueError("serialized_named_tensors must decode to a list of (name, tensor) pairs")
-    return obj
 
 
 # -- request parsing ----------------------------------------------------------------------------
