@@ -122,6 +122,12 @@ async def weight_update(
             ok = await step("flush_cache", backend.flush_cache)
         if ok and caps.begin_end_update:
             ok = began = await step("begin", lambda: backend.begin_weight_update(selector))
+            if not ok:
+                # Close the sessions that did open elsewhere: a half-open fleet must not stay so.
+                failed = {f.worker for f in failures if f.step == "begin"}
+                opened = [w for w in workers if w not in failed]
+                if opened:
+                    await step("end", lambda: backend.end_weight_update(workers=opened))
         if ok:
             tx = WeightUpdateTransaction(backend, version, mode, previous)
             try:
