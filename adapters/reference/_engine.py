@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import importlib
 import inspect
 import json
 import math
@@ -173,6 +174,8 @@ class ReferenceEngine:
         self._model = self._executor.submit(self._build_model, Qwen2ForCausalLM, attn_implementation).result()
         self._params: dict[str, Any] = dict(self._model.named_parameters())
         self._tied = bool(getattr(self._config, "tie_word_embeddings", False))
+        if self._tied and "lm_head.weight" in self._params:  # pragma: no cover - a transformers regression
+            raise RuntimeError("tie_word_embeddings is set but lm_head is not tied to the embedding")
         self._cache_kw = "cache" if "cache" in inspect.signature(self._model.forward).parameters else "past_key_values"
         initial = self._read_checkpoint(self._path, None)
         self._executor.submit(self._install, self._prepare(initial, require_all=True)).result()
@@ -247,7 +250,14 @@ class ReferenceEngine:
     def _build_model(self, cls: Any, attn_implementation: str) -> Any:
         import torch
 
-        model = cls._from_config(self._config, dtype=torch.float32, attn_implementation=attn_implementation)
+        # Skip the random init (slow for 0.5B): every weight is overwritten from the checkpoint.
+        try:
+            no_init: Any = importlib.import_module("transformers.initialization").no_init_weights
+        except (ImportError, AttributeError):  # transformers 4.x
+            no_init = importlib.import_module("transformers.modeling_utils").no_init_weights
+        with no_init():
+            model = cls._from_config(self._config, dtype=torch.float32, attn_implementation=attn_implementation)
+        model.tie_weights()  # skipped init also skips tying on some versions
         model.eval()
         model.requires_grad_(False)
         return model
