@@ -30,6 +30,7 @@ import http.client
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import time
@@ -46,6 +47,7 @@ OURS = "ours"
 #: Clients in table order; the diagnostic core-only row is last.
 CLIENTS = ("raw aiohttp", "raw httpx", "miles httpx", "ours", "ours: HttpClient")
 TARGET_CPU_RATIO = 1.05
+TIMES = "\N{MULTIPLICATION SIGN}"
 TARGET_RPS_AT_64 = 5000.0
 
 
@@ -306,19 +308,26 @@ async def _run_cells(
     requests: int,
     warmup: int,
     cell_timeout: float,
+    repeat: int,
     progress: Any,
 ) -> list[Cell]:
     opened: dict[str, _Client] = {}
     cells: list[Cell] = []
+    slow: set[tuple[str, int]] = set()
     try:
         for name in clients:
             c = _CLASSES[name]()
             await c.open(server.base)
             opened[name] = c
-        for conc in concurrencies:
-            for name in clients:
+        for rep, conc in ((r, c) for r in range(repeat) for c in concurrencies):
+            # Rotate the order each pass so no client always runs first (or last) after a change.
+            for name in [*clients[rep % len(clients) :], *clients[: rep % len(clients)]]:
+                if (name, conc) in slow:
+                    continue  # hit the time cap once: far off the baseline, one pass says enough
                 c = opened[name]
-                await _drive(c, conc, max(warmup, min(conc, 512)) if warmup else 0, time.perf_counter() + cell_timeout)
+                # Warm-up opens the pool for this concurrency; a slow client gets a shorter one.
+                n_warm = max(warmup, min(conc, 512)) if warmup else 0
+                await _drive(c, conc, n_warm, time.perf_counter() + min(cell_timeout, 1.0))
                 gc.collect()
                 s0 = server.cpu_s()
                 c0, t0 = time.process_time(), time.perf_counter()
@@ -328,6 +337,8 @@ async def _run_cells(
                 cell = Cell(name, conc, done, t1 - t0, c1 - c0, s1 - s0, errors, capped=done < requests)
                 cells.append(cell)
                 progress(cell)
+                if cell.capped:
+                    slow.add((name, conc))
     finally:
         for c in opened.values():
             await c.close()
@@ -340,11 +351,14 @@ def run_benchmark(
     concurrencies: Sequence[int] = (1, 64, 512),
     requests: int = 3000,
     warmup: int = 200,
-    cell_timeout: float = 8.0,
+    cell_timeout: float = 2.5,
+    repeat: int = 3,
     uvloop: bool = False,
     progress: Any = None,
 ) -> list[Cell]:
-    """Start the server, measure every (concurrency, client) cell, stop the server."""
+    """Start the server, measure every (concurrency, client) cell ``repeat`` times, stop the server.
+
+    Returns every measurement; ``summarise`` takes the median per cell."""
     progress = progress or (lambda cell: None)
     runner: Any = asyncio.run
     if uvloop:
@@ -353,7 +367,7 @@ def run_benchmark(
         runner = _uvloop.run
     with ServerProcess(uvloop=uvloop) as server:
         result: list[Cell] = runner(
-            _run_cells(server, clients, concurrencies, requests, warmup, cell_timeout, progress)
+            _run_cells(server, clients, concurrencies, requests, warmup, cell_timeout, repeat, progress)
         )
         return result
 
@@ -385,8 +399,46 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def _load() -> float | None:
+    try:
+        return round(os.getloadavg()[0], 2)
+    except OSError:
+        return None
+
+
 def machine() -> str:
     return f"{os.cpu_count()} CPUs ({_cpu_model()}), {platform.system()} {platform.release()}"
+
+
+def summarise(cells: Sequence[Cell]) -> list[Cell]:
+    """One cell per (concurrency, client) in table order: the medians of its repeats' req/s, client
+    CPU/request and server CPU/request (each taken separately), over the repeats' summed requests."""
+    groups: dict[tuple[int, str], list[Cell]] = {}
+    for c in cells:
+        groups.setdefault((c.concurrency, c.client), []).append(c)
+    out = []
+    for conc in sorted({k[0] for k in groups}):
+        for name in CLIENTS:
+            g = groups.get((conc, name))
+            if not g:
+                continue
+            n = sum(c.requests for c in g)
+            rps, cpu_us, srv_us = (
+                statistics.median(getattr(c, m) for c in g) for m in ("rps", "cpu_us", "server_cpu_us")
+            )
+            out.append(
+                Cell(
+                    name,
+                    conc,
+                    n,
+                    n / rps if rps else 0.0,
+                    cpu_us * n / 1e6,
+                    srv_us * n / 1e6,
+                    errors=sum(c.errors for c in g),
+                    capped=any(c.capped for c in g),
+                )
+            )
+    return out
 
 
 def table(cells: Sequence[Cell]) -> str:
@@ -399,8 +451,8 @@ def table(cells: Sequence[Cell]) -> str:
     ]
     for c in cells:
         b = base.get(c.concurrency)
-        cpu_ratio = f"{c.cpu_us / b.cpu_us:.2f}×" if b else "—"
-        rps_ratio = f"{c.rps / b.rps:.2f}×" if b else "—"
+        cpu_ratio = f"{c.cpu_us / b.cpu_us:.2f}{TIMES}" if b else "—"
+        rps_ratio = f"{c.rps / b.rps:.2f}{TIMES}" if b else "—"
         note = " (time-capped)" if c.capped else ""
         note += f" ({c.errors} errors)" if c.errors else ""
         lines.append(
@@ -419,9 +471,9 @@ def targets(cells: Sequence[Cell]) -> list[tuple[str, bool, str]]:
         r = ours[conc].cpu_us / base[conc].cpu_us
         out.append(
             (
-                f"ours ≤ {TARGET_CPU_RATIO:.2f}× raw aiohttp CPU/request at {conc}",
+                f"ours ≤ {TARGET_CPU_RATIO:.2f}{TIMES} raw aiohttp CPU/request at {conc}",
                 r <= TARGET_CPU_RATIO,
-                f"{r:.2f}× ({ours[conc].cpu_us:,.0f} vs {base[conc].cpu_us:,.0f} µs)",
+                f"{r:.2f}{TIMES} ({ours[conc].cpu_us:,.0f} vs {base[conc].cpu_us:,.0f} µs)",
             )
         )
     if 64 in ours:
@@ -431,10 +483,10 @@ def targets(cells: Sequence[Cell]) -> list[tuple[str, bool, str]]:
 
 
 def plot(cells: Sequence[Cell], path: str, title: str = "") -> None:
-    import matplotlib
+    import matplotlib  # type: ignore[import-not-found,unused-ignore]
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # type: ignore[import-not-found,unused-ignore]
 
     clients = [c for c in CLIENTS if any(x.client == c for x in cells)]
     concs = sorted({c.concurrency for c in cells})
@@ -465,6 +517,10 @@ def plot(cells: Sequence[Cell], path: str, title: str = "") -> None:
     plt.close(fig)
 
 
+def _row(c: Cell) -> dict[str, Any]:
+    return {**attrs.asdict(c), "rps": c.rps, "cpu_us": c.cpu_us, "server_cpu_us": c.server_cpu_us}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="rollout-backends bench overhead",
@@ -473,7 +529,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--requests", type=int, default=3000, help="requests per cell (default 3000)")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 64, 512])
     p.add_argument("--warmup", type=int, default=200, help="unmeasured requests before each cell")
-    p.add_argument("--cell-timeout", type=float, default=8.0, help="stop a slow cell early after this many seconds")
+    p.add_argument("--cell-timeout", type=float, default=2.5, help="stop a slow cell early after this many seconds")
+    p.add_argument("--repeat", type=int, default=3, help="passes over all cells; the table shows medians")
     p.add_argument("--clients", nargs="+", choices=CLIENTS, default=list(CLIENTS), metavar="CLIENT")
     p.add_argument("--uvloop", action="store_true", help="run client and server on uvloop (must be installed)")
     p.add_argument("--json", dest="json_path", help="write the cells and metadata as JSON here")
@@ -482,7 +539,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--check", action="store_true", help="exit 1 when a target is missed")
     args = p.parse_args(argv)
     if args.smoke:
-        args.requests, args.concurrency, args.warmup, args.cell_timeout = 40, [1, 8], 8, 5.0
+        args.requests, args.concurrency, args.warmup, args.cell_timeout, args.repeat = 40, [1, 8], 8, 5.0, 1
     if BASELINE not in args.clients:
         args.clients.insert(0, BASELINE)
     clients = [c for c in CLIENTS if c in args.clients]
@@ -496,15 +553,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
 
     started = time.time()
+    load_at_start = _load()
     cells = run_benchmark(
         clients=clients,
         concurrencies=args.concurrency,
         requests=args.requests,
         warmup=args.warmup,
         cell_timeout=args.cell_timeout,
+        repeat=args.repeat,
         uvloop=args.uvloop,
         progress=progress,
     )
+    raw, cells = cells, summarise(cells)
     meta = {
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(started)),
         "machine": machine(),
@@ -512,12 +572,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         "loop": "uvloop" if args.uvloop else "asyncio",
         "command": "rollout-backends bench overhead " + " ".join(argv if argv is not None else sys.argv[1:]),
         "duration_s": round(time.time() - started, 1),
+        "load_avg_1m_at_start": load_at_start,
+        "load_avg_1m_at_end": _load(),
+        "repeat": args.repeat,
         "prompt_tokens": PROMPT_TOKENS,
         "output_tokens": 8,
     }
     print(f"\nClient overhead, {meta['date']}, {meta['machine']}")
     print(", ".join(f"{k} {v}" for k, v in meta["versions"].items()) + f", loop {meta['loop']}")
-    print(f"{PROMPT_TOKENS}-token prompt, 8 output tokens with logprobs; baseline: {BASELINE}\n")
+    print(
+        f"{PROMPT_TOKENS}-token prompt, 8 output tokens with logprobs; baseline: {BASELINE}; "
+        f"medians of {args.repeat} passes; 1-min load average {meta['load_avg_1m_at_start']} at start, "
+        f"{meta['load_avg_1m_at_end']} at end\n"
+    )
     print(table(cells))
     print()
     results = targets(cells)
@@ -527,7 +594,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.json_path:
         with open(args.json_path, "w") as f:
             json.dump(
-                {"meta": meta, "cells": [attrs.asdict(c) | {"rps": c.rps, "cpu_us": c.cpu_us, "server_cpu_us": c.server_cpu_us} for c in cells]},
+                {"meta": meta, "cells": [_row(c) for c in cells], "passes": [_row(c) for c in raw]},
                 f,
                 indent=1,
             )

@@ -57,8 +57,14 @@ _JSON_ROUTES: dict[bytes, object] = {
 
 def _response(status: str, body: bytes, content_type: bytes = b"application/json") -> bytes:
     return (
-        b"HTTP/1.1 " + status.encode() + b"\r\nContent-Type: " + content_type
-        + b"\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body
+        b"HTTP/1.1 "
+        + status.encode()
+        + b"\r\nContent-Type: "
+        + content_type
+        + b"\r\nContent-Length: "
+        + str(len(body)).encode()
+        + b"\r\n\r\n"
+        + body
     )
 
 
