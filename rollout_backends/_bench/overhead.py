@@ -349,7 +349,7 @@ def run_benchmark(
     *,
     clients: Sequence[str] = CLIENTS,
     concurrencies: Sequence[int] = (1, 64, 512),
-    requests: int = 3000,
+    requests: int = 2000,
     warmup: int = 200,
     cell_timeout: float = 4.0,
     repeat: int = 3,
@@ -534,7 +534,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         prog="rollout-backends bench overhead",
         description="Client CPU per /generate: raw aiohttp, raw httpx, Miles' httpx pattern and ours, on loopback.",
     )
-    p.add_argument("--requests", type=int, default=3000, help="requests per cell (default 3000)")
+    p.add_argument("--requests", type=int, default=2000, help="requests per cell and pass (default 2000)")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 64, 512])
     p.add_argument("--warmup", type=int, default=200, help="unmeasured requests before each cell")
     p.add_argument("--cell-timeout", type=float, default=4.0, help="stop a slow cell early after this many seconds")
@@ -608,7 +608,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
     if args.plot:
         try:
-            plot(cells, args.plot, f"{meta['machine']}; {meta['date']}")
+            plot(cells, args.plot, f"{meta['machine']}; {meta['date']}; 1-min load average {load_at_start}")
         except ImportError:
             print("matplotlib is not installed: no plot", file=sys.stderr)
     if args.check and not all(met for _, met, _ in results):
