@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import inspect
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
@@ -95,7 +96,10 @@ class Wire(Protocol):
 
     def parse_generation(self, request: GenerateRequest, response: HttpResponse, latency_s: float) -> Generation:
         """Parse a generation answer (any status). Raise ``InvalidRequest`` for a rejected input,
-        ``ContractViolation`` for a malformed answer. ``Generation.worker`` is the worker id if known."""
+        ``ContractViolation`` for a malformed answer. ``Generation.worker`` is the worker id if known.
+
+        A wire may also take a keyword-only ``worker: str | None``: the fleet then passes the id of
+        the worker it knows served the call (pinned, or the only one), saving a copy per result."""
         ...
 
     def control(self, op: Op, worker: Worker, **args: Any) -> HttpRequest | None:
@@ -106,6 +110,14 @@ class Wire(Protocol):
         """Check a control answer; return its payload (the version for ``GET_VERSION``,
         a bool for health ops) or raise ``ControlFailed``/``ContractViolation``."""
         ...
+
+
+def _takes_keyword(func: Any, name: str) -> bool:
+    try:
+        param = inspect.signature(func).parameters.get(name)
+    except (TypeError, ValueError):
+        return False
+    return param is not None and param.kind in (param.KEYWORD_ONLY, param.POSITIONAL_OR_KEYWORD)
 
 
 class HttpFleetBackend(BackendBase):
@@ -133,6 +145,7 @@ class HttpFleetBackend(BackendBase):
         # The version each worker was last told to serve; used where engines do not report it.
         self._installed: dict[str, str | None] = dict.fromkeys(ids)
         self._paused: set[str] = set()
+        self._parse_takes_worker = _takes_keyword(wire.parse_generation, "worker")
         self._on_close = on_close
         self._closed = False
 
@@ -190,9 +203,14 @@ class HttpFleetBackend(BackendBase):
         http = self.wire.generate(request, pinned)
         t0 = time.perf_counter()
         resp = await self.client.send(http, worker=pinned.id if pinned else None)
-        gen = self.wire.parse_generation(request, resp, time.perf_counter() - t0)
-        if gen.worker is None and (pinned is not None or len(self._workers) == 1):
-            gen = attrs.evolve(gen, worker=pinned.id if pinned is not None else self.workers[0])
+        # The worker that served the call, when known without asking the engine.
+        known = pinned.id if pinned is not None else (next(iter(self._workers)) if len(self._workers) == 1 else None)
+        if self._parse_takes_worker:
+            gen = self.wire.parse_generation(request, resp, time.perf_counter() - t0, worker=known)  # type: ignore[call-arg]
+        else:
+            gen = self.wire.parse_generation(request, resp, time.perf_counter() - t0)
+        if gen.worker is None and known is not None:
+            gen = attrs.evolve(gen, worker=known)
         if gen.logprobs is not None and len(gen.logprobs) != len(gen.output_ids):
             raise ContractViolation("logprobs and output ids differ in length", worker=gen.worker)
         if caps.version_source is VersionSource.STAMPED and gen.worker is not None:

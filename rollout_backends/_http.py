@@ -50,6 +50,7 @@ __all__ = [
 ]
 
 _HAS_TIMEOUT = hasattr(asyncio, "timeout")
+_JSON_HEADERS: Mapping[str, str] = {"Content-Type": "application/json"}
 
 
 @attrs.frozen(slots=True)
@@ -105,9 +106,17 @@ class Transport(Protocol):
 class AiohttpTransport:
     """The real transport: one pooled ``aiohttp.ClientSession``, created lazily inside the loop."""
 
-    def __init__(self, *, max_connections: int = 0, max_connections_per_host: int = 0) -> None:
+    def __init__(
+        self,
+        *,
+        max_connections: int = 0,
+        max_connections_per_host: int = 0,
+        headers: Mapping[str, str] | None = None,
+    ) -> None:
         self._limit = max_connections
         self._limit_per_host = max_connections_per_host
+        #: Sent with every request (a request's own header of the same name wins).
+        self._headers = dict(headers or {})
         self._session: Any = None
 
     def _ensure(self) -> Any:
@@ -117,16 +126,22 @@ class AiohttpTransport:
             connector = aiohttp.TCPConnector(limit=self._limit, limit_per_host=self._limit_per_host, ttl_dns_cache=300)
             # Timeouts are per call (asyncio.wait_for below); the session's own are off.
             self._session = aiohttp.ClientSession(
-                connector=connector, timeout=aiohttp.ClientTimeout(total=None), auto_decompress=False
+                connector=connector,
+                timeout=aiohttp.ClientTimeout(total=None),
+                auto_decompress=False,
+                headers=self._headers or None,
             )
         return self._session
 
     async def _send(self, request: HttpRequest) -> HttpResponse:
         session = self._ensure()
         data = None if request.json is None else _dumps(request.json)
-        headers = dict(request.headers)
+        headers: Mapping[str, str] = request.headers
         if data is not None:
-            headers.setdefault("Content-Type", "application/json")
+            if not headers:
+                headers = _JSON_HEADERS  # aiohttp copies it: sharing is safe
+            elif "Content-Type" not in headers:
+                headers = {**headers, "Content-Type": "application/json"}
         async with session.request(request.method, request.url, data=data, headers=headers) as resp:
             body = await resp.read()
             return HttpResponse(resp.status, body, resp.headers)
@@ -217,18 +232,20 @@ class HttpClient:
         retry: RetryPolicy | None = None,
         api_key: str | None = None,
     ) -> None:
-        self.transport: Transport = transport if transport is not None else AiohttpTransport()
+        self._auth = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        # Our own transport sends the auth header as a session default: no per-request copy.
+        self._auth_in_transport = transport is None
+        self.transport: Transport = transport if transport is not None else AiohttpTransport(headers=self._auth)
         self.timeout = timeout
         self.control_timeout = control_timeout
         self.retry = retry or RetryPolicy()
-        self._auth = {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
     def __repr__(self) -> str:  # the key never appears
         return f"<HttpClient transport={type(self.transport).__name__} auth={'yes' if self._auth else 'no'}>"
 
     async def send(self, request: HttpRequest, *, worker: str | None = None) -> HttpResponse:
         timeout = request.timeout if request.timeout is not None else self.timeout
-        if self._auth and "Authorization" not in request.headers:
+        if self._auth and not self._auth_in_transport and "Authorization" not in request.headers:
             request = attrs.evolve(request, headers={**self._auth, **request.headers})
         attempt = 0
         while True:

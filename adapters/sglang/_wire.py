@@ -143,7 +143,9 @@ class SGLangWire:
         headers = {ROUTING_KEY_HEADER: request.routing_key} if request.routing_key else {}
         return HttpRequest("POST", f"{base}/generate", json=body, headers=headers)
 
-    def parse_generation(self, request: GenerateRequest, response: HttpResponse, latency_s: float) -> Generation:
+    def parse_generation(
+        self, request: GenerateRequest, response: HttpResponse, latency_s: float, *, worker: str | None = None
+    ) -> Generation:
         if response.status == 400 or response.status == 422:
             msg = _error_message(response)
             raise InvalidRequest(_field_of(msg), msg)
@@ -158,7 +160,7 @@ class SGLangWire:
             data = data[0]
         if not isinstance(data, dict):
             raise ContractViolation(f"/generate answered {type(data).__name__}, expected an object")
-        return parse_native_generation(request, data, latency_s, worker=None)
+        return parse_native_generation(request, data, latency_s, worker=worker)
 
     # -- control ----------------------------------------------------------------------------
 
@@ -269,15 +271,52 @@ class SGLangWire:
         return HttpRequest("GET", f"{self.entry_url}/health", timeout=5.0, idempotent=True)
 
 
+_INT_ONLY = frozenset((int,))
+_LIST_ONLY = frozenset((list,))
+_FLOAT_ONLY = frozenset((float,))
+_FINISH = {r.value: r for r in FinishReason}
+
+
+def _fast_logprobs(entries: list[Any], out: list[int]) -> tuple[float, ...] | None:
+    """The common case in a few C-level passes: every entry a ``[float, id, ...]`` list whose ids
+    are ``out``, no NaN. ``None`` sends the caller to ``_checked_logprobs`` (which names the fault)."""
+    if not _LIST_ONLY.issuperset(map(type, entries)):
+        return None
+    try:
+        ids = [e[1] for e in entries]
+    except IndexError:
+        return None
+    lps = [e[0] for e in entries]
+    if ids != out or not _FLOAT_ONLY.issuperset(map(type, lps)) or any(map(math.isnan, lps)):
+        return None
+    return tuple(lps)
+
+
+def _checked_logprobs(entries: list[Any], out: list[int], worker: str | None) -> tuple[float, ...]:
+    lps = []
+    for i, (entry, tid) in enumerate(zip(entries, out, strict=False)):
+        if not isinstance(entry, (list, tuple)) or len(entry) < 2:
+            raise ContractViolation(f"output_token_logprobs[{i}] is not [logprob, id, ...]", worker=worker)
+        lp, eid = entry[0], entry[1]
+        if eid != tid:
+            raise ContractViolation(f"output_token_logprobs[{i}] is for token {eid}, output has {tid}", worker=worker)
+        if not isinstance(lp, (int, float)) or isinstance(lp, bool) or math.isnan(lp):
+            raise ContractViolation(f"output_token_logprobs[{i}] has no logprob ({lp!r})", worker=worker)
+        lps.append(float(lp))
+    return tuple(lps)
+
+
 def _finish(meta: dict[str, Any], n_out: int) -> tuple[FinishReason, int | None]:
     fr = meta.get("finish_reason")
     if fr is None:
         raise ContractViolation("meta_info.finish_reason is missing")
     kind = fr.get("type") if isinstance(fr, dict) else fr
-    try:
-        reason = FinishReason(kind)
-    except ValueError:
-        raise ContractViolation(f"unknown finish reason {fr!r}") from None
+    reason = _FINISH.get(kind) if isinstance(kind, str) else None
+    if reason is None:
+        try:
+            reason = FinishReason(kind)
+        except ValueError:
+            raise ContractViolation(f"unknown finish reason {fr!r}") from None
     matched = fr.get("matched") if isinstance(fr, dict) else None
     return reason, matched if isinstance(matched, int) and not isinstance(matched, bool) else None
 
@@ -290,7 +329,10 @@ def parse_native_generation(
     out = data.get("output_ids")
     if not isinstance(meta, dict) or not isinstance(out, list):
         raise ContractViolation("/generate answer lacks output_ids or meta_info", worker=worker)
-    if not all(isinstance(t, int) and not isinstance(t, bool) for t in out):
+    # One C-level pass for the common case; the generator names nothing but keeps the exact rule.
+    if not _INT_ONLY.issuperset(map(type, out)) and not all(
+        isinstance(t, int) and not isinstance(t, bool) for t in out
+    ):
         raise ContractViolation("output_ids are not all ints", worker=worker)
     reason, matched = _finish(meta, len(out))
     logprobs: tuple[float, ...] | None = None
@@ -302,19 +344,9 @@ def parse_native_generation(
             raise ContractViolation(
                 f"{len(entries)} logprob entries for {len(out)} output tokens (never padded)", worker=worker
             )
-        lps = []
-        for i, (entry, tid) in enumerate(zip(entries, out, strict=False)):
-            if not isinstance(entry, (list, tuple)) or len(entry) < 2:
-                raise ContractViolation(f"output_token_logprobs[{i}] is not [logprob, id, ...]", worker=worker)
-            lp, eid = entry[0], entry[1]
-            if eid != tid:
-                raise ContractViolation(
-                    f"output_token_logprobs[{i}] is for token {eid}, output has {tid}", worker=worker
-                )
-            if not isinstance(lp, (int, float)) or isinstance(lp, bool) or math.isnan(lp):
-                raise ContractViolation(f"output_token_logprobs[{i}] has no logprob ({lp!r})", worker=worker)
-            lps.append(float(lp))
-        logprobs = tuple(lps)
+        logprobs = _fast_logprobs(entries, out)
+        if logprobs is None:
+            logprobs = _checked_logprobs(entries, out, worker)
     version = meta.get("weight_version")
     return Generation(
         request_id=str(meta.get("id") or request.request_id),

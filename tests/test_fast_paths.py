@@ -1,0 +1,77 @@
+"""Fast paths added for client overhead keep the exact behaviour of the checking code."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+from aiohttp import web
+from rollout_backends.adapters.sglang._wire import _checked_logprobs, _fast_logprobs, parse_native_generation
+
+import rollout_backends as rb
+from rollout_backends.kit import HttpClient, HttpRequest
+
+CASES: list[tuple[list[Any], list[Any]]] = [
+    ([[-0.5, 1, None], [-0.25, 2, None]], [1, 2]),  # the common case
+    ([[0, 1, None], [-0.25, 2]], [1, 2]),  # int logprob: accepted by the checking loop
+    ([(-0.5, 1), (-0.25, 2)], [1, 2]),  # tuples (in-process callers)
+    ([[-0.5, 1], [math.nan, 2]], [1, 2]),  # NaN
+    ([[-0.5, 1], [-0.25, 3]], [1, 2]),  # wrong id
+    ([[-0.5, 1], [-0.25]], [1, 2]),  # short entry
+    ([[-0.5, 1], "x"], [1, 2]),  # not an entry
+    ([[-0.5, 1], [True, 2]], [1, 2]),  # bool logprob
+]
+
+
+@pytest.mark.parametrize(("entries", "out"), CASES)
+def test_fast_logprobs_agree_with_the_checking_loop(entries: list[Any], out: list[Any]) -> None:
+    fast = _fast_logprobs(entries, out)
+    try:
+        checked: Any = _checked_logprobs(entries, out, None)
+    except rb.ContractViolation:
+        checked = rb.ContractViolation
+    if fast is not None:  # the fast path only ever accepts what the loop accepts, with the same values
+        assert fast == checked
+    assert fast is not None or checked is not None
+
+
+@pytest.mark.parametrize("out", [[1, True], [1, 2.0], [1, "2"]])
+def test_output_ids_must_be_ints(out: list[Any]) -> None:
+    data = {"output_ids": out, "meta_info": {"finish_reason": {"type": "length"}}}
+    req = rb.GenerateRequest(input_ids=[1], return_logprobs=False)
+    with pytest.raises(rb.ContractViolation):
+        parse_native_generation(req, data, 0.0, worker=None)
+
+
+def test_finish_reason_strings_and_members() -> None:
+    req = rb.GenerateRequest(input_ids=[1], return_logprobs=False)
+    for fr in ("stop", {"type": "length"}, rb.FinishReason.ABORT):
+        data = {"output_ids": [1], "meta_info": {"finish_reason": fr}}
+        gen = parse_native_generation(req, data, 0.0, worker="w")
+        assert isinstance(gen.finish_reason, rb.FinishReason) and gen.worker == "w"
+
+
+async def test_api_key_rides_on_the_session_and_a_request_header_wins() -> None:
+    seen: list[str | None] = []
+
+    async def handler(request: web.Request) -> web.Response:
+        seen.append(request.headers.get("Authorization"))
+        return web.json_response({"ok": True})
+
+    app = web.Application()
+    app.router.add_get("/x", handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    client = HttpClient(api_key="k1")
+    try:
+        url = f"http://127.0.0.1:{port}/x"
+        await client.send(HttpRequest("GET", url))
+        await client.send(HttpRequest("GET", url, headers={"Authorization": "Bearer other"}))
+    finally:
+        await client.aclose()
+        await runner.cleanup()
+    assert seen == ["Bearer k1", "Bearer other"]
