@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import enum
 import math
-import uuid
+import os
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -110,6 +110,12 @@ def _check_float(field: str, value: object) -> float:
 
 
 def _token_ids(field: str, value: object) -> tuple[int, ...]:
+    # Fast path (hot: every request): a list/tuple of plain non-negative ints, checked in C.
+    if type(value) is tuple or type(value) is list:
+        if not value:
+            return ()
+        if all(type(t) is int for t in value) and min(value) >= 0:
+            return tuple(value)
     if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
         raise _fail(field, f"must be a sequence of ints, got {type(value).__name__}")
     out = []
@@ -203,7 +209,8 @@ class SamplingParams:
 
 
 def _new_request_id() -> str:
-    return uuid.uuid4().hex
+    # 128 random bits, like uuid4().hex, at a fraction of its cost.
+    return os.urandom(16).hex()
 
 
 @attrs.frozen(slots=True, kw_only=True)

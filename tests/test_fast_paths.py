@@ -7,9 +7,9 @@ from typing import Any
 
 import pytest
 from aiohttp import web
-from rollout_backends.adapters.sglang._wire import _checked_logprobs, _fast_logprobs, parse_native_generation
 
 import rollout_backends as rb
+from rollout_backends.adapters.sglang._wire import _checked_logprobs, _fast_logprobs, parse_native_generation
 from rollout_backends.kit import HttpClient, HttpRequest
 
 CASES: list[tuple[list[Any], list[Any]]] = [
