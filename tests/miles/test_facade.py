@@ -508,3 +508,25 @@ def _install_fake_sglang_bucket_module(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(
         sys.modules["sglang.srt.weight_sync.tensor_bucket"], "FlattenedTensorMetadata", _FakeMeta, raising=False
     )
+
+
+async def test_per_worker_ports_serve_sglang_engines_http_surface(client: httpx.AsyncClient) -> None:
+    """What SGLangEngine calls on an external engine (``--rollout-external``), at a worker port's root."""
+    backend = ScriptedBackend(("w0", "w1"))
+    running = await start_facade(
+        MilesFacade(backend, server_info={"tp_size": 2}), port=0, worker_ports={"w0": 0, "w1": 0}
+    )
+    try:
+        w1 = running.worker_urls["w1"]
+        assert (await client.get(f"{w1}/health_generate")).status_code == 200
+        assert (await client.get(f"{w1}/flush_cache")).status_code == 200
+        info = (await client.get(f"{w1}/get_server_info")).json()
+        assert info["tp_size"] == 2 and info["rollout_backends"]["workers"] == ["w1"]
+        r = await client.post(f"{w1}/update_weight_version", json={"new_version": "5", "abort_all_requests": False})
+        assert r.json() == {"success": True, "message": "Weight version updated to 5", "new_version": "5"}
+        assert (await client.get(f"{w1}/model_info")).json()["weight_version"] == "5"
+        assert backend.versions == {"w0": "default", "w1": "5"}
+        body = (await client.post(f"{w1}/generate", json=miles_payload([5]))).json()
+        assert body["meta_info"]["weight_version"] == "5" and backend.requests[-1].worker == "w1"
+    finally:
+        await running.stop()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import logging
 import signal
 import sys
@@ -41,7 +42,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--worker-port-base",
         type=int,
         default=None,
-        help="also serve worker i's SGLang surface at the root of port BASE+i (for --rollout-external)",
+        help="also serve worker i's SGLang surface at the root of port BASE+i (0: free ports; for --rollout-external)",
+    )
+    p.add_argument(
+        "--server-info",
+        type=json.loads,
+        default={},
+        help="JSON object merged into /get_server_info (e.g. the fields Miles' --rollout-external check compares)",
     )
     p.add_argument("--wait-ready", type=float, default=600.0, help="seconds to wait for the fleet (0: do not)")
     p.add_argument("--log-level", default="INFO")
@@ -56,7 +63,10 @@ def load_tokenizer(name: str | None) -> Any:
     return AutoTokenizer.from_pretrained(name, trust_remote_code=True)
 
 
-async def serve(ns: argparse.Namespace, *, ready: asyncio.Event | None = None) -> None:
+async def serve(
+    ns: argparse.Namespace, *, ready: asyncio.Event | None = None, stop: asyncio.Event | None = None
+) -> list[str]:
+    """Serve until SIGINT/SIGTERM (or ``stop``); returns the lines it printed."""
     backend = await open_backend(ns.backend)
     try:
         if ns.wait_ready > 0:
@@ -67,17 +77,20 @@ async def serve(ns: argparse.Namespace, *, ready: asyncio.Event | None = None) -
             model_path=ns.model_path or ns.tokenizer,
             served_model_name=ns.served_model_name,
             public_url=ns.public_url,
+            server_info=ns.server_info,
         )
         ports = None
         if ns.worker_port_base is not None:
-            ports = {w: ns.worker_port_base + i for i, w in enumerate(backend.workers)}
+            base = ns.worker_port_base
+            ports = {w: base + i if base else 0 for i, w in enumerate(backend.workers)}
         running = await start_facade(facade, host=ns.host, port=ns.port, worker_ports=ports)
+        lines = [f"facade: {running.url} over {ns.backend} (workers: {', '.join(backend.workers)})"]
+        lines += [f"facade: worker {w} at {url}" for w, url in running.worker_urls.items()]
+        lines.append(f"miles flags: --sglang-router-ip {running.host} --sglang-router-port {running.port}")
         try:
-            print(f"facade: {running.url} over {ns.backend} (workers: {', '.join(backend.workers)})", flush=True)
-            for w, url in running.worker_urls.items():
-                print(f"facade: worker {w} at {url}", flush=True)
-            print(f"miles flags: --sglang-router-ip {running.host} --sglang-router-port {running.port}", flush=True)
-            stop = asyncio.Event()
+            for line in lines:
+                print(line, flush=True)
+            stop = stop or asyncio.Event()
             loop = asyncio.get_running_loop()
             for sig in (signal.SIGINT, signal.SIGTERM):
                 with contextlib.suppress(NotImplementedError, RuntimeError):
@@ -89,6 +102,7 @@ async def serve(ns: argparse.Namespace, *, ready: asyncio.Event | None = None) -
             await running.stop()
     finally:
         await backend.aclose()
+    return lines
 
 
 def main(argv: Sequence[str] | None = None) -> int:
