@@ -68,8 +68,9 @@ def test_one_backend_per_process_and_one_worker_per_engine(engines: list[Rollout
 def test_colocated_tensor_update_sequence(engines: list[RolloutEngine], tmp_path: Any) -> None:
     """UpdateWeightFromTensor: pause(mode) → flush → begin(selector) → chunks (version in each) → end →
     continue; no separate update_weight_version call."""
-    from rollout_backends.adapters.reference import make_tiny_model
     from safetensors.torch import load_file
+
+    from rollout_backends.adapters.reference import make_tiny_model
 
     other = make_tiny_model(tmp_path / "m1", seed=1)
     new = load_file(str(other / "model.safetensors"))
@@ -110,8 +111,9 @@ def test_distributed_update_sequence(engines: list[RolloutEngine], tmp_path: Any
     """Megatron's broadcast updater over gloo: connect (init groups, rank offsets by GPU count) →
     pause → flush → begin → buckets (version in each) → update_weight_version → end → continue."""
     import torch
-    from rollout_backends.adapters.reference import WeightSender, free_port, make_tiny_model
     from safetensors.torch import load_file
+
+    from rollout_backends.adapters.reference import WeightSender, free_port, make_tiny_model
 
     other = make_tiny_model(tmp_path / "m2", seed=2)
     new = load_file(str(other / "model.safetensors"))

@@ -14,9 +14,9 @@ from typing import Any
 
 import httpx
 import pytest
-from rollout_backends.adapters.sglang._wire import parse_native_generation
 
 import rollout_backends as rb
+from rollout_backends.adapters.sglang._wire import parse_native_generation
 from rollout_backends.integrations.miles import MilesFacade, RunningFacade, start_facade
 from tests.miles.miles_shapes import (
     Sample,
@@ -401,8 +401,9 @@ async def test_weight_update_on_the_reference_engine(
     """The full trainer sequence through the facade on a real CPU engine, with a request in flight:
     retract-paused, it finishes after continue, under the new version, and is never aborted."""
     import torch
-    from rollout_backends.adapters.reference import ReferenceBackend, make_tiny_model
     from safetensors.torch import load_file
+
+    from rollout_backends.adapters.reference import ReferenceBackend, make_tiny_model
 
     _install_fake_sglang_bucket_module(monkeypatch)
     backend = ReferenceBackend.create(model_dir, workers=2)
