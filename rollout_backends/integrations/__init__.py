@@ -1,0 +1,1 @@
+"""Integrations of ``rollout_backends`` into RL frameworks (each in its own subpackage)."""

@@ -1,0 +1,756 @@
+"""An SGLang-compatible facade over any ``RolloutBackend``, served where Miles expects its router.
+
+Miles is given the facade's address as ``--sglang-router-ip/--sglang-router-port``. It then finds,
+with no change to Miles:
+
+* the data plane: ``POST /generate`` (Miles' exact payload, ``X-SMG-Routing-Key`` header) and
+  ``POST /v1/chat/completions`` with SGLang's extensions (``input_ids`` in, ``choices[i].meta_info``
+  out) for the session server;
+* the router's worker list: ``GET /workers`` (SMG shape) and ``GET /list_workers`` (Miles router
+  shape), each worker listed at ``<facade>/w/<worker>`` so Miles' abort loop
+  ``POST <worker url>/abort_request {"abort_all": true}`` reaches it;
+* per worker (``/w/<worker>/...``, or on the worker's own port with ``worker_ports``) SGLang's control
+  endpoints, translated to protocol calls with ``workers=[worker]``; at the root the same endpoints
+  act on every worker.
+
+Responses are SGLang's exact shapes (sglang 0.5.x): ``[logprob, id, null]`` logprob entries,
+``finish_reason`` objects, ``success: false`` with HTTP 400 on failed control calls.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import re
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import Any
+
+import attrs
+from aiohttp import web
+
+from rollout_backends import __version__
+from rollout_backends._errors import (
+    BackendUnavailable,
+    ContractViolation,
+    InvalidRequest,
+    RolloutBackendError,
+    StaleWeights,
+    TransientError,
+    Unsupported,
+)
+from rollout_backends._protocol import RolloutBackend
+from rollout_backends._types import (
+    FinishReason,
+    GenerateRequest,
+    Generation,
+    PauseMode,
+    SamplingParams,
+    TensorSpec,
+    WeightBucket,
+    WeightGroup,
+)
+from rollout_backends.integrations.miles._shapes import (
+    decode_tensor_payload,
+    decode_text,
+    generation_body,
+    meta_info,
+    sampling_from_sglang,
+)
+
+__all__ = ["ROUTING_KEY_HEADER", "MilesFacade", "RunningFacade", "start_facade"]
+
+logger = logging.getLogger(__name__)
+
+ROUTING_KEY_HEADER = "X-SMG-Routing-Key"
+_SAFE_TOKEN = re.compile(r"^[A-Za-z0-9._:@-]+$")
+_FLUSH_OK = (
+    "Cache flushed.\nPlease check backend logs for more details. "
+    "(When there are running or waiting requests, the operation will not be performed.)"
+)
+#: Top-level ``/generate`` keys the protocol cannot honour when set.
+_GENERATE_UNSUPPORTED = {
+    "stream": "streaming is not supported by the facade",
+    "top_logprobs_num": "top logprobs are not part of the protocol",
+    "token_ids_logprob": "token-id logprobs are not part of the protocol",
+    "return_routed_experts": "routed experts are not part of the protocol",
+    "return_indexer_topk": "indexer top-k is not part of the protocol",
+    "return_hidden_states": "hidden states are not part of the protocol",
+    "return_entropy": "entropy is not part of the protocol",
+    "lora_path": "LoRA is not part of the protocol",
+    "image_data": "multimodal input is not part of the protocol",
+    "video_data": "multimodal input is not part of the protocol",
+    "audio_data": "multimodal input is not part of the protocol",
+    "custom_logit_processor": "custom logit processors are not part of the protocol",
+}
+
+Handler = Callable[[web.Request, "tuple[str, ...] | None"], Awaitable[web.StreamResponse]]
+
+
+class _HttpError(Exception):
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+def _status_of(exc: BaseException) -> int:
+    if isinstance(exc, (TransientError, BackendUnavailable)):
+        return 503
+    if isinstance(exc, ContractViolation):
+        return 502
+    if isinstance(exc, _HttpError):
+        return exc.status
+    return 400
+
+
+def _openai_error(status: int, message: str) -> web.Response:
+    kind = "BadRequestError" if status < 500 else "ServiceUnavailableError"
+    return web.json_response(
+        {"object": "error", "error": {"message": message, "type": kind, "code": status}, "message": message},
+        status=status,
+    )
+
+
+def _control_error(status: int, message: str) -> web.Response:
+    return web.json_response({"success": False, "message": message}, status=status)
+
+
+def _ok(message: str, **extra: Any) -> web.Response:
+    return web.json_response({"success": True, "message": message, **extra})
+
+
+async def _json_body(request: web.Request) -> dict[str, Any]:
+    raw = await request.read()
+    if not raw.strip():
+        return {}
+    try:
+        data = json.loads(raw)
+    except ValueError as exc:
+        raise _HttpError(400, f"invalid JSON body: {exc}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise _HttpError(400, f"the body must be a JSON object, got {type(data).__name__}")
+    return data
+
+
+def _int_list(field: str, value: Any) -> list[int]:
+    if not isinstance(value, list) or not value:
+        raise InvalidRequest(field, "must be a non-empty list of token ids (batches are not supported)")
+    if any(isinstance(v, list) for v in value):
+        raise InvalidRequest(field, "batched input_ids are not supported: send one request per prompt")
+    return value
+
+
+@attrs.define
+class MilesFacade:
+    """The facade's state: the backend, an optional tokenizer (for ``text``) and presentation."""
+
+    backend: RolloutBackend
+    #: A Hugging Face tokenizer (anything with ``decode``/``encode``/``apply_chat_template``).
+    tokenizer: Any = None
+    model_path: str | None = None
+    served_model_name: str | None = None
+    #: Base URL workers are listed under; default: the scheme and Host of each request.
+    public_url: str | None = None
+    #: Extra keys for ``/get_server_info`` (e.g. what Miles' external-engine check compares).
+    server_info: Mapping[str, Any] = attrs.field(factory=dict)
+    #: Chat completions without ``max_tokens`` on a backend that does not declare its context.
+    default_max_new_tokens: int = 2048
+    health_timeout_s: float = 20.0
+    _aborts: set[asyncio.Task[None]] = attrs.field(factory=set, init=False)
+
+    # -- worker ids in URLs -------------------------------------------------------------------
+
+    def token_of(self, worker: str) -> str:
+        if _SAFE_TOKEN.match(worker):
+            return worker
+        return f"worker-{self.backend.workers.index(worker)}"
+
+    def worker_of(self, token: str) -> str:
+        for w in self.backend.workers:
+            if self.token_of(w) == token:
+                return w
+        raise _HttpError(404, f"unknown worker {token!r} (known: {list(self.backend.workers)})")
+
+    def _base_url(self, request: web.Request) -> str:
+        return (self.public_url or f"{request.scheme}://{request.host}").rstrip("/")
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or self.model_path or "default"
+
+    # -- apps ---------------------------------------------------------------------------------
+
+    def app(self) -> web.Application:
+        """The router app: data plane, worker list, fleet-wide control, and ``/w/<worker>/...``."""
+        app = web.Application(client_max_size=1024**3)
+        app.router.add_route("GET", "/workers", self.handle_workers)
+        app.router.add_route("GET", "/list_workers", self.handle_list_workers)
+        app.router.add_route("GET", "/v1/models", self.handle_models)
+        app.router.add_route("POST", "/v1/chat/completions", self.handle_chat)
+        self._register(app, "", lambda request: None)
+        self._register(app, "/w/{worker}", lambda request: (self.worker_of(request.match_info["worker"]),))
+        return app
+
+    def worker_app(self, worker: str) -> web.Application:
+        """One worker's SGLang server surface at the root (for a per-worker port)."""
+        if worker not in self.backend.workers:
+            raise InvalidRequest("worker", f"unknown worker {worker!r}")
+        app = web.Application(client_max_size=1024**3)
+        app.router.add_route("POST", "/v1/chat/completions", self.handle_chat)
+        app.router.add_route("GET", "/v1/models", self.handle_models)
+        self._register(app, "", lambda request: (worker,))
+        return app
+
+    def _register(
+        self, app: web.Application, prefix: str, resolve: Callable[[web.Request], tuple[str, ...] | None]
+    ) -> None:
+        routes: list[tuple[Sequence[str], str, Handler, Callable[[int, str], web.StreamResponse]]] = [
+            (("POST", "PUT"), "/generate", self.generate, _openai_error),
+            (("GET",), "/health", self.health, _plain_error),
+            (("GET",), "/health_generate", self.health_generate, _plain_error),
+            (("GET",), "/model_info", self.model_info, _openai_error),
+            (("GET",), "/get_model_info", self.model_info, _openai_error),
+            (("GET",), "/get_weight_version", self.get_weight_version, _openai_error),
+            (("GET",), "/server_info", self.server_info_handler, _openai_error),
+            (("GET",), "/get_server_info", self.server_info_handler, _openai_error),
+            (("POST",), "/abort_request", self.abort_request, _control_error),
+            (("POST",), "/pause_generation", self.pause_generation, _control_error),
+            (("POST",), "/continue_generation", self.continue_generation, _control_error),
+            (("GET", "POST"), "/flush_cache", self.flush_cache, _plain_error),
+            (("POST",), "/init_weights_update_group", self.init_weights_update_group, _control_error),
+            (("POST",), "/destroy_weights_update_group", self.destroy_weights_update_group, _control_error),
+            (("POST",), "/update_weights_from_distributed", self.update_weights_from_distributed, _control_error),
+            (("POST",), "/update_weights_from_tensor", self.update_weights_from_tensor, _control_error),
+            (("POST",), "/update_weights_from_disk", self.update_weights_from_disk, _control_error),
+            (("POST",), "/update_weight_version", self.update_weight_version, _control_error),
+            (("POST",), "/begin_weight_update", self.begin_weight_update, _control_error),
+            (("POST",), "/end_weight_update", self.end_weight_update, _control_error),
+            (("GET", "POST"), "/release_memory_occupation", self.release_memory_occupation, _openai_error),
+            (("GET", "POST"), "/resume_memory_occupation", self.resume_memory_occupation, _openai_error),
+            (("GET", "POST"), "/weights_checker", self.unsupported("weights_checker"), _control_error),
+            (("POST",), "/pull_weights", self.unsupported("pull_weights"), _control_error),
+            (("POST",), "/load_lora_adapter", self.unsupported("lora"), _control_error),
+            (("POST",), "/load_lora_adapter_from_tensors", self.unsupported("lora"), _control_error),
+            (("POST",), "/load_lora_adapter_from_distributed", self.unsupported("lora"), _control_error),
+            (("POST",), "/unload_lora_adapter", self.unsupported("lora"), _control_error),
+        ]
+        for methods, path, handler, on_error in routes:
+            wrapped = _wrap(handler, resolve, on_error)
+            for method in methods:
+                app.router.add_route(method, prefix + path, wrapped)
+
+    # -- worker list --------------------------------------------------------------------------
+
+    async def _healthy(self) -> dict[str, bool]:
+        try:
+            report = await asyncio.wait_for(self.backend.health(), 10.0)
+        except (RolloutBackendError, asyncio.TimeoutError):
+            return dict.fromkeys(self.backend.workers, False)
+        return {w.worker: w.live for w in report.workers}
+
+    async def handle_workers(self, request: web.Request) -> web.Response:
+        base = self._base_url(request)
+        healthy = await self._healthy()
+        workers = [
+            {
+                "id": w,
+                "url": f"{base}/w/{self.token_of(w)}",
+                "model_id": self.model_name,
+                "worker_type": "regular",
+                "connection_mode": "http",
+                "is_healthy": healthy.get(w, False),
+                "load": 0,
+                "priority": 50,
+                "cost": 1.0,
+            }
+            for w in self.backend.workers
+        ]
+        n = len(workers)
+        return web.json_response(
+            {"workers": workers, "total": n, "stats": {"prefill_count": 0, "decode_count": 0, "regular_count": n}}
+        )
+
+    async def handle_list_workers(self, request: web.Request) -> web.Response:
+        base = self._base_url(request)
+        return web.json_response({"urls": [f"{base}/w/{self.token_of(w)}" for w in self.backend.workers]})
+
+    async def handle_models(self, request: web.Request) -> web.Response:
+        return web.json_response(
+            {
+                "object": "list",
+                "data": [{"id": self.model_name, "object": "model", "created": 0, "owned_by": "rollout-backends"}],
+            }
+        )
+
+    # -- data plane ---------------------------------------------------------------------------
+
+    async def _run_generation(self, request: GenerateRequest) -> Generation:
+        try:
+            return await self.backend.generate(request)
+        except asyncio.CancelledError:
+            # The client went away: SGLang aborts the request then; so do we.
+            task = asyncio.ensure_future(self.backend.abort(request.request_id))
+            self._aborts.add(task)
+            task.add_done_callback(self._aborts.discard)
+            raise
+
+    def _pinned(self, workers: tuple[str, ...] | None) -> str | None:
+        if workers is None:
+            return None
+        if not self.backend.capabilities.worker_pinning:
+            raise Unsupported("worker_pinning", "this backend cannot serve a request on a chosen worker")
+        return workers[0]
+
+    async def generate(self, request: web.Request, workers: tuple[str, ...] | None) -> web.StreamResponse:
+        body = await _json_body(request)
+        for key, why in _GENERATE_UNSUPPORTED.items():
+            value = body.get(key)
+            if value not in (None, False, 0, [], ""):
+                raise InvalidRequest(key, why)
+        if body.get("logprob_start_len") not in (None, -1):
+            raise InvalidRequest("logprob_start_len", "prompt logprobs are not part of the protocol (use -1)")
+        if "input_ids" in body and body["input_ids"] is not None:
+            input_ids = _int_list("input_ids", body["input_ids"])
+        elif isinstance(body.get("text"), str):
+            if self.tokenizer is None:
+                raise InvalidRequest("text", "the facade has no tokenizer: send input_ids (or use --tokenizer)")
+            input_ids = list(self.tokenizer.encode(body["text"], add_special_tokens=False))
+        else:
+            raise InvalidRequest("input_ids", "send input_ids (one prompt)")
+        if isinstance(body.get("sampling_params"), list):
+            raise InvalidRequest("sampling_params", "batched sampling_params are not supported")
+        sampling, opts = sampling_from_sglang(body.get("sampling_params"))
+        rid = body.get("rid")
+        if rid is not None and not isinstance(rid, str):
+            raise InvalidRequest("rid", "must be a string (batches are not supported)")
+        return_logprob = bool(body.get("return_logprob", False))
+        req = GenerateRequest(
+            input_ids=input_ids,
+            sampling=sampling,
+            request_id=rid or uuid.uuid4().hex,
+            return_logprobs=return_logprob,
+            worker=self._pinned(workers),
+            routing_key=request.headers.get(ROUTING_KEY_HEADER) or body.get("routing_key") or None,
+        )
+        gen = await self._run_generation(req)
+        out = generation_body(gen, text=decode_text(self.tokenizer, gen, opts), return_logprob=return_logprob)
+        if body.get("return_prompt_token_ids"):
+            out["prompt_token_ids"] = list(input_ids)
+        return web.json_response(out)
+
+    async def handle_chat(self, request: web.Request) -> web.StreamResponse:
+        try:
+            return await self._chat(request)
+        except (RolloutBackendError, _HttpError) as exc:
+            return _openai_error(_status_of(exc), str(exc))
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        body = await _json_body(request)
+        if body.get("stream"):
+            raise InvalidRequest("stream", "streaming is not supported by the facade (Miles' session server fakes it)")
+        if body.get("n") not in (None, 1):
+            raise InvalidRequest("n", "n > 1 is not supported: send n requests")
+        if body.get("top_logprobs"):
+            raise InvalidRequest("top_logprobs", "top logprobs are not part of the protocol")
+        for key in ("lora_path", "return_routed_experts", "return_indexer_topk", "response_format", "tool_choice"):
+            if body.get(key) not in (None, False, "auto", "none"):
+                raise InvalidRequest(key, "not supported by the facade")
+        if body.get("input_ids") is not None:
+            input_ids = _int_list("input_ids", body["input_ids"])
+        else:
+            if self.tokenizer is None:
+                raise InvalidRequest("input_ids", "the facade has no tokenizer: send input_ids (SGLang's extension)")
+            ids = self.tokenizer.apply_chat_template(
+                body.get("messages") or [],
+                tokenize=True,
+                add_generation_prompt=True,
+                tools=body.get("tools"),
+                **(body.get("chat_template_kwargs") or {}),
+            )
+            input_ids = list(ids["input_ids"] if isinstance(ids, Mapping) else ids)
+        max_tokens = body.get("max_completion_tokens") or body.get("max_tokens")
+        if max_tokens is None:
+            ctx = self.backend.capabilities.max_context
+            max_tokens = ctx - len(input_ids) if ctx is not None else self.default_max_new_tokens
+        params: dict[str, Any] = {
+            "max_new_tokens": max_tokens,
+            "min_new_tokens": body.get("min_tokens"),
+            "sampling_seed": body.get("seed"),
+            "stop": body.get("stop"),
+        }
+        for key in (
+            "temperature",
+            "top_p",
+            "top_k",
+            "min_p",
+            "stop_token_ids",
+            "ignore_eos",
+            "repetition_penalty",
+            "frequency_penalty",
+            "presence_penalty",
+            "no_stop_trim",
+            "skip_special_tokens",
+            "spaces_between_special_tokens",
+        ):
+            params[key] = body.get(key)
+        sampling, opts = sampling_from_sglang(params, field="body")
+        want_logprobs = bool(body.get("logprobs"))
+        req = GenerateRequest(
+            input_ids=input_ids,
+            sampling=sampling,
+            request_id=str(body.get("rid") or uuid.uuid4().hex),
+            return_logprobs=True,
+            routing_key=request.headers.get(ROUTING_KEY_HEADER) or None,
+        )
+        gen = await self._run_generation(req)
+        text = decode_text(self.tokenizer, gen, opts)
+        choice: dict[str, Any] = {
+            "index": 0,
+            "message": {"role": "assistant", "content": text, "reasoning_content": None, "tool_calls": None},
+            "logprobs": self._chat_logprobs(gen) if want_logprobs else None,
+            "finish_reason": gen.finish_reason.value,
+            "matched_stop": gen.matched_stop if gen.finish_reason is FinishReason.STOP else None,
+        }
+        if body.get("return_meta_info") or want_logprobs:
+            choice["meta_info"] = meta_info(gen, return_logprob=True)
+        if body.get("return_prompt_token_ids"):
+            choice["prompt_token_ids"] = list(input_ids)
+        out: dict[str, Any] = {
+            "id": f"chatcmpl-{gen.request_id}",
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": body.get("model") or self.model_name,
+            "choices": [choice],
+            "usage": {
+                "prompt_tokens": gen.prompt_tokens,
+                "completion_tokens": len(gen.output_ids),
+                "total_tokens": gen.prompt_tokens + len(gen.output_ids),
+                "prompt_tokens_details": {"cached_tokens": gen.cached_tokens},
+            },
+        }
+        if gen.weight_version is not None:
+            out["metadata"] = {"weight_version": gen.weight_version}
+        return web.json_response(out)
+
+    def _chat_logprobs(self, gen: Generation) -> dict[str, Any]:
+        convert = getattr(self.tokenizer, "convert_ids_to_tokens", None)
+        content = []
+        for tid, lp in zip(gen.output_ids, gen.logprobs or (), strict=False):
+            token = str(convert(tid)) if convert is not None else str(tid)
+            content.append(
+                {"token": token, "token_id": tid, "logprob": lp, "bytes": list(token.encode()), "top_logprobs": []}
+            )
+        return {"content": content}
+
+    # -- health and info ----------------------------------------------------------------------
+
+    async def health(self, request: web.Request, workers: tuple[str, ...] | None) -> web.StreamResponse:
+        report = await asyncio.wait_for(self.backend.health(), self.health_timeout_s)
+        if workers is None:
+            ok = report.router_live is not False and any(w.live for w in report.workers)
+        else:
+            ok = report.worker(workers[0]).live
+        return web.Response(status=200 if ok else 503)
+
+    async def health_generate(self, request: web.Request, workers: tuple[str, ...] | None) -> web.StreamResponse:
+        """A 1-token greedy generation (on the worker, when pinning is possible), like SGLang's."""
+        timeout = float(request.query.get("timeout", self.health_timeout_s))
+        caps = self.backend.capabilities
+        if workers is not None and not caps.worker_pinning:
+            report = await asyncio.wait_for(self.backend.health(probe=True), timeout)
+            ok = bool(report.worker(workers[0]).making_progress)
+            return web.Response(status=200 if ok else 503)
+        probe = GenerateRequest(
+            input_ids=(0,),
+            sampling=SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True),
+            worker=workers[0] if workers is not None else None,
+            return_logprobs=False,
+        )
+        try:
+            gen = await asyncio.wait_for(self._run_generation(probe), timeout)
+        except asyncio.TimeoutError:
+            return web.Response(status=503, text=f"no token within {timeout:.0f}s")
+        return web.Response(status=200 if len(gen.output_ids) == 1 else 503)
+
+    async def _version(self, workers: tuple[str, ...] | None) -> str | None:
+        if workers is not None:
+            return (await self.backend.weight_versions()).get(workers[0])
+        try:
+            return await self.backend.weight_version()
+        except StaleWeights as exc:
+            return exc.expected
+
+    async def model_info(self, request: web.Request, workers: tuple[str, ...] | None) -> web.StreamResponse:
+        return web.json_response(
+            {
+                "model_path": self.model_path,
+                "tokenizer_path": self.model_path,
+                "served_model_name": self.model_name,
+                "is_generation": True,
+                "preferred_sampling_params": None,
+                "weight_version": await self._version(workers),
+                "has_image_understanding": False,
+                "has_audio_understanding": False,
+            }
+        )
+
+    async def get_weight_version(self, request: web.Request, workers: tuple[str, ...] | None) -> web.StreamResponse:
+        return web.json_response({"weight_version": await self._version(workers)})
+
+    async def server_info_handler(self, request: web.Request, workers: tuple[str, ...] | None) -> web.StreamResponse:
+        caps = self.backend.capabilities
+        info: dict[str, Any] = {
+            "version": f"rollout-backends-{__version__}",
+            "model_path": self.model_path,
+            "served_model_name": self.model_name,
+            "skip_tokenizer_init": self.tokenizer is None,
+            "enable_memory_saver": caps.memory_release,
+            "context_length": caps.max_context,
+            "weight_version": await self._version(workers),
+            "rollout_backends": {
+                "workers": list(workers if workers is not None else self.backend.workers),
+                "routing": caps.routing.value,
+                "pause_modes": sorted(m.value for m in caps.pause_modes),
+                "weight_transports": sorted(t.value for t in caps.weight_transports),
+                "version_source": caps.version_source.value,
+            },
+        }
+        info.update(self.server_info)
+        return web.json_response(info)
+
+    # -- control ------------------------------------------------------------------------------
+
+    async def abort_request(self, request: web.Request, workers: tuple[str, ...] | None) -> web.StreamResponse:
+        body = await _json_body(request)
+        if body.get("abort_all"):
+            await self.backend.abort_all(workers=workers)
+        elif body.get("rid"):
+            await self.backend.abort(str(body["rid"]))
+        return web.Response(status=200)
+
+    async def pause_generation(self, request: web.Request, workers: tuple[str, ...] | None) -> web.StreamResponse:
+        body = await _json_body(request)
+        try:
+            mode = PauseMode(body.get("mode", "abort"))  # SGLang's default mode is abort
+        except ValueError:
+            raise InvalidRequest("mode", f"unknown pause mode {body.get('mode')!r}") from None
+        await self.backend.pause(mode, workers=workers)
+        return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
+
+    async def continue_generation(self, request: web.Request, workers: tuple[str, ...] | None) -> web.StreamResponse:
+        await self.backend.resume(workers=workers)
+        return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
+
+    async def flush_cache(self, request: web.Request, workers: tuple[str, ...] | None) -> web.StreamResponse:
+        await self.backend.flush_cache(workers=workers)
+        return web.Response(text=_FLUSH_OK)
+
+    async def _maybe_abort(self, body: Mapping[str, Any], workers: tuple[str, ...] | None, default: bool) -> None:
+        if body.get("abort_all_requests", default):
+            await self.backend.abort_all(workers=workers)
+
+    async def init_weights_update_group(
+        self, request: web.Request, workers: tuple[str, ...] | None
+    ) -> web.StreamResponse:
+        body = await _json_body(request)
+        group = WeightGroup(
+            master_address=body.get("master_address", ""),
+            master_port=body.get("master_port", 0),
+            world_size=body.get("world_size", 0),
+            rank_offset=body.get("rank_offset", 1),
+            group_name=body.get("group_name", "weight_update_group"),
+            backend=body.get("backend", "nccl"),
+        )
+        await self.backend.init_weight_group(group, workers=workers)
+        return _ok("Succeeded to initialize custom process group.")
+
+    async def destroy_weights_update_group(
+        self, request: web.Request, workers: tuple[str, ...] | None
+    ) -> web.StreamResponse:
+        body = await _json_body(request)
+        await self.backend.destroy_weight_group(body.get("group_name", "weight_update_group"), workers=workers)
+        return _ok("Succeeded to destroy custom process group.")
+
+    async def update_weights_from_distributed(
+        self, request: web.Request, workers: tuple[str, ...] | None
+    ) -> web.StreamResponse:
+        body = await _json_body(request)
+        if body.get("load_format") is not None:
+            raise InvalidRequest("load_format", "only plain tensor broadcasts are supported (null)")
+        names, dtypes, shapes = body.get("names"), body.get("dtypes"), body.get("shapes")
+        if not (isinstance(names, list) and isinstance(dtypes, list) and isinstance(shapes, list)):
+            raise InvalidRequest("names", "names, dtypes and shapes must be lists")
+        if not len(names) == len(dtypes) == len(shapes):
+            raise InvalidRequest("names", "names, dtypes and shapes differ in length")
+        bucket = WeightBucket(tuple(TensorSpec(n, d, tuple(s)) for n, d, s in zip(names, dtypes, shapes, strict=True)))
+        await self._maybe_abort(body, workers, False)
+        await self.backend.update_weights_from_distributed(
+            bucket,
+            group_name=body.get("group_name", "weight_update_group"),
+            version=body.get("weight_version"),
+            flush_cache=bool(body.get("flush_cache", True)),
+            workers=workers,
+        )
+        return _ok("Succeeded to update parameter online from distributed.")
+
+    async def update_weights_from_tensor(
+        self, request: web.Request, workers: tuple[str, ...] | None
+    ) -> web.StreamResponse:
+        body = await _json_body(request)
+        payloads = body.get("serialized_named_tensors")
+        if not isinstance(payloads, list) or not payloads:
+            raise InvalidRequest("serialized_named_tensors", "must be a non-empty list (one entry per TP rank)")
+        # Every TP rank's entry holds the same named tensors; the backend shards for its own ranks.
+        named = decode_tensor_payload(payloads[0], body.get("load_format"))
+        await self._maybe_abort(body, workers, False)
+        await self.backend.update_weights_from_tensors(
+            named,
+            version=body.get("weight_version"),
+            flush_cache=bool(body.get("flush_cache", True)),
+            workers=workers,
+        )
+        return _ok("Succeeded to update parameter online from tensor.")
+
+    async def update_weights_from_disk(
+        self, request: web.Request, workers: tuple[str, ...] | None
+    ) -> web.StreamResponse:
+        body = await _json_body(request)
+        path = body.get("model_path")
+        if not isinstance(path, str) or not path:
+            raise InvalidRequest("model_path", "is required")
+        await self._maybe_abort(body, workers, False)
+        await self.backend.update_weights_from_disk(
+            path,
+            version=body.get("weight_version"),
+            load_format=body.get("load_format"),
+            flush_cache=bool(body.get("flush_cache", True)),
+            workers=workers,
+        )
+        return _ok("Succeeded to update model weights.", num_paused_requests=0)
+
+    async def update_weight_version(self, request: web.Request, workers: tuple[str, ...] | None) -> web.StreamResponse:
+        body = await _json_body(request)
+        version = body.get("new_version")
+        if not isinstance(version, str) or not version:
+            raise InvalidRequest("new_version", "must be a non-empty string")
+        await self._maybe_abort(body, workers, True)  # SGLang's default aborts every request
+        await self.backend.set_weight_version(version, workers=workers)
+        return _ok(f"Weight version updated to {version}", new_version=version)
+
+    async def begin_weight_update(self, request: web.Request, workers: tuple[str, ...] | None) -> web.StreamResponse:
+        body = await _json_body(request)
+        await self.backend.begin_weight_update(str(body.get("selector", "all")), workers=workers)
+        return _ok("Weight update session opened.")
+
+    async def end_weight_update(self, request: web.Request, workers: tuple[str, ...] | None) -> web.StreamResponse:
+        await self.backend.end_weight_update(workers=workers)
+        return _ok("Weight update session closed.")
+
+    async def release_memory_occupation(
+        self, request: web.Request, workers: tuple[str, ...] | None
+    ) -> web.StreamResponse:
+        body = await _json_body(request)
+        await self.backend.release_memory(body.get("tags"), workers=workers)
+        return web.json_response(None)
+
+    async def resume_memory_occupation(
+        self, request: web.Request, workers: tuple[str, ...] | None
+    ) -> web.StreamResponse:
+        body = await _json_body(request)
+        await self.backend.resume_memory(body.get("tags"), workers=workers)
+        return web.json_response(None)
+
+    def unsupported(self, what: str) -> Handler:
+        async def handler(request: web.Request, workers: tuple[str, ...] | None) -> web.StreamResponse:
+            raise Unsupported(what, "not part of the rollout-backends protocol")
+
+        return handler
+
+
+def _plain_error(status: int, message: str) -> web.Response:
+    return web.Response(status=status, text=message)
+
+
+def _wrap(
+    handler: Handler,
+    resolve: Callable[[web.Request], tuple[str, ...] | None],
+    on_error: Callable[[int, str], web.StreamResponse],
+) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+    async def wrapped(request: web.Request) -> web.StreamResponse:
+        try:
+            return await handler(request, resolve(request))
+        except (RolloutBackendError, _HttpError) as exc:
+            status = _status_of(exc)
+            if status >= 500:
+                logger.warning("%s %s: %s", request.method, request.path, exc)
+            return on_error(status, str(exc))
+        except asyncio.TimeoutError:
+            return on_error(503, "timed out")
+
+    return wrapped
+
+
+@attrs.define
+class RunningFacade:
+    """A started facade: ``url`` is the router address; ``worker_urls`` the per-worker ports."""
+
+    url: str
+    worker_urls: dict[str, str]
+    runners: list[web.AppRunner]
+
+    @property
+    def host(self) -> str:
+        return self.url.split("://", 1)[1].rsplit(":", 1)[0]
+
+    @property
+    def port(self) -> int:
+        return int(self.url.rsplit(":", 1)[1])
+
+    async def stop(self) -> None:
+        for runner in self.runners:
+            await runner.cleanup()
+        self.runners = []
+
+
+async def _serve(app: web.Application, host: str, port: int) -> tuple[web.AppRunner, int]:
+    # handler_cancellation: a client that hangs up aborts its generation, as with SGLang.
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    await site.start()
+    server = getattr(site, "_server", None)
+    sockets = getattr(server, "sockets", None) or []
+    bound = int(sockets[0].getsockname()[1]) if sockets else port
+    return runner, bound
+
+
+async def start_facade(
+    facade: MilesFacade,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    worker_ports: Mapping[str, int] | None = None,
+) -> RunningFacade:
+    """Serve ``facade`` on ``host:port`` (0 = any free port), and each worker's app on its own port
+    when ``worker_ports`` maps worker ids to ports."""
+    if facade.tokenizer is None:
+        logger.warning("facade has no tokenizer: /generate answers text='' (Miles' rewards need the text)")
+    runners: list[web.AppRunner] = []
+    try:
+        runner, bound = await _serve(facade.app(), host, port)
+        runners.append(runner)
+        worker_urls: dict[str, str] = {}
+        for worker, wport in (worker_ports or {}).items():
+            wrunner, wbound = await _serve(facade.worker_app(worker), host, wport)
+            runners.append(wrunner)
+            worker_urls[worker] = f"http://{host}:{wbound}"
+    except BaseException:
+        for r in runners:
+            await r.cleanup()
+        raise
+    return RunningFacade(url=f"http://{host}:{bound}", worker_urls=worker_urls, runners=runners)

@@ -1,0 +1,116 @@
+"""CLI: ``python -m rollout_backends.integrations.miles.facade --backend URL --host 127.0.0.1 --port P``.
+
+Serves the SGLang-compatible facade over the backend at ``URL`` until SIGINT/SIGTERM, then closes
+the backend. Give Miles ``--sglang-router-ip <host> --sglang-router-port <P>``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import signal
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from rollout_backends._registry import open_backend
+from rollout_backends.integrations.miles._facade import MilesFacade, start_facade
+
+__all__ = ["build_parser", "load_tokenizer", "main", "serve"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m rollout_backends.integrations.miles.facade",
+        description="SGLang-compatible router facade for Miles over any rollout backend.",
+    )
+    p.add_argument("--backend", required=True, help="backend URL: sglang://..., dynamo://..., reference://...")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=30000, help="0 = any free port (printed at start)")
+    p.add_argument(
+        "--tokenizer",
+        default=None,
+        help="Hugging Face tokenizer (path or name) to produce `text`; Miles' reward functions read it",
+    )
+    p.add_argument("--model-path", default=None, help="reported by /model_info (default: --tokenizer)")
+    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--public-url", default=None, help="base URL workers are listed under (default: request Host)")
+    p.add_argument(
+        "--worker-port-base",
+        type=int,
+        default=None,
+        help="also serve worker i's SGLang surface at the root of port BASE+i (0: free ports; for --rollout-external)",
+    )
+    p.add_argument(
+        "--server-info",
+        type=json.loads,
+        default={},
+        help="JSON object merged into /get_server_info (e.g. the fields Miles' --rollout-external check compares)",
+    )
+    p.add_argument("--wait-ready", type=float, default=600.0, help="seconds to wait for the fleet (0: do not)")
+    p.add_argument("--log-level", default="INFO")
+    return p
+
+
+def load_tokenizer(name: str | None) -> Any:
+    if not name:
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(name, trust_remote_code=True)
+
+
+async def serve(
+    ns: argparse.Namespace, *, ready: asyncio.Event | None = None, stop: asyncio.Event | None = None
+) -> list[str]:
+    """Serve until SIGINT/SIGTERM (or ``stop``); returns the lines it printed."""
+    backend = await open_backend(ns.backend)
+    try:
+        if ns.wait_ready > 0:
+            await backend.wait_ready(ns.wait_ready)
+        facade = MilesFacade(
+            backend,
+            tokenizer=load_tokenizer(ns.tokenizer),
+            model_path=ns.model_path or ns.tokenizer,
+            served_model_name=ns.served_model_name,
+            public_url=ns.public_url,
+            server_info=ns.server_info,
+        )
+        ports = None
+        if ns.worker_port_base is not None:
+            base = ns.worker_port_base
+            ports = {w: base + i if base else 0 for i, w in enumerate(backend.workers)}
+        running = await start_facade(facade, host=ns.host, port=ns.port, worker_ports=ports)
+        lines = [f"facade: {running.url} over {ns.backend} (workers: {', '.join(backend.workers)})"]
+        lines += [f"facade: worker {w} at {url}" for w, url in running.worker_urls.items()]
+        lines.append(f"miles flags: --sglang-router-ip {running.host} --sglang-router-port {running.port}")
+        try:
+            for line in lines:
+                print(line, flush=True)
+            stop = stop or asyncio.Event()
+            loop = asyncio.get_running_loop()
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                with contextlib.suppress(NotImplementedError, RuntimeError):
+                    loop.add_signal_handler(sig, stop.set)
+            if ready is not None:
+                ready.set()
+            await stop.wait()
+        finally:
+            await running.stop()
+    finally:
+        await backend.aclose()
+    return lines
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ns = build_parser().parse_args(argv)
+    logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    asyncio.run(serve(ns))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
