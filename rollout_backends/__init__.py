@@ -1,1 +1,91 @@
-"""rollout-backends: one protocol for RL rollouts and weight updates over SGLang and Dynamo."""
+"""rollout-backends: one protocol for RL rollouts and weight updates over SGLang and Dynamo.
+
+    import rollout_backends as rb
+
+    async with await rb.open_backend("sglang://127.0.0.1:30000") as backend:
+        gen = await backend.generate(rb.GenerateRequest(input_ids=[1, 2, 3]))
+        async with backend.weight_update("step-1") as tx:
+            await tx.update_from_disk("/ckpt/step-1")
+
+Adapter authors: see ``rollout_backends.kit``. Errors: see ``rollout_backends._errors``.
+"""
+
+from rollout_backends._errors import (
+    Aborted,
+    BackendTimeout,
+    BackendUnavailable,
+    ConnectionFailed,
+    ContractViolation,
+    ControlFailed,
+    InvalidRequest,
+    Overloaded,
+    RolloutBackendError,
+    StaleWeights,
+    TransientError,
+    Unsupported,
+    WeightUpdateFailed,
+    WorkerFailure,
+)
+from rollout_backends._protocol import RolloutBackend
+from rollout_backends._registry import available_schemes, open_backend, register_scheme
+from rollout_backends._transaction import WeightUpdateTransaction, generate_group, wait_ready, weight_update
+from rollout_backends._types import (
+    Capabilities,
+    FinishReason,
+    GenerateRequest,
+    Generation,
+    HealthReport,
+    MemoryTag,
+    PauseMode,
+    RoutingKind,
+    SamplingParams,
+    TensorSpec,
+    VersionSource,
+    WeightBucket,
+    WeightGroup,
+    WeightTransport,
+    WorkerHealth,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Aborted",
+    "BackendTimeout",
+    "BackendUnavailable",
+    "Capabilities",
+    "ConnectionFailed",
+    "ContractViolation",
+    "ControlFailed",
+    "FinishReason",
+    "GenerateRequest",
+    "Generation",
+    "HealthReport",
+    "InvalidRequest",
+    "MemoryTag",
+    "Overloaded",
+    "PauseMode",
+    "RolloutBackend",
+    "RolloutBackendError",
+    "RoutingKind",
+    "SamplingParams",
+    "StaleWeights",
+    "TensorSpec",
+    "TransientError",
+    "Unsupported",
+    "VersionSource",
+    "WeightBucket",
+    "WeightGroup",
+    "WeightTransport",
+    "WeightUpdateFailed",
+    "WeightUpdateTransaction",
+    "WorkerFailure",
+    "WorkerHealth",
+    "__version__",
+    "available_schemes",
+    "generate_group",
+    "open_backend",
+    "register_scheme",
+    "wait_ready",
+    "weight_update",
+]

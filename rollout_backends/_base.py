@@ -33,7 +33,7 @@ async def fan_out(
     results = await asyncio.gather(*(call(w) for w in workers), return_exceptions=True)
     failures: list[WorkerFailure] = []
     out: dict[str, _T] = {}
-    for worker, res in zip(workers, results):
+    for worker, res in zip(workers, results, strict=False):
         if isinstance(res, BaseException):
             if isinstance(res, asyncio.CancelledError):
                 raise res

@@ -129,6 +129,7 @@ class RolloutBackend(Protocol):
         *,
         version: str | None = None,
         load_format: str | None = None,
+        flush_cache: bool = True,
         workers: WorkerSelection = None,
     ) -> None:
         """Load a checkpoint directory. Outputs then equal a fresh engine started on ``path``."""

@@ -13,6 +13,7 @@ individual steps. Its guarantees:
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
@@ -58,7 +59,9 @@ class WeightUpdateTransaction:
     async def update_from_distributed(self, bucket: WeightBucket, *, group_name: str = "weight_update_group") -> None:
         await self.backend.update_weights_from_distributed(bucket, group_name=group_name, flush_cache=False)
 
-    async def update_from_tensors(self, named_tensors: Sequence[tuple[str, Any]], *, load_format: str | None = None) -> None:
+    async def update_from_tensors(
+        self, named_tensors: Sequence[tuple[str, Any]], *, load_format: str | None = None
+    ) -> None:
         await self.backend.update_weights_from_tensors(named_tensors, flush_cache=False, load_format=load_format)
 
     async def update_from_disk(self, path: str, *, load_format: str | None = None) -> None:
@@ -113,7 +116,7 @@ async def weight_update(
             failures.extend(_failures(name, exc, workers))
             return False
 
-    began = False
+    began: list[str] = []
     labelled = False
     first_exc: BaseException | None = None
     try:
@@ -121,7 +124,11 @@ async def weight_update(
         if ok and mode is not PauseMode.IN_PLACE:
             ok = await step("flush_cache", backend.flush_cache)
         if ok and caps.begin_end_update:
-            ok = began = await step("begin", lambda: backend.begin_weight_update(selector))
+            n_failed = len(failures)
+            ok = await step("begin", lambda: backend.begin_weight_update(selector))
+            # Close the session wherever it opened, even if it failed to open elsewhere.
+            failed_here = {f.worker for f in failures[n_failed:]}
+            began = [w for w in workers if w not in failed_here]
         if ok:
             tx = WeightUpdateTransaction(backend, version, mode, previous)
             try:
@@ -134,20 +141,20 @@ async def weight_update(
             labelled = True
             ok = await step("set_version", lambda: backend.set_weight_version(version))
         if began:
-            began = False
-            ok = await step("end", backend.end_weight_update) and ok
+            closing, began = began, []
+            ok = await step("end", functools.partial(backend.end_weight_update, workers=closing)) and ok
         if not ok and labelled:
             # Put back the labels that moved: a half-updated fleet must not advertise `version`.
             for worker, old in previous.items():
                 if old is not None:
-                    await step("rollback_version", lambda w=worker, o=old: backend.set_weight_version(o, workers=[w]))
+                    await step("rollback_version", functools.partial(backend.set_weight_version, old, workers=[worker]))
     except BaseException as exc:  # cancellation or an error thrown into the body's frame
         first_exc = first_exc or exc
         failures.extend(_failures("update", exc, workers))
         raise
     finally:
         if began:
-            await step("end", backend.end_weight_update)
+            await step("end", functools.partial(backend.end_weight_update, workers=began))
         # Resume everything we may have paused, even after a cancellation.
         await asyncio.shield(step("resume", backend.resume))
     if failures:
@@ -227,7 +234,10 @@ async def generate_group(
         done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
         failed = [t for t in done if t.exception() is not None]
         if failed:
-            await asyncio.gather(*(backend.abort(r.request_id) for r, t in zip(requests, tasks) if not t.done()), return_exceptions=True)
+            await asyncio.gather(
+                *(backend.abort(r.request_id) for r, t in zip(requests, tasks, strict=False) if not t.done()),
+                return_exceptions=True,
+            )
             for t in pending:
                 t.cancel()
             await asyncio.gather(*pending, return_exceptions=True)

@@ -122,6 +122,14 @@ def _token_ids(field: str, value: object) -> tuple[int, ...]:
     return tuple(out)
 
 
+def _input_ids(value: object) -> tuple[int, ...]:
+    return _token_ids("input_ids", value)
+
+
+def _int_tuple(value: Iterable[int]) -> tuple[int, ...]:
+    return tuple(value)
+
+
 @attrs.frozen(slots=True, kw_only=True)
 class SamplingParams:
     """Sampling parameters, engine-neutral. Every field is sent explicitly to the engine.
@@ -136,7 +144,7 @@ class SamplingParams:
     top_k: int = -1  #: -1 = whole vocabulary
     min_p: float = 0.0
     min_new_tokens: int = 0
-    stop_token_ids: tuple[int, ...] = attrs.field(default=(), converter=tuple)
+    stop_token_ids: tuple[int, ...] = attrs.field(default=(), converter=_int_tuple)
     ignore_eos: bool = False  #: also disables ``stop_token_ids`` (SGLang semantics)
     seed: int | None = None
     repetition_penalty: float = 1.0
@@ -202,7 +210,7 @@ def _new_request_id() -> str:
 class GenerateRequest:
     """One token-in/token-out generation request (one sample; ``n`` samples are ``n`` requests)."""
 
-    input_ids: tuple[int, ...] = attrs.field(converter=lambda v: _token_ids("input_ids", v))
+    input_ids: tuple[int, ...] = attrs.field(converter=_input_ids)
     sampling: SamplingParams = attrs.field(factory=SamplingParams)
     request_id: str = attrs.field(factory=_new_request_id)
     return_logprobs: bool = True
@@ -267,7 +275,7 @@ class TensorSpec:
 
     name: str
     dtype: str = attrs.field(converter=_dtype_name)
-    shape: tuple[int, ...] = attrs.field(converter=tuple)
+    shape: tuple[int, ...] = attrs.field(converter=_int_tuple)
 
     def __attrs_post_init__(self) -> None:
         if not self.name:
@@ -277,11 +285,15 @@ class TensorSpec:
                 raise _fail(f"tensor[{self.name}].shape[{i}]", f"must be an int >= 0, got {d!r}")
 
 
+def _spec_tuple(value: Iterable[TensorSpec]) -> tuple[TensorSpec, ...]:
+    return tuple(value)
+
+
 @attrs.frozen(slots=True)
 class WeightBucket:
     """Metadata for one broadcast bucket: the tensors arrive over the group in this order."""
 
-    tensors: tuple[TensorSpec, ...] = attrs.field(converter=tuple)
+    tensors: tuple[TensorSpec, ...] = attrs.field(converter=_spec_tuple)
 
     def __attrs_post_init__(self) -> None:
         if not self.tensors:
@@ -386,11 +398,12 @@ class HealthReport:
         raise KeyError(worker_id)
 
 
-def _frozenset_of(kind: type[enum.Enum]) -> Any:
-    def convert(values: Iterable[Any]) -> frozenset[Any]:
-        return frozenset(kind(v) for v in values)
+def _pause_modes(values: Iterable[PauseMode | str]) -> frozenset[PauseMode]:
+    return frozenset(PauseMode(v) for v in values)
 
-    return convert
+
+def _transports(values: Iterable[WeightTransport | str]) -> frozenset[WeightTransport]:
+    return frozenset(WeightTransport(v) for v in values)
 
 
 @attrs.frozen(slots=True, kw_only=True)
@@ -401,12 +414,8 @@ class Capabilities:
     conformance failure, an undeclared one is a skip.
     """
 
-    pause_modes: frozenset[PauseMode] = attrs.field(
-        factory=frozenset, converter=_frozenset_of(PauseMode)
-    )
-    weight_transports: frozenset[WeightTransport] = attrs.field(
-        factory=frozenset, converter=_frozenset_of(WeightTransport)
-    )
+    pause_modes: frozenset[PauseMode] = attrs.field(factory=frozenset, converter=_pause_modes)
+    weight_transports: frozenset[WeightTransport] = attrs.field(factory=frozenset, converter=_transports)
     memory_release: bool = False
     logprobs: bool = True
     streaming: bool = False

@@ -1,0 +1,431 @@
+"""``HttpFleetBackend``: the protocol over HTTP, for any adapter's wire format.
+
+An adapter supplies a ``Wire``: pure functions from protocol calls to ``HttpRequest`` values and
+from ``HttpResponse`` values to results. This module owns everything else, once for all
+adapters: sending (through ``HttpClient``), fan-out of control calls to every worker, timeouts,
+per-worker version bookkeeping (for engines that do not report versions), and health.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
+
+import attrs
+
+from rollout_backends._base import BackendBase, fan_out
+from rollout_backends._errors import (
+    BackendUnavailable,
+    ContractViolation,
+    ControlFailed,
+    InvalidRequest,
+    RolloutBackendError,
+    Unsupported,
+    WorkerFailure,
+)
+from rollout_backends._http import HttpClient, HttpRequest, HttpResponse
+from rollout_backends._types import (
+    Capabilities,
+    GenerateRequest,
+    Generation,
+    HealthReport,
+    MemoryTag,
+    PauseMode,
+    VersionSource,
+    WeightBucket,
+    WeightGroup,
+    WeightTransport,
+    WorkerHealth,
+    ensure_tags,
+)
+
+__all__ = ["HttpFleetBackend", "Op", "Wire", "Worker"]
+
+
+@attrs.frozen(slots=True, kw_only=True)
+class Worker:
+    """One engine of a fleet, as the client reaches it."""
+
+    id: str
+    #: Base URL of the worker's control routes (SGLang: the server; Dynamo: its system port).
+    control_url: str
+    #: Where to send generation pinned to this worker, if it can be reached directly.
+    generate_url: str | None = None
+    #: An engine-specific id the router knows the worker by (Dynamo instance id).
+    instance_id: Any = None
+    #: How many ranks this worker contributes to a weight-update group (its TP size).
+    ranks: int = 1
+
+
+class Op(str, enum.Enum):
+    """Control operations a wire can build."""
+
+    ABORT = "abort"
+    ABORT_ALL = "abort_all"
+    PAUSE = "pause"
+    RESUME = "resume"
+    FLUSH_CACHE = "flush_cache"
+    INIT_GROUP = "init_weight_group"
+    UPDATE_DISTRIBUTED = "update_weights_from_distributed"
+    UPDATE_TENSORS = "update_weights_from_tensors"
+    UPDATE_DISK = "update_weights_from_disk"
+    DESTROY_GROUP = "destroy_weight_group"
+    BEGIN = "begin_weight_update"
+    END = "end_weight_update"
+    SET_VERSION = "set_weight_version"
+    RELEASE_MEMORY = "release_memory"
+    RESUME_MEMORY = "resume_memory"
+    GET_VERSION = "weight_version"
+    LIVE = "live"
+    READY = "ready"
+    PROBE = "probe"
+
+
+class Wire(Protocol):
+    """An adapter's wire format. Pure: no I/O, no state beyond configuration."""
+
+    def capabilities(self) -> Capabilities: ...
+
+    def generate(self, request: GenerateRequest, worker: Worker | None) -> HttpRequest:
+        """Build the generation call: to ``worker`` when pinned, else to the fleet's entry point."""
+        ...
+
+    def parse_generation(self, request: GenerateRequest, response: HttpResponse, latency_s: float) -> Generation:
+        """Parse a generation answer (any status). Raise ``InvalidRequest`` for a rejected input,
+        ``ContractViolation`` for a malformed answer. ``Generation.worker`` is the worker id if known."""
+        ...
+
+    def control(self, op: Op, worker: Worker, **args: Any) -> HttpRequest | None:
+        """Build a control call; ``None`` = nothing to send on this engine (a no-op step)."""
+        ...
+
+    def parse_control(self, op: Op, worker: Worker, response: HttpResponse) -> Any:
+        """Check a control answer; return its payload (the version for ``GET_VERSION``,
+        a bool for health ops) or raise ``ControlFailed``/``ContractViolation``."""
+        ...
+
+
+class HttpFleetBackend(BackendBase):
+    """The ``RolloutBackend`` protocol over HTTP for a fleet of workers behind one entry point."""
+
+    def __init__(
+        self,
+        wire: Wire,
+        workers: Sequence[Worker],
+        *,
+        client: HttpClient | None = None,
+        name: str = "http",
+        on_close: Any = None,
+    ) -> None:
+        if not workers:
+            raise InvalidRequest("workers", "a fleet needs at least one worker")
+        ids = [w.id for w in workers]
+        if len(set(ids)) != len(ids):
+            raise InvalidRequest("workers", f"duplicate worker ids: {ids}")
+        self.wire = wire
+        self.client = client or HttpClient()
+        self.name = name
+        self._workers: dict[str, Worker] = {w.id: w for w in workers}
+        self.capabilities: Capabilities = wire.capabilities()
+        # The version each worker was last told to serve; used where engines do not report it.
+        self._installed: dict[str, str | None] = dict.fromkeys(ids)
+        self._paused: set[str] = set()
+        self._on_close = on_close
+        self._closed = False
+
+    # -- bookkeeping --------------------------------------------------------------------------
+
+    @property
+    def workers(self) -> tuple[str, ...]:
+        return tuple(self._workers)
+
+    def worker(self, worker_id: str) -> Worker:
+        try:
+            return self._workers[worker_id]
+        except KeyError:
+            raise InvalidRequest("worker", f"unknown worker {worker_id!r} (known: {sorted(self._workers)})") from None
+
+    def set_installed_version(self, version: str | None, workers: Sequence[str] | None = None) -> None:
+        """Record the version workers serve (a launcher knows the start-up version)."""
+        for w in workers if workers is not None else self.workers:
+            self._installed[w] = version
+
+    async def _control(self, op: Op, worker_id: str, **args: Any) -> Any:
+        worker = self._workers[worker_id]
+        req = self.wire.control(op, worker, **args)
+        if req is None:
+            return None
+        if req.timeout is None:
+            req = attrs.evolve(req, timeout=self.client.control_timeout)
+        try:
+            resp = await self.client.send(req, worker=worker_id)
+        except RolloutBackendError as exc:
+            raise ControlFailed(op.value, [WorkerFailure(worker_id, op.value, str(exc))]) from exc
+        return self.wire.parse_control(op, worker, resp)
+
+    async def _fan(self, op: Op, workers: Sequence[str] | None, **args: Any) -> dict[str, Any]:
+        selected = self._select(workers)
+        return await fan_out(op.value, selected, lambda w: self._control(op, w, **args))
+
+    # -- data plane ---------------------------------------------------------------------------
+
+    async def generate(self, request: GenerateRequest) -> Generation:
+        if not isinstance(request, GenerateRequest):
+            raise InvalidRequest("request", f"must be a GenerateRequest, got {type(request).__name__}")
+        caps = self.capabilities
+        if caps.vocab_size is not None:
+            for i, t in enumerate(request.input_ids):
+                if t >= caps.vocab_size:
+                    raise InvalidRequest(f"input_ids[{i}]", f"token id {t} >= vocab size {caps.vocab_size}")
+        if caps.max_context is not None and len(request.input_ids) >= caps.max_context:
+            raise InvalidRequest(
+                "input_ids", f"prompt of {len(request.input_ids)} tokens does not fit the context ({caps.max_context})"
+            )
+        pinned = self.worker(request.worker) if request.worker is not None else None
+        if pinned is not None and not caps.worker_pinning:
+            raise Unsupported("worker_pinning")
+        http = self.wire.generate(request, pinned)
+        t0 = time.perf_counter()
+        resp = await self.client.send(http, worker=pinned.id if pinned else None)
+        gen = self.wire.parse_generation(request, resp, time.perf_counter() - t0)
+        if gen.worker is None and (pinned is not None or len(self._workers) == 1):
+            gen = attrs.evolve(gen, worker=pinned.id if pinned is not None else self.workers[0])
+        if gen.logprobs is not None and len(gen.logprobs) != len(gen.output_ids):
+            raise ContractViolation("logprobs and output ids differ in length", worker=gen.worker)
+        if caps.version_source is VersionSource.STAMPED and gen.worker is not None:
+            gen = attrs.evolve(gen, weight_version=self._installed.get(gen.worker))
+        return gen
+
+    async def abort(self, request_id: str) -> None:
+        # The router does not say which worker holds a request: ask every worker.
+        await self._fan(Op.ABORT, None, request_id=request_id)
+
+    async def abort_all(self, *, workers: Sequence[str] | None = None) -> None:
+        await self._fan(Op.ABORT_ALL, workers)
+
+    # -- pause --------------------------------------------------------------------------------
+
+    async def pause(self, mode: PauseMode = PauseMode.RETRACT, *, workers: Sequence[str] | None = None) -> None:
+        m = self._require_pause_mode(mode)
+        selected = self._select(workers)
+        self._paused.update(selected)
+        await self._fan(Op.PAUSE, selected, mode=m)
+
+    async def resume(self, *, workers: Sequence[str] | None = None) -> None:
+        selected = self._select(workers)
+        await self._fan(Op.RESUME, selected)
+        self._paused.difference_update(selected)
+
+    # -- weights ------------------------------------------------------------------------------
+
+    async def init_weight_group(self, group: WeightGroup, *, workers: Sequence[str] | None = None) -> None:
+        self._require_transport(WeightTransport.DISTRIBUTED)
+        selected = self._select(workers)
+        offsets: dict[str, int] = {}
+        cursor = group.rank_offset
+        for w in selected:
+            offsets[w] = cursor
+            cursor += self._workers[w].ranks
+        if cursor > group.world_size:
+            raise InvalidRequest(
+                "group.world_size", f"{group.world_size} is too small for {cursor - group.rank_offset} engine ranks"
+            )
+        await fan_out(
+            Op.INIT_GROUP.value,
+            selected,
+            lambda w: self._control(Op.INIT_GROUP, w, group=group, rank_offset=offsets[w]),
+        )
+
+    async def update_weights_from_distributed(
+        self,
+        bucket: WeightBucket,
+        *,
+        group_name: str = "weight_update_group",
+        version: str | None = None,
+        flush_cache: bool = True,
+        workers: Sequence[str] | None = None,
+    ) -> None:
+        self._require_transport(WeightTransport.DISTRIBUTED)
+        selected = self._select(workers)
+        await self._fan(
+            Op.UPDATE_DISTRIBUTED,
+            selected,
+            bucket=bucket,
+            group_name=group_name,
+            version=version,
+            flush_cache=flush_cache,
+        )
+        if version is not None:
+            self.set_installed_version(version, selected)
+
+    async def destroy_weight_group(
+        self, group_name: str = "weight_update_group", *, workers: Sequence[str] | None = None
+    ) -> None:
+        await self._fan(Op.DESTROY_GROUP, workers, group_name=group_name)
+
+    async def update_weights_from_tensors(
+        self,
+        named_tensors: Sequence[tuple[str, Any]],
+        *,
+        version: str | None = None,
+        flush_cache: bool = True,
+        load_format: str | None = None,
+        workers: Sequence[str] | None = None,
+    ) -> None:
+        self._require_transport(WeightTransport.TENSOR)
+        from rollout_backends._tensors import serialize_named_tensors
+
+        selected = self._select(workers)
+        payload = serialize_named_tensors(named_tensors)
+        await self._fan(
+            Op.UPDATE_TENSORS,
+            selected,
+            payload=payload,
+            version=version,
+            flush_cache=flush_cache,
+            load_format=load_format,
+        )
+        if version is not None:
+            self.set_installed_version(version, selected)
+
+    async def update_weights_from_disk(
+        self,
+        path: str,
+        *,
+        version: str | None = None,
+        load_format: str | None = None,
+        flush_cache: bool = True,
+        workers: Sequence[str] | None = None,
+    ) -> None:
+        self._require_transport(WeightTransport.DISK)
+        if not isinstance(path, str) or not path:
+            raise InvalidRequest("path", "must be a non-empty string")
+        selected = self._select(workers)
+        await self._fan(
+            Op.UPDATE_DISK, selected, path=path, version=version, load_format=load_format, flush_cache=flush_cache
+        )
+        if version is not None:
+            self.set_installed_version(version, selected)
+
+    async def begin_weight_update(self, selector: str = "all", *, workers: Sequence[str] | None = None) -> None:
+        await self._fan(Op.BEGIN, workers, selector=selector)
+
+    async def end_weight_update(self, *, workers: Sequence[str] | None = None) -> None:
+        await self._fan(Op.END, workers)
+
+    async def set_weight_version(self, version: str, *, workers: Sequence[str] | None = None) -> None:
+        if not isinstance(version, str) or not version:
+            raise InvalidRequest("version", "must be a non-empty string")
+        selected = self._select(workers)
+        await self._fan(Op.SET_VERSION, selected, version=version)
+        self.set_installed_version(version, selected)
+
+    async def weight_versions(self) -> Mapping[str, str | None]:
+        if self.capabilities.version_source is not VersionSource.RESPONSE:
+            return dict(self._installed)
+        return await self._fan(Op.GET_VERSION, None)
+
+    async def flush_cache(self, *, workers: Sequence[str] | None = None) -> None:
+        await self._fan(Op.FLUSH_CACHE, workers)
+
+    # -- memory -------------------------------------------------------------------------------
+
+    async def release_memory(
+        self, tags: Sequence[MemoryTag | str] | None = None, *, workers: Sequence[str] | None = None
+    ) -> None:
+        if not self.capabilities.memory_release:
+            raise Unsupported("memory_release")
+        await self._fan(Op.RELEASE_MEMORY, workers, tags=ensure_tags(tags))
+
+    async def resume_memory(
+        self, tags: Sequence[MemoryTag | str] | None = None, *, workers: Sequence[str] | None = None
+    ) -> None:
+        if not self.capabilities.memory_release:
+            raise Unsupported("memory_release")
+        await self._fan(Op.RESUME_MEMORY, workers, tags=ensure_tags(tags))
+
+    # -- health -------------------------------------------------------------------------------
+
+    async def _probe(self, op: Op, worker_id: str) -> tuple[bool | None, str | None]:
+        try:
+            result = await self._control(op, worker_id)
+        except RolloutBackendError as exc:
+            return False, str(exc)
+        return (None if result is None else bool(result)), None
+
+    async def _worker_health(self, worker_id: str, probe: bool, expected: str | None) -> WorkerHealth:
+        live, err = await self._probe(Op.LIVE, worker_id)
+        ready: bool | None = False
+        progress: bool | None = None
+        version: str | None = None
+        if live:
+            ready, err2 = await self._probe(Op.READY, worker_id)
+            err = err or err2
+            if ready is None:  # the engine has no readiness route: ready = live and not paused by us
+                ready = worker_id not in self._paused
+            if probe:
+                progress, err3 = await self._probe(Op.PROBE, worker_id)
+                err = err or err3
+            if self.capabilities.version_source is VersionSource.RESPONSE:
+                try:
+                    version = await self._control(Op.GET_VERSION, worker_id)
+                except RolloutBackendError as exc:
+                    err = err or str(exc)
+            else:
+                version = self._installed.get(worker_id)
+        stale = live is True and expected is not None and version != expected
+        return WorkerHealth(
+            worker=worker_id,
+            live=bool(live),
+            ready=bool(ready),
+            making_progress=progress,
+            weight_version=version,
+            stale=stale,
+            error=err,
+        )
+
+    async def health(self, *, probe: bool = False) -> HealthReport:
+        expected = self._expected_version
+        if expected is None:
+            known = {v for v in self._installed.values() if v is not None}
+            expected = next(iter(known)) if len(known) == 1 else None
+        results = await asyncio.gather(*(self._worker_health(w, probe, expected) for w in self.workers))
+        router_live = await self._router_live()
+        return HealthReport(workers=tuple(results), expected_version=expected, router_live=router_live)
+
+    async def _router_live(self) -> bool | None:
+        """Whether the entry point answers; adapters with a router override ``router_health``."""
+        req = getattr(self.wire, "router_health", None)
+        if req is None:
+            return None
+        http = req()
+        if http is None:
+            return None
+        try:
+            resp = await self.client.send(attrs.evolve(http, timeout=http.timeout or 5.0))
+        except RolloutBackendError:
+            return False
+        return bool(resp.ok)
+
+    def expect_version(self, version: str | None) -> None:
+        """Declare the version every worker should serve; others are reported ``stale``."""
+        self._expected_version = version
+
+    async def aclose(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            await self.client.aclose()
+        finally:
+            if self._on_close is not None:
+                result = self._on_close()
+                if asyncio.iscoroutine(result):
+                    await result
+
+    def require_live(self, report: HealthReport) -> None:
+        if not report.any_ready:
+            raise BackendUnavailable(f"{self.name}: no worker is ready ({', '.join(report.unhealthy_workers)})")

@@ -1,0 +1,3 @@
+"""Shared fixtures for our own tests."""
+
+from __future__ import annotations

@@ -1,0 +1,201 @@
+"""SGLang wire format: request bodies, response parsing, errors — through the transport seam."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from rollout_backends.adapters.sglang import SGLangWire, sampling_params_body
+
+import rollout_backends as rb
+from rollout_backends.kit import HttpClient, HttpFleetBackend, HttpRequest, HttpResponse, MockTransport, Worker
+
+
+def _backend(handler: Any, n: int = 1, **wire: Any) -> tuple[HttpFleetBackend, MockTransport]:
+    t = MockTransport(handler)
+    urls = [f"http://127.0.0.1:{30000 + i}" for i in range(n)]
+    backend = HttpFleetBackend(
+        SGLangWire(entry_url="http://127.0.0.1:29000", **wire),
+        [Worker(id=f"w{i}", control_url=u, generate_url=u) for i, u in enumerate(urls)],
+        client=HttpClient(t),
+    )
+    return backend, t
+
+
+def _ok(out: list[int], lps: list[Any] | None = None, **meta: Any) -> HttpResponse:
+    entries = lps if lps is not None else [[-0.25, t, None] for t in out]
+    m = {
+        "id": "r",
+        "finish_reason": {"type": "length", "length": len(out)},
+        "prompt_tokens": 3,
+        "cached_tokens": 2,
+        "weight_version": "v7",
+        "output_token_logprobs": entries,
+    }
+    m.update(meta)
+    return HttpResponse.from_json({"output_ids": out, "meta_info": m})
+
+
+def test_sampling_body_only_known_keys_and_seed_name() -> None:
+    body = sampling_params_body(rb.SamplingParams(temperature=0.0, max_new_tokens=5, seed=7, stop_token_ids=[2]))
+    assert body["sampling_seed"] == 7 and "seed" not in body
+    assert body["stop_token_ids"] == [2] and body["max_new_tokens"] == 5 and body["temperature"] == 0.0
+    assert "min_new_tokens" not in body  # needs a tokenizer on SGLang when > 0
+
+
+async def test_generate_request_and_parse() -> None:
+    seen: list[HttpRequest] = []
+
+    def handler(req: HttpRequest) -> HttpResponse:
+        seen.append(req)
+        return _ok([5, 6, 7])
+
+    backend, _ = _backend(handler)
+    req = rb.GenerateRequest(input_ids=[1, 2, 3], sampling=rb.SamplingParams(max_new_tokens=3), routing_key="g1")
+    gen = await backend.generate(req)
+    assert seen[0].url == "http://127.0.0.1:29000/generate"
+    assert seen[0].json["input_ids"] == [1, 2, 3] and seen[0].json["return_logprob"] is True
+    assert seen[0].json["rid"] == req.request_id
+    assert seen[0].headers["X-SMG-Routing-Key"] == "g1"
+    assert gen.output_ids == (5, 6, 7) and gen.logprobs == (-0.25, -0.25, -0.25)
+    assert gen.finish_reason is rb.FinishReason.LENGTH and gen.weight_version == "v7"
+    assert gen.cached_tokens == 2 and gen.prompt_tokens == 3 and gen.worker == "w0"
+
+
+async def test_stop_and_abort_finish_reasons() -> None:
+    backend, _ = _backend(lambda r: _ok([5, 0], finish_reason={"type": "stop", "matched": 0}))
+    gen = await backend.generate(rb.GenerateRequest(input_ids=[1]))
+    assert gen.finish_reason is rb.FinishReason.STOP and gen.matched_stop == 0
+    backend, _ = _backend(lambda r: _ok([5], finish_reason={"type": "abort", "message": "Abort"}))
+    gen = await backend.generate(rb.GenerateRequest(input_ids=[1]))
+    assert gen.aborted and gen.output_ids == (5,)
+
+
+@pytest.mark.parametrize(
+    "lps",
+    [
+        [[-0.1, 5, None]],  # fewer entries than tokens
+        [[-0.1, 5, None], [-0.2, 9, None]],  # entry for another token
+        [[-0.1, 5, None], [None, 6, None]],  # missing value
+        [[-0.1, 5, None], "x"],  # not an entry
+    ],
+)
+async def test_misaligned_logprobs_are_contract_violations(lps: list[Any]) -> None:
+    backend, _ = _backend(lambda r: _ok([5, 6], lps))
+    with pytest.raises(rb.ContractViolation):
+        await backend.generate(rb.GenerateRequest(input_ids=[1]))
+
+
+async def test_unknown_finish_reason_is_contract_violation() -> None:
+    backend, _ = _backend(lambda r: _ok([5], finish_reason={"type": "eaten"}))
+    with pytest.raises(rb.ContractViolation):
+        await backend.generate(rb.GenerateRequest(input_ids=[1]))
+
+
+async def test_400_maps_to_invalid_request_with_field() -> None:
+    def handler(req: HttpRequest) -> HttpResponse:
+        return HttpResponse.from_json({"error": "unknown field `seed`, expected one of ..."}, status=400)
+
+    backend, _ = _backend(handler)
+    with pytest.raises(rb.InvalidRequest) as info:
+        await backend.generate(rb.GenerateRequest(input_ids=[1]))
+    assert info.value.field == "sampling.seed"
+
+
+async def test_503_is_overloaded_and_not_retried_for_generate() -> None:
+    backend, t = _backend(lambda r: HttpResponse(503, b"busy"))
+    with pytest.raises(rb.Overloaded):
+        await backend.generate(rb.GenerateRequest(input_ids=[1]))
+    assert len(t.requests) == 1
+
+
+async def test_client_side_vocab_and_context_checks() -> None:
+    backend, t = _backend(lambda r: _ok([1]), vocab_size=10, max_context=4)
+    with pytest.raises(rb.InvalidRequest) as info:
+        await backend.generate(rb.GenerateRequest(input_ids=[1, 10]))
+    assert info.value.field == "input_ids[1]"
+    with pytest.raises(rb.InvalidRequest) as info:
+        await backend.generate(rb.GenerateRequest(input_ids=[1, 2, 3, 4]))
+    assert info.value.field == "input_ids"
+    assert t.requests == []
+
+
+async def test_pinned_worker_goes_to_its_url() -> None:
+    backend, t = _backend(lambda r: _ok([1]), n=2)
+    gen = await backend.generate(rb.GenerateRequest(input_ids=[1], worker="w1"))
+    assert t.requests[0].url == "http://127.0.0.1:30001/generate" and gen.worker == "w1"
+    with pytest.raises(rb.InvalidRequest) as info:
+        await backend.generate(rb.GenerateRequest(input_ids=[1], worker="nope"))
+    assert info.value.field == "worker"
+
+
+async def test_control_fans_out_and_names_failed_worker() -> None:
+    def handler(req: HttpRequest) -> HttpResponse:
+        if req.url.startswith("http://127.0.0.1:30001"):
+            return HttpResponse.from_json({"success": False, "message": "group busy"})
+        return HttpResponse.from_json({"success": True, "message": ""})
+
+    backend, t = _backend(handler, n=3)
+    with pytest.raises(rb.ControlFailed) as info:
+        await backend.destroy_weight_group("g")
+    assert info.value.workers == ("w1",) and "group busy" in str(info.value)
+    assert len(t.requests) == 3  # every worker was asked, even after one failed
+
+
+async def test_set_version_never_aborts_requests() -> None:
+    backend, t = _backend(lambda r: HttpResponse.from_json({"success": True}), n=2)
+    await backend.set_weight_version("v3")
+    assert [r.json for r in t.requests] == [{"new_version": "v3", "abort_all_requests": False}] * 2
+
+
+async def test_init_group_assigns_rank_offsets_per_worker() -> None:
+    backend, t = _backend(lambda r: HttpResponse.from_json({"success": True}), n=3)
+    await backend.init_weight_group(rb.WeightGroup(master_address="10.0.0.1", master_port=29500, world_size=4))
+    assert sorted(r.json["rank_offset"] for r in t.requests) == [1, 2, 3]
+    with pytest.raises(rb.InvalidRequest) as info:
+        await backend.init_weight_group(rb.WeightGroup(master_address="h", master_port=29500, world_size=3))
+    assert info.value.field == "group.world_size"
+
+
+async def test_health_reports_dead_worker_and_staleness() -> None:
+    from rollout_backends import ConnectionFailed
+
+    def handler(req: HttpRequest) -> HttpResponse:
+        if req.url.startswith("http://127.0.0.1:30001"):
+            raise ConnectionFailed("cannot connect (refused)")
+        if req.url.endswith("/model_info"):
+            return HttpResponse.from_json({"weight_version": "v1" if "30000" in req.url else "v0"})
+        return HttpResponse(200, b"")
+
+    backend, _ = _backend(handler, n=3)
+    backend.expect_version("v1")
+    report = await backend.health()
+    assert report.worker("w1").live is False and report.worker("w1").error
+    assert report.worker("w0").ready and not report.worker("w0").stale
+    assert report.worker("w2").stale and report.stale_workers == ("w2",)
+    with pytest.raises(rb.BackendUnavailable) as info:
+        await backend.wait_ready(timeout=0.2)
+    assert "w1" in str(info.value)
+
+
+async def test_memory_release_needs_the_capability() -> None:
+    backend, t = _backend(lambda r: HttpResponse(200, b"null"))
+    with pytest.raises(rb.Unsupported):
+        await backend.release_memory(["weights"])
+    backend, t = _backend(lambda r: HttpResponse(200, b"null"), memory_saver=True)
+    await backend.release_memory(["kv_cache"])
+    assert t.requests[0].json == {"tags": ["kv_cache"]}
+    with pytest.raises(rb.InvalidRequest) as info:
+        await backend.release_memory(["gpu"])
+    assert info.value.field == "tags[0]"
+
+
+async def test_api_key_header_is_sent_and_never_in_repr() -> None:
+    t = MockTransport(lambda r: _ok([1]))
+    client = HttpClient(t, api_key="s3cret-key")
+    backend = HttpFleetBackend(
+        SGLangWire(entry_url="http://h:1"), [Worker(id="w", control_url="http://h:1")], client=client
+    )
+    await backend.generate(rb.GenerateRequest(input_ids=[1]))
+    assert t.requests[0].headers["Authorization"] == "Bearer s3cret-key"
+    assert "s3cret" not in repr(client) and "s3cret" not in repr(backend)

@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# mypy --strict over the package as it is imported: the design card's folders (adapters/,
+# conformance_tests/) are mapped into rollout_backends.* by setuptools, so mypy gets the same
+# view through a tree of symlinks.
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+stage="$root/.rb-cache/typecheck"
+rm -rf "$stage"; mkdir -p "$stage/rollout_backends"
+for f in "$root"/rollout_backends/*; do ln -s "$f" "$stage/rollout_backends/$(basename "$f")"; done
+ln -s "$root/adapters" "$stage/rollout_backends/adapters"
+ln -s "$root/conformance_tests" "$stage/rollout_backends/conformance"
+cd "$stage"
+exec "${PYTHON:-python}" -m mypy --config-file "$root/pyproject.toml" -p rollout_backends "$@"
