@@ -33,15 +33,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import base64
 import contextlib
 import importlib
 import inspect
 import json
 import logging
+import math
 import os
-import pickle
 import signal
+import struct
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
@@ -52,14 +52,13 @@ from rollout_backends._types import (
     Generation,
     PauseMode,
     SamplingParams,
-    TensorSpec,
-    WeightBucket,
-    WeightGroup,
 )
 
 __all__ = ["DynamoWorker", "build_generate_request", "main", "run_worker"]
 
 logger = logging.getLogger("rollout_backends.dynamo_worker")
+#: ``nvext.annotations`` entry that carries the client's request id to the worker.
+RID_ANNOTATION = "rid:"
 _LOG_REQUESTS = os.environ.get("ROLLOUT_DYN_LOG_REQUESTS", "") not in ("", "0")
 
 #: Dynamo's finish-reason strings (``FinishReason`` in dynamo-llm). ``dynamo.sglang`` maps SGLang's
@@ -77,6 +76,30 @@ def _resolve_io_struct(arg: Any) -> Any:
         key = next(iter(arg))
         if isinstance(key, str) and key.startswith("io_struct."):
             return key[len("io_struct.") :], dict(arg[key] or {})
+    return None
+
+
+def f32_to_decimal(value: float) -> float:
+    """The shortest decimal that rounds to the same float32 as ``value``.
+
+    The frontend parses sampling floats as f32 (``temperature: 0.7`` arrives as
+    ``0.699999988079071``); the client's value was a short decimal, so this recovers it exactly and
+    the engine samples with what the client sent (the in-process backend's value).
+    """
+    if not math.isfinite(value):
+        return value
+    target = struct.unpack("<f", struct.pack("<f", value))[0]
+    for digits in range(1, 10):
+        candidate = float(f"{target:.{digits}g}")
+        if struct.unpack("<f", struct.pack("<f", candidate))[0] == target:
+            return candidate
+    return value
+
+
+def _rid_from_annotations(request: Mapping[str, Any]) -> str | None:
+    for a in request.get("annotations") or ():
+        if isinstance(a, str) and a.startswith(RID_ANNOTATION):
+            return a[len(RID_ANNOTATION) :] or None
     return None
 
 
@@ -114,7 +137,7 @@ def build_generate_request(request: Mapping[str, Any], request_id: str) -> Gener
         ("presence_penalty", "presence_penalty"),
     ):
         if samp.get(src) is not None:
-            kwargs[dst] = float(samp[src])
+            kwargs[dst] = f32_to_decimal(float(samp[src]))
     if samp.get("top_k") is not None:
         k = int(samp["top_k"])
         kwargs["top_k"] = -1 if k <= 0 else k
@@ -168,13 +191,15 @@ class DynamoWorker:
         self.runtime: Any = None
         self.generate_endpoint: Any = None
         self._inflight: dict[str, asyncio.Task[Generation]] = {}
+        self.paused: PauseMode | None = None
 
     # -- data plane ----------------------------------------------------------------------------
 
     async def generate(self, request: dict[str, Any], context: Any) -> AsyncIterator[dict[str, Any]]:
         """Dynamo generate handler: one chunk per token, the last one with finish reason and usage."""
-        # The frontend's request id (header x-request-id if the client sent one, else a uuid).
-        rid = context.id() if context is not None else os.urandom(8).hex()
+        # Our request id: the client's ``nvext.annotations: ["rid:<id>"]`` (any string), else the
+        # frontend's context id (header ``x-dynamo-request-id`` when it is a UUID, else random).
+        rid = _rid_from_annotations(request) or (context.id() if context is not None else os.urandom(8).hex())
         if _LOG_REQUESTS:
             logger.info("generate rid=%s trace_id=%s request=%s", rid, getattr(context, "trace_id", None), request)
         greq = build_generate_request(request, rid)
@@ -238,10 +263,13 @@ class DynamoWorker:
             await self._abort_all()
         try:
             await _maybe_await(
-                self.engine.update_weights_from_disk(body["model_path"], version=body.get("weight_version"))
+                self.engine.update_weights_from_disk(
+                    body["model_path"],
+                    load_format=body.get("load_format"),
+                    version=body.get("weight_version"),
+                    flush_cache=bool(body.get("flush_cache", True)),
+                )
             )
-            if body.get("flush_cache", True):
-                await _maybe_await(self.engine.flush_cache())
         except Exception as e:  # SGLang answers 200 + success false
             return {"success": False, "message": f"{type(e).__name__}: {e}", "num_paused_requests": 0}
         return {"success": True, "message": "Succeeded to update model weights.", "num_paused_requests": 0}
@@ -250,9 +278,11 @@ class DynamoWorker:
         # SGLang's body: serialized_named_tensors = one base64 string per TP rank, each a
         # ForkingPickler dump of [(name, tensor), ...]. TP = 1 here.
         try:
+            from rollout_backends._tensors import deserialize_named_tensors
+
             payload = body["serialized_named_tensors"]
             blob = payload[0] if isinstance(payload, list) else payload
-            named = pickle.loads(base64.b64decode(blob) if isinstance(blob, str) else blob)
+            named = deserialize_named_tensors(blob)
             await _maybe_await(
                 self.engine.update_weights_from_tensors(
                     named,
@@ -267,18 +297,15 @@ class DynamoWorker:
 
     async def _update_weights_from_distributed(self, body: dict[str, Any]) -> dict[str, Any]:
         try:
-            bucket = WeightBucket(
-                tuple(
-                    TensorSpec(n, d, tuple(s))
-                    for n, d, s in zip(body["names"], body["dtypes"], body["shapes"], strict=True)
-                )
-            )
             await _maybe_await(
                 self.engine.update_weights_from_distributed(
-                    bucket,
+                    list(body["names"]),
+                    list(body["dtypes"]),
+                    [list(x) for x in body["shapes"]],
                     group_name=body.get("group_name", "weight_update_group"),
                     version=body.get("weight_version"),
-                    flush_cache=body.get("flush_cache", True),
+                    flush_cache=bool(body.get("flush_cache", True)),
+                    load_format=body.get("load_format"),
                 )
             )
         except Exception as e:
@@ -320,6 +347,10 @@ class DynamoWorker:
         return {"status": "ok", "message": "Profiling stopped"}
 
     async def _abort_all(self) -> None:
+        abort_all = getattr(self.engine, "abort_all", None)
+        if abort_all is not None:
+            await _maybe_await(abort_all())
+            return
         for rid in list(self._inflight):
             with contextlib.suppress(Exception):
                 await _maybe_await(self.engine.abort(rid))
@@ -343,9 +374,11 @@ class DynamoWorker:
         if method == "pause_generation":
             mode = typed(0, "obj").get("mode", "abort")
             await _maybe_await(self.engine.pause(PauseMode(mode)))
+            self.paused = PauseMode(mode)
             return {"status": "ok"}
         if method == "continue_generation":
             await _maybe_await(self.engine.resume())
+            self.paused = None
             return {"status": "ok"}
         if method == "flush_cache":
             try:
@@ -358,14 +391,12 @@ class DynamoWorker:
             try:
                 await _maybe_await(
                     self.engine.init_weight_group(
-                        WeightGroup(
-                            master_address=f["master_address"],
-                            master_port=int(f["master_port"]),
-                            world_size=int(f["world_size"]),
-                            rank_offset=int(f["rank_offset"]),
-                            group_name=f.get("group_name", "weight_update_group"),
-                            backend=f.get("backend", "nccl"),
-                        )
+                        str(f["master_address"]),
+                        int(f["master_port"]),
+                        int(f["rank_offset"]),
+                        int(f["world_size"]),
+                        str(f.get("group_name", "weight_update_group")),
+                        str(f.get("backend", "nccl")),
                     )
                 )
             except Exception as e:
@@ -401,13 +432,19 @@ class DynamoWorker:
             "worker": self.worker_name,
             "weight_version": v,
             "inflight": sorted(self._inflight),
+            "paused": None if self.paused is None else self.paused.value,
+            "vocab_size": getattr(self.engine, "vocab_size", None),
+            "max_context": getattr(self.engine, "max_context", None),
+            "eos_token_ids": list(getattr(self.engine, "eos_token_ids", ()) or ()),
+            "served_model_name": self.served_model_name,
         }
 
     async def _abort(self, body: dict[str, Any]) -> dict[str, Any]:
         if body.get("abort_all"):
             await self._abort_all()
         else:
-            await _maybe_await(self.engine.abort(str(body["rid"])))
+            found = await _maybe_await(self.engine.abort(str(body["rid"])))
+            return {"status": "ok", "found": bool(found) if found is not None else None}
         return {"status": "ok"}
 
     def routes(self) -> dict[str, Callable[[dict[str, Any]], Any]]:
@@ -472,10 +509,24 @@ class DynamoWorker:
         )
 
 
+def reference_engine(arg: str) -> Any:
+    """``--engine rollout_backends.adapters.dynamo._worker:reference_engine``: a ``ReferenceEngine``.
+
+    ``arg`` is a JSON object: ``model_path`` (required) and any ``ReferenceEngine`` keyword
+    (``worker_id``, ``weight_version``, ``page_size``, ``num_threads``).
+    """
+    from rollout_backends.adapters.reference import ReferenceEngine
+
+    kw = dict(json.loads(arg)) if arg else {}
+    path = kw.pop("model_path")
+    return ReferenceEngine(path, **kw)
+
+
 def _json_safe(fn: Callable[[dict[str, Any]], Any]) -> Callable[[dict[str, Any]], Any]:
     async def wrapper(body: dict[str, Any]) -> dict[str, Any]:
         result = await fn(body or {})
-        return json.loads(json.dumps(result, default=str))
+        safe: dict[str, Any] = json.loads(json.dumps(result, default=str))
+        return safe
 
     wrapper.__name__ = getattr(fn, "__name__", "route")
     return wrapper
