@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import re
+import struct
 from collections.abc import Mapping
 from typing import Any
 
@@ -26,6 +27,7 @@ import attrs
 
 from rollout_backends._errors import (
     BackendUnavailable,
+    ConnectionFailed,
     ContractViolation,
     ControlFailed,
     InvalidRequest,
@@ -131,6 +133,12 @@ def _field_of(message: str) -> str:
     return "input_ids"
 
 
+def _f32(value: float) -> float:
+    """The float32 the frontend serialised (it keeps logprobs as f32 and prints the shortest
+    decimal): its exact value, i.e. what the engine's float32 tensor held."""
+    return float(struct.unpack("<f", struct.pack("<f", value))[0])
+
+
 def _is_int(v: object) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
@@ -203,8 +211,9 @@ class DynamoWire:
             logprobs=request.return_logprobs and self.flavor != "mocker",
             instance_id=worker.instance_id if worker is not None else None,
         )
-        headers = {"x-dynamo-request-id": request.request_id} if is_uuid(request.request_id) else {}
-        return HttpRequest("POST", f"{self.frontend_url}/v1/completions", json=body, headers=headers)
+        # The request id travels in nvext.annotations (x-dynamo-request-id is deprecated on 1.4.2
+        # and takes UUIDs only).
+        return HttpRequest("POST", f"{self.frontend_url}/v1/completions", json=body)
 
     def parse_generation(self, request: GenerateRequest, response: HttpResponse, latency_s: float) -> Generation:
         if response.status in (400, 422):
@@ -217,7 +226,12 @@ class DynamoWire:
         if response.status in (429, 503, 529):
             raise Overloaded(f"frontend: HTTP {response.status}: {_error_message(response)}")
         if response.status >= 500:
-            raise BackendUnavailable(f"frontend: HTTP {response.status}: {_error_message(response)}")
+            msg = _error_message(response)
+            if "Failed to generate completions" in msg:
+                # The frontend could not start the stream (e.g. the routed worker is gone but still
+                # in discovery for up to its ~10 s lease): nothing was generated, resending is safe.
+                raise ConnectionFailed(f"frontend: HTTP {response.status}: {msg} (no token was generated)")
+            raise BackendUnavailable(f"frontend: HTTP {response.status}: {msg}")
         if response.status != 200:
             raise ContractViolation(f"/v1/completions answered HTTP {response.status}: {_error_message(response)}")
         data = response.json()
@@ -271,7 +285,7 @@ class DynamoWire:
             for i, lp in enumerate(lps):
                 if not isinstance(lp, (int, float)) or isinstance(lp, bool) or math.isnan(lp):
                     raise ContractViolation(f"token_logprobs[{i}] is not a number ({lp!r})", worker=worker)
-                out.append(float(lp))
+                out.append(_f32(float(lp)))
             logprobs = tuple(out)
         usage = data.get("usage") if isinstance(data.get("usage"), dict) else {}
         assert isinstance(usage, dict)
