@@ -18,7 +18,12 @@
    reports Dynamo's ``"cancelled"`` as ``"stop"``). The frontend forwards it as
    ``nvext.engine_data`` when the client asks for ``extra_fields: ["engine_data"]``.
 
-Both patches live in the worker's main process (where the handler runs); SGLang's scheduler
+3. **``rollout/weight_version`` engine route.** ``register_engine_routes`` is wrapped to add
+   ``POST /engine/rollout/weight_version`` → ``{"weight_version": <served version>}`` (SGLang's
+   ``server_args.weight_version``, which ``control/update_weight_version`` sets): 1.4.2 has no
+   route that returns it.
+
+All patches live in the worker's main process (where the handler runs); SGLang's scheduler
 subprocesses are not involved.
 """
 
@@ -94,9 +99,34 @@ def patch_engine_data(handler_cls: Any = None) -> bool:
     return True
 
 
+def patch_version_route(handler_cls: Any = None) -> bool:
+    """Add ``rollout/weight_version`` to the handler's engine routes. Idempotent."""
+    if handler_cls is None:
+        from dynamo.sglang.request_handlers.handler_base import BaseWorkerHandler as handler_cls
+    orig = handler_cls.register_engine_routes
+    if getattr(orig, _PATCHED, False):
+        return True
+
+    def register_engine_routes(self: Any, runtime: Any) -> None:
+        orig(self, runtime)
+
+        async def weight_version(body: dict[str, Any]) -> dict[str, Any]:
+            return {"weight_version": self.engine.tokenizer_manager.server_args.weight_version}
+
+        runtime.register_engine_route("rollout/weight_version", weight_version)
+
+    setattr(register_engine_routes, _PATCHED, True)
+    handler_cls.register_engine_routes = register_engine_routes
+    return True
+
+
 def main() -> None:
     patch_logprobs()
     patch_engine_data()
+    try:
+        patch_version_route()
+    except (ImportError, AttributeError) as exc:  # another layout: the adapter falls back to stamping
+        logger.warning("rollout/weight_version route not added: %s", exc)
     sys.argv = ["dynamo.sglang", *sys.argv[1:]]
     runpy.run_module("dynamo.sglang", run_name="__main__", alter_sys=True)
 

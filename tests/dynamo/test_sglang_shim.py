@@ -75,3 +75,28 @@ def test_engine_data_stamped_on_final_chunk() -> None:
     outs = asyncio.run(collect())
     assert [o.get("engine_data") for o in outs[:-1]] == [None, None]
     assert outs[-1]["engine_data"] == {"weight_version": "v5", "finish_reason": "abort"}
+
+
+def test_version_route_is_added() -> None:
+    from rollout_backends.adapters.dynamo._sglang_shim import patch_version_route
+
+    class Handler:
+        def __init__(self) -> None:
+            sa = types.SimpleNamespace(weight_version="v9")
+            self.engine = types.SimpleNamespace(tokenizer_manager=types.SimpleNamespace(server_args=sa))
+
+        def register_engine_routes(self, runtime: Any) -> None:
+            runtime.register_engine_route("control/update_weight_version", None)
+
+    class Runtime:
+        def __init__(self) -> None:
+            self.routes: dict[str, Any] = {}
+
+        def register_engine_route(self, path: str, fn: Any) -> None:
+            self.routes[path] = fn
+
+    assert patch_version_route(Handler) and patch_version_route(Handler)  # idempotent
+    rt = Runtime()
+    Handler().register_engine_routes(rt)
+    assert set(rt.routes) == {"control/update_weight_version", "rollout/weight_version"}
+    assert asyncio.run(rt.routes["rollout/weight_version"]({})) == {"weight_version": "v9"}
