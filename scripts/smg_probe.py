@@ -28,7 +28,7 @@ from aiohttp import web
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from rollout_backends._supervisor import ProcessSpec, ReadyCheck, Supervisor, free_port  # noqa: E402
+from rollout_backends._supervisor import ProcessSpec, Supervisor, free_port  # noqa: E402
 
 PY = sys.executable
 H = "127.0.0.1"
@@ -104,7 +104,7 @@ class Probe:
                     parsed = raw.decode(errors="replace")
                 return {"status": r.status, "body": parsed, "content_type": r.content_type,
                         "elapsed_s": round(time.monotonic() - t0, 3)}  # fmt: skip
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             return {"status": None, "error": f"{type(e).__name__}: {e}", "elapsed_s": round(time.monotonic() - t0, 3)}
 
     def note(self, key: str, value: Any) -> None:
@@ -256,13 +256,18 @@ async def main(args: argparse.Namespace) -> None:
         p.note("duplicate rid via router (round robin)", {"first": _fr(r1), "second": _fr(t2)})
 
         # abort through the router vs directly
-        t1 = asyncio.ensure_future(p.call("POST", f"{R}/generate", gen(rid="abort-me", sampling_params={"max_new_tokens": 300}), timeout=30))
+        t1 = asyncio.ensure_future(
+            p.call("POST", f"{R}/generate", gen(rid="abort-me", sampling_params={"max_new_tokens": 300}), timeout=30)
+        )
         await asyncio.sleep(0.3)
         p.note("POST router /abort_request", await p.call("POST", f"{R}/abort_request", {"rid": "abort-me"}))
         await asyncio.sleep(0.2)
         direct_abort = [await p.call("POST", f"{u[w]}/abort_request", {"rid": "abort-me"}) for w in ("w0", "w1")]
         r1 = await t1
-        p.note("abort by rid on every worker directly", {"abort_calls": [a["status"] for a in direct_abort], "result": _fr(r1)})
+        p.note(
+            "abort by rid on every worker directly",
+            {"abort_calls": [a["status"] for a in direct_abort], "result": _fr(r1)},
+        )
 
         # --- control routes through the router --------------------------------------------
         ctl = {}
@@ -304,12 +309,16 @@ async def main(args: argparse.Namespace) -> None:
         rl["fanout continue"] = await p.call("POST", f"{R}/v1/rl/engine/continue_generation", {},
                                              params={"selector": "engine=sglang"})  # fmt: skip
         rl["fanout update_weight_version"] = await p.call(
-            "POST", f"{R}/v1/rl/engine/update_weight_version", {"new_version": "rl-1", "abort_all_requests": False},
+            "POST",
+            f"{R}/v1/rl/engine/update_weight_version",
+            {"new_version": "rl-1", "abort_all_requests": False},
             params={"selector": "engine=sglang"},
         )
         rl["GET /v1/rl/workers after version"] = await p.call("GET", f"{R}/v1/rl/workers")
         rl["fanout failing route (disk, bad path)"] = await p.call(
-            "POST", f"{R}/v1/rl/engine/update_weights_from_disk", {"model_path": "/nonexistent"},
+            "POST",
+            f"{R}/v1/rl/engine/update_weights_from_disk",
+            {"model_path": "/nonexistent"},
             params={"selector": "engine=sglang"},
         )
         rl["fanout 404 route (begin_weight_update)"] = await p.call(
@@ -364,10 +373,18 @@ async def main(args: argparse.Namespace) -> None:
             fb = forwarded[-1]["body"]
             p.note("survival.dropped top-level", sorted(set(full) - set(fb)))
             p.note("survival.added top-level", sorted(set(fb) - set(full)))
-            p.note("survival.dropped sampling", sorted(set(full["sampling_params"]) - set(fb.get("sampling_params", {}))))
-            p.note("survival.changed values", {k: (full[k], fb.get(k)) for k in full if k in fb and fb[k] != full[k] and k != "sampling_params"})
+            p.note(
+                "survival.dropped sampling", sorted(set(full["sampling_params"]) - set(fb.get("sampling_params", {})))
+            )
+            p.note(
+                "survival.changed values",
+                {k: (full[k], fb.get(k)) for k in full if k in fb and fb[k] != full[k] and k != "sampling_params"},
+            )
             sp_sent, sp_fwd = full["sampling_params"], fb.get("sampling_params", {})
-            p.note("survival.changed sampling values", {k: (sp_sent[k], sp_fwd[k]) for k in sp_sent if k in sp_fwd and sp_fwd[k] != sp_sent[k]})
+            p.note(
+                "survival.changed sampling values",
+                {k: (sp_sent[k], sp_fwd[k]) for k in sp_sent if k in sp_fwd and sp_fwd[k] != sp_sent[k]},
+            )
         p.note("survival.response status", resp["status"])
         p.note("survival.response body == echo body", resp.get("body") == ECHO_RESPONSE)
         p.note("survival.response body", resp.get("body"))
@@ -377,7 +394,9 @@ async def main(args: argparse.Namespace) -> None:
         # router-side flush fan-out reaches the echo worker?
         await p.call("POST", f"{RE}/flush_cache")
         rec = (await p.call("GET", f"{u['echo']}/_recorded"))["body"]
-        p.note("echo: after POST router /flush_cache", [f"{r['method']} {r['path']}" for r in rec if "flush" in r["path"]])
+        p.note(
+            "echo: after POST router /flush_cache", [f"{r['method']} {r['path']}" for r in rec if "flush" in r["path"]]
+        )
 
         # --- a worker dies ---------------------------------------------------------------------
         death: dict[str, Any] = {}
@@ -409,7 +428,11 @@ async def main(args: argparse.Namespace) -> None:
         death["GET /workers after restart"] = await p.call("GET", f"{R}/workers")
 
         # in-flight request on a worker that is SIGKILLed
-        fut = asyncio.ensure_future(p.call("POST", f"{R}/generate", gen(rid="inflight-kill", sampling_params={"max_new_tokens": 400}), timeout=30))
+        fut = asyncio.ensure_future(
+            p.call(
+                "POST", f"{R}/generate", gen(rid="inflight-kill", sampling_params={"max_new_tokens": 400}), timeout=30
+            )
+        )
         await asyncio.sleep(0.4)
         # round robin: the next short request goes to the other worker, so the long one is on `holder`
         other = served_by(await p.call("POST", f"{R}/generate", gen()))
@@ -461,7 +484,7 @@ async def main(args: argparse.Namespace) -> None:
                                      "--health-check-interval-secs", "1", "--worker-startup-check-interval", "1",
                                      "--enable-rl"]))  # fmt: skip
         await sup.wait_ready(["router-ca"], timeout=30)
-        await wait_until(lambda: _served_set(p, R2, {"w0"}) , 30, interval=0.2)
+        await wait_until(lambda: _served_set(p, R2, {"w0"}), 30, interval=0.2)
         ca: dict[str, Any] = {}
         same = [served_by(await p.call("POST", f"{R2}/generate", gen(input_ids=[9, 8, 7, 6, 5, 4]))) for _ in range(6)]
         ca["same prompt x6 (cache_aware)"] = same
@@ -477,7 +500,9 @@ async def main(args: argparse.Namespace) -> None:
         ca["/v1/rl/workers weight_version after a direct update (1 s apart)"] = labels
         # a dead worker with retries enabled: is the failed attempt re-sent to the other worker?
         sup.kill("w1", signal.SIGKILL)
-        outcomes = [(await p.call("POST", f"{R2}/generate", gen(input_ids=[i + 20, 2, 3]), timeout=10)) for i in range(8)]
+        outcomes = [
+            (await p.call("POST", f"{R2}/generate", gen(input_ids=[i + 20, 2, 3]), timeout=10)) for i in range(8)
+        ]
         ca["after SIGKILL of w1, retries on"] = [(o["status"], served_by(o), o["elapsed_s"]) for o in outcomes]
         p.note("retries and cache_aware", ca)
         Path(args.out).write_text(json.dumps(p.out, indent=1, sort_keys=False, default=str) + "\n")

@@ -192,4 +192,3 @@ class WeightSender:
         tb: TracebackType | None,
     ) -> None:
         self.close()
-

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import importlib
 import inspect
 import json
 import math
@@ -122,7 +123,6 @@ class _Req:
     generator: Any = None
     counts: Any = None  #: output-token counts (only when a penalty needs them)
     cached_tokens: int | None = None
-    abort_requested: bool = False
     finished: bool = False
 
     @property
@@ -174,6 +174,8 @@ class ReferenceEngine:
         self._model = self._executor.submit(self._build_model, Qwen2ForCausalLM, attn_implementation).result()
         self._params: dict[str, Any] = dict(self._model.named_parameters())
         self._tied = bool(getattr(self._config, "tie_word_embeddings", False))
+        if self._tied and "lm_head.weight" in self._params:  # pragma: no cover - a transformers regression
+            raise RuntimeError("tie_word_embeddings is set but lm_head is not tied to the embedding")
         self._cache_kw = "cache" if "cache" in inspect.signature(self._model.forward).parameters else "past_key_values"
         initial = self._read_checkpoint(self._path, None)
         self._executor.submit(self._install, self._prepare(initial, require_all=True)).result()
@@ -188,7 +190,6 @@ class ReferenceEngine:
         self._groups: dict[str, GlooGroup] = {}
         self._reqs: dict[str, _Req] = {}
         self._queue: deque[_Req] = deque()
-        self._stepping: _Req | None = None
         self._finished_count = 0
         self._token_count = 0
         self._closed = False
@@ -249,7 +250,14 @@ class ReferenceEngine:
     def _build_model(self, cls: Any, attn_implementation: str) -> Any:
         import torch
 
-        model = cls._from_config(self._config, dtype=torch.float32, attn_implementation=attn_implementation)
+        # Skip the random init (slow for 0.5B): every weight is overwritten from the checkpoint.
+        try:
+            no_init: Any = importlib.import_module("transformers.initialization").no_init_weights
+        except (ImportError, AttributeError):  # transformers 4.x
+            no_init = importlib.import_module("transformers.modeling_utils").no_init_weights
+        with no_init():
+            model = cls._from_config(self._config, dtype=torch.float32, attn_implementation=attn_implementation)
+        model.tie_weights()  # skipped init also skips tying on some versions
         model.eval()
         model.requires_grad_(False)
         return model
@@ -376,14 +384,11 @@ class ReferenceEngine:
                 if req.cached_tokens is None:
                     req.cached_tokens = self._index.match(req.request.input_ids)
                     self._index.insert(req.request.input_ids)
-                self._stepping = req
                 try:
                     token, logprob = await loop.run_in_executor(self._executor, self._step, req)
                 except Exception as exc:  # a bug or a broken weight set: fail this request, keep serving
                     self._fail(req, EngineError(f"{self._worker_id}: forward failed: {type(exc).__name__}: {exc}"))
                     continue
-                finally:
-                    self._stepping = None
                 self._apply(req, token, logprob)
 
     def _step(self, req: _Req) -> tuple[int, float]:
@@ -393,9 +398,11 @@ class ReferenceEngine:
 
         if torch.get_num_threads() != self._num_threads:
             torch.set_num_threads(self._num_threads)
-        if req.cache is None:  # first step, or recompute after a RETRACT pause
+        # A local reference: an abort may drop ``req.cache`` from the loop thread meanwhile.
+        cache = req.cache
+        if cache is None:  # first step, or recompute after a RETRACT pause
             ids = list(req.request.input_ids) + req.output_ids
-            req.cache = DynamicCache(config=self._config)
+            cache = req.cache = DynamicCache(config=self._config)
         else:
             ids = [req.output_ids[-1]]
         with torch.inference_mode():
@@ -403,7 +410,7 @@ class ReferenceEngine:
                 input_ids=torch.tensor([ids], dtype=torch.long),
                 use_cache=True,
                 logits_to_keep=1,
-                **{self._cache_kw: req.cache},
+                **{self._cache_kw: cache},
             )
             logits = out.logits[0, -1].to(torch.float32)
             return self._sample(req, logits)
@@ -453,10 +460,8 @@ class ReferenceEngine:
 
     def _apply(self, req: _Req, token: int, logprob: float) -> None:
         """Loop thread: record a step's token and decide whether the request is done."""
-        if req.finished:
-            return
-        if req.abort_requested:  # abort arrived during the step: the token is not delivered
-            self._finish(req, FinishReason.ABORT)
+        if req.finished:  # aborted during the step: that token is not delivered
+            req.cache = None
             return
         sp = req.sampling
         req.output_ids.append(token)
@@ -506,12 +511,8 @@ class ReferenceEngine:
             req.future.set_exception(exc)
 
     def _abort_req(self, req: _Req) -> None:
-        if req.finished:
-            return
-        if req is self._stepping:
-            req.abort_requested = True  # _apply finishes it when the step returns
-        else:
-            self._finish(req, FinishReason.ABORT)
+        # Finish now, even mid-step: the step's token is then discarded by ``_apply``.
+        self._finish(req, FinishReason.ABORT)
 
     # -- abort / pause ----------------------------------------------------------------------
 
@@ -947,4 +948,3 @@ class ReferenceEngine:
 
     def __repr__(self) -> str:
         return f"<ReferenceEngine {self._worker_id} version={self._version!r} paused={self._paused}>"
-

@@ -20,20 +20,18 @@ is the command line.
 from __future__ import annotations
 
 import asyncio
-import base64
 import hmac
-import io
 import logging
 import os
-import pickle
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Mapping
-from typing import Any, ClassVar
+from typing import Any
 
 from aiohttp import web
 
 from rollout_backends._errors import InvalidRequest
+from rollout_backends._tensors import deserialize_named_tensors, serialize_named_tensors
 from rollout_backends._types import FinishReason, GenerateRequest, Generation, MemoryTag, PauseMode, SamplingParams
 
 __all__ = [
@@ -138,71 +136,6 @@ def _err(message: str) -> _BadRequest:
 
 
 # -- tensors over HTTP (SGLang's MultiprocessingSerializer) ------------------------------------
-
-
-class _TorchOnlyUnpickler(pickle.Unpickler):
-    """Like SGLang's ``SafeUnpickler``: only what ForkingPickler emits for tensors may be loaded."""
-
-    _ALLOWED: ClassVar[frozenset[tuple[str, str]]] = frozenset(
-        {
-            ("torch", "Tensor"),
-            ("torch", "Size"),
-            ("torch", "device"),
-            ("torch.storage", "UntypedStorage"),
-            ("torch.storage", "TypedStorage"),
-            ("torch.nn.parameter", "Parameter"),
-            ("torch._tensor", "_rebuild_from_type_v2"),
-            ("collections", "OrderedDict"),
-            ("multiprocessing.resource_sharer", "DupFd"),
-        }
-    )
-
-    def find_class(self, module: str, name: str) -> Any:
-        if (
-            (module, name) in self._ALLOWED
-            or (module == "torch.multiprocessing.reductions" and name.startswith("rebuild_"))
-            or (module == "torch._utils" and name.startswith("_rebuild_"))
-            or (module == "torch" and self._is_dtype(name))
-        ):
-            return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"refusing to unpickle {module}.{name}")
-
-    @staticmethod
-    def _is_dtype(name: str) -> bool:
-        import torch
-
-        return isinstance(getattr(torch, name, None), torch.dtype)
-
-
-def serialize_named_tensors(named_tensors: Any) -> str:
-    """``MultiprocessingSerializer.serialize(named_tensors, output_str=True)``: base64 of a ForkingPickler dump.
-
-    CPU tensors travel as shared memory; across unrelated processes that needs the ``file_system``
-    sharing strategy (``torch.multiprocessing.set_sharing_strategy("file_system")``), which this
-    function sets. Keep the tensors alive until the HTTP call returns.
-    """
-    from multiprocessing.reduction import ForkingPickler
-
-    import torch.multiprocessing as tmp
-
-    if tmp.get_sharing_strategy() != "file_system":  # type: ignore[no-untyped-call]
-        tmp.set_sharing_strategy("file_system")  # type: ignore[no-untyped-call]
-    buf = io.BytesIO()
-    ForkingPickler(buf).dump(list(named_tensors))
-    return base64.b64encode(buf.getvalue()).decode("ascii")
-
-
-def deserialize_named_tensors(data: str) -> list[tuple[str, Any]]:
-    """The inverse of :func:`serialize_named_tensors`; only torch objects are unpickled."""
-    import torch.multiprocessing  # noqa: F401 - registers the tensor reductions
-
-    raw = base64.b64decode(data, validate=True)
-    obj = _TorchOnlyUnpickler(io.BytesIO(raw)).load()
-    if not isinstance(obj, list) or not all(
-        isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], str) for x in obj
-    ):
-        raise ValueError("serialized_named_tensors must decode to a list of (name, tensor) pairs")
-    return obj
 
 
 # -- request parsing ----------------------------------------------------------------------------
@@ -726,8 +659,6 @@ class ReferenceServer:
         if len(entries) != 1:
             return self._result(False, f"expected 1 serialized_named_tensors entry (tp_size=1), got {len(entries)}")
         load_format = _field(body, "load_format", str, None, nullable=True)
-        if load_format not in (None, "direct"):
-            return self._result(False, f"load_format {load_format!r} is not supported by the reference server")
         version = _field(body, "weight_version", str, None, nullable=True)
         flush = _field(body, "flush_cache", bool, True)
         if (err := self._session_error()) is not None:
@@ -739,7 +670,7 @@ class ReferenceServer:
         await self._maybe_abort(body)
         return await self._control(
             "update weights from tensor",
-            self.engine.update_weights_from_tensors(named, version=version, flush_cache=flush),
+            self.engine.update_weights_from_tensors(named, version=version, flush_cache=flush, load_format=load_format),
         )
 
     async def init_weights_update_group(self, request: web.Request) -> web.StreamResponse:
@@ -766,15 +697,19 @@ class ReferenceServer:
         version = _field(body, "weight_version", str, None, nullable=True)
         flush = _field(body, "flush_cache", bool, True)
         load_format = _field(body, "load_format", str, None, nullable=True)
-        if load_format is not None:
-            return self._result(False, f"load_format {load_format!r} is not supported by the reference server")
         if (err := self._session_error()) is not None:
             return err
         await self._maybe_abort(body)
         return await self._control(
             "update weights from distributed",
             self.engine.update_weights_from_distributed(
-                names, dtypes, shapes, group_name=group_name, version=version, flush_cache=flush
+                names,
+                dtypes,
+                shapes,
+                group_name=group_name,
+                version=version,
+                flush_cache=flush,
+                load_format=load_format,
             ),
         )
 

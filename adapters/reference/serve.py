@@ -40,7 +40,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sglang-version", default=None, help="the version /server_info reports")
     p.add_argument("--make-model", type=int, default=None, metavar="SEED", help="write a tiny model first")
     p.add_argument("--model-size", default="tiny", help="preset for --make-model")
-    p.add_argument("--max-batch-size", type=int, default=None)
+    p.add_argument("--num-threads", type=int, default=1, help="torch threads of the engine")
     p.add_argument("--log-level", default="info")
     p.add_argument(
         "--engine-factory",
@@ -65,13 +65,14 @@ def load_engine(args: argparse.Namespace) -> Any:
         "weight_version": args.weight_version,
         "page_size": args.page_size,
     }
-    if args.max_batch_size is not None:
-        kw["max_batch_size"] = args.max_batch_size
+    if args.num_threads != 1:
+        kw["num_threads"] = args.num_threads
     return ReferenceEngine(args.model_path, **kw)
 
 
 async def _serve(args: argparse.Namespace) -> None:
     from aiohttp import web
+
     from ._server import build_app
 
     engine = load_engine(args)

@@ -118,8 +118,12 @@ class FakeEngine:
         if version is not None:
             self._version = version
 
-    async def update_weights_from_tensors(self, named_tensors: Any, *, version: str | None = None,
-                                          flush_cache: bool = True) -> None:  # fmt: skip
+    async def update_weights_from_tensors(
+        self, named_tensors: Any, *, version: str | None = None, flush_cache: bool = True,
+        load_format: str | None = None,
+    ) -> None:  # fmt: skip
+        if load_format not in (None, "direct"):
+            raise EngineError(f"unknown load_format {load_format!r}")
         self.calls.append(("tensors", [(n, t.clone()) for n, t in named_tensors], version, flush_cache))
         if version is not None:
             self._version = version
@@ -132,8 +136,10 @@ class FakeEngine:
 
     async def update_weights_from_distributed(
         self, names: Any, dtypes: Any, shapes: Any, *, group_name: str, version: str | None = None,
-        flush_cache: bool = True,
+        flush_cache: bool = True, load_format: str | None = None,
     ) -> None:  # fmt: skip
+        if load_format is not None:
+            raise EngineError(f"unknown load_format {load_format!r}")
         self.calls.append(("dist", names, dtypes, shapes, group_name, version, flush_cache))
         if version is not None:
             self._version = version

@@ -12,20 +12,66 @@ from pathlib import Path
 
 NAMES = ["Mara", "Tom", "Ines", "Kofi", "Lena", "Ravi", "Yuki", "Omar", "Ada", "Pablo", "Nora", "Jin"]
 ITEMS = ["apples", "pencils", "marbles", "books", "stamps", "shells", "cookies", "coins", "tickets", "plums"]
-PLACES = ["the harbour", "the old mill", "the library", "a quiet valley", "the market square", "the hill farm",
-          "the train station", "a small workshop", "the river bank", "the school garden"]
-TIMES = ["In the morning", "Late in the evening", "Every spring", "After the storm", "On a grey Tuesday",
-         "Before sunrise", "During the long winter", "At noon", "Once a year", "On the first warm day"]
-PEOPLE = ["the baker", "a young engineer", "the ferry captain", "an old teacher", "the night guard",
-          "a travelling musician", "the gardener", "a curious child", "the clockmaker", "the village doctor"]
-ACTIONS = ["counted the boxes twice", "wrote a long letter", "fixed the broken gate", "planted a row of beans",
-           "tuned the piano", "measured the water level", "painted the fence blue", "sorted the mail",
-           "repaired a leaking roof", "mapped the narrow streets", "baked bread for the neighbours",
-           "checked every lantern"]
-REASONS = ["because nobody else remembered how", "so that the work would be ready by Friday",
-           "although the weather was poor", "while the others were still asleep",
-           "since the instructions were unclear", "as the bell rang across the fields",
-           "even though it took most of the day", "before the visitors arrived"]
+PLACES = [
+    "the harbour",
+    "the old mill",
+    "the library",
+    "a quiet valley",
+    "the market square",
+    "the hill farm",
+    "the train station",
+    "a small workshop",
+    "the river bank",
+    "the school garden",
+]
+TIMES = [
+    "In the morning",
+    "Late in the evening",
+    "Every spring",
+    "After the storm",
+    "On a grey Tuesday",
+    "Before sunrise",
+    "During the long winter",
+    "At noon",
+    "Once a year",
+    "On the first warm day",
+]
+PEOPLE = [
+    "the baker",
+    "a young engineer",
+    "the ferry captain",
+    "an old teacher",
+    "the night guard",
+    "a travelling musician",
+    "the gardener",
+    "a curious child",
+    "the clockmaker",
+    "the village doctor",
+]
+ACTIONS = [
+    "counted the boxes twice",
+    "wrote a long letter",
+    "fixed the broken gate",
+    "planted a row of beans",
+    "tuned the piano",
+    "measured the water level",
+    "painted the fence blue",
+    "sorted the mail",
+    "repaired a leaking roof",
+    "mapped the narrow streets",
+    "baked bread for the neighbours",
+    "checked every lantern",
+]
+REASONS = [
+    "because nobody else remembered how",
+    "so that the work would be ready by Friday",
+    "although the weather was poor",
+    "while the others were still asleep",
+    "since the instructions were unclear",
+    "as the bell rang across the fields",
+    "even though it took most of the day",
+    "before the visitors arrived",
+]
 REFLECTIONS = [
     "Small habits, repeated with care, tend to matter more than grand plans.",
     "A careful record of what happened is worth more than a confident memory.",
@@ -61,19 +107,27 @@ def word_problem(rng: random.Random) -> str:
     x, y = rng.randint(5, 90), rng.randint(2, 40)
     kind = rng.randrange(4)
     if kind == 0:
-        return (f"Question: {a} has {x} {item}. {b} gives {a} {y} more {item}. How many {item} does {a} have now?\n"
-                f"Answer: {x} + {y} = {x + y}. {a} has {x + y} {item}.")
+        return (
+            f"Question: {a} has {x} {item}. {b} gives {a} {y} more {item}. How many {item} does {a} have now?\n"
+            f"Answer: {x} + {y} = {x + y}. {a} has {x + y} {item}."
+        )
     if kind == 1:
         x = max(x, y + 1)
-        return (f"Question: {a} had {x} {item} and gave {y} of them to {b}. How many {item} are left?\n"
-                f"Answer: {x} - {y} = {x - y}. There are {x - y} {item} left.")
+        return (
+            f"Question: {a} had {x} {item} and gave {y} of them to {b}. How many {item} are left?\n"
+            f"Answer: {x} - {y} = {x - y}. There are {x - y} {item} left."
+        )
     if kind == 2:
         n = rng.randint(2, 9)
-        return (f"Question: {a} buys {n} bags with {y} {item} in each bag. How many {item} is that in total?\n"
-                f"Answer: {n} * {y} = {n * y}. That is {n * y} {item}.")
+        return (
+            f"Question: {a} buys {n} bags with {y} {item} in each bag. How many {item} is that in total?\n"
+            f"Answer: {n} * {y} = {n * y}. That is {n * y} {item}."
+        )
     n = rng.randint(2, 6)
-    return (f"Question: {a} shares {n * y} {item} equally among {n} friends. How many does each friend get?\n"
-            f"Answer: {n * y} / {n} = {y}. Each friend gets {y} {item}.")
+    return (
+        f"Question: {a} shares {n * y} {item} equally among {n} friends. How many does each friend get?\n"
+        f"Answer: {n * y} / {n} = {y}. Each friend gets {y} {item}."
+    )
 
 
 def code(rng: random.Random) -> str:
@@ -93,9 +147,11 @@ def code(rng: random.Random) -> str:
     doc = f'    """{op.capitalize()} the {var} with a step of {k}."""'
     text = f"def {op}_{var}({var}):\n{doc}\n{body}\n"
     if rng.random() < 0.3:
-        text += f"\n\nclass {op.capitalize()}Buffer:\n    def __init__(self, size={k}):\n        self.size = size\n" \
-                f"        self.data = []\n\n    def push(self, value):\n        self.data.append(value)\n" \
-                f"        if len(self.data) > self.size:\n            self.data.pop(0)\n"
+        text += (
+            f"\n\nclass {op.capitalize()}Buffer:\n    def __init__(self, size={k}):\n        self.size = size\n"
+            f"        self.data = []\n\n    def push(self, value):\n        self.data.append(value)\n"
+            f"        if len(self.data) > self.size:\n            self.data.pop(0)\n"
+        )
     if rng.random() < 0.3:
         text += f"\n\nprint({op}_{var}([{', '.join(str(rng.randint(0, 30)) for _ in range(5))}]))\n"
     return text
