@@ -9,13 +9,12 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
-from rollout_backends.adapters.dynamo._launcher import generate_instances
-from rollout_backends.adapters.dynamo._wire import FLAVORS, DynamoWire
-
 from rollout_backends._errors import BackendUnavailable, InvalidRequest, RolloutBackendError
 from rollout_backends._fleet import HttpFleetBackend, Worker
 from rollout_backends._http import HttpClient, HttpRequest, HttpResponse
 from rollout_backends._types import VersionSource
+from rollout_backends.adapters.dynamo._launcher import generate_instances
+from rollout_backends.adapters.dynamo._wire import FLAVORS, DynamoWire
 
 __all__ = ["connect", "detect_flavor", "open_from_url", "worker_id_of"]
 

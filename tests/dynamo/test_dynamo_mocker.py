@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 import pytest_asyncio
-from rollout_backends.adapters.dynamo import DynamoFleet, RunningDynamoFleet, launch_dynamo_fleet
 
 from rollout_backends import GenerateRequest, SamplingParams, TransientError
 from rollout_backends._fleet import HttpFleetBackend
+from rollout_backends.adapters.dynamo import DynamoFleet, RunningDynamoFleet, launch_dynamo_fleet
 
 from .conftest import HAS_DYNAMO
 

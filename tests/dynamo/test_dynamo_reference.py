@@ -13,8 +13,6 @@ from pathlib import Path
 
 import pytest
 import pytest_asyncio
-from rollout_backends.adapters.dynamo import DynamoFleet, RunningDynamoFleet, launch_dynamo_fleet, open_from_url
-from rollout_backends.adapters.reference import ReferenceBackend, WeightSender, free_port
 
 from rollout_backends import (
     ControlFailed,
@@ -28,6 +26,8 @@ from rollout_backends import (
     WeightGroup,
 )
 from rollout_backends._fleet import HttpFleetBackend
+from rollout_backends.adapters.dynamo import DynamoFleet, RunningDynamoFleet, launch_dynamo_fleet, open_from_url
+from rollout_backends.adapters.reference import ReferenceBackend, WeightSender, free_port
 
 from .conftest import HAS_DYNAMO
 

@@ -6,9 +6,6 @@ import asyncio
 from typing import Any
 
 import pytest
-from rollout_backends.adapters.dynamo import DynamoFleet, DynamoWire, launch_dynamo_fleet
-from rollout_backends.adapters.dynamo._launcher import _WorkerPorts, frontend_argv, worker_argv, worker_env
-from rollout_backends.adapters.dynamo._wire import completion_body
 
 from rollout_backends import (
     BackendUnavailable,
@@ -25,6 +22,9 @@ from rollout_backends import (
 )
 from rollout_backends._fleet import HttpFleetBackend, Op, Worker
 from rollout_backends._http import HttpClient, HttpRequest, HttpResponse, MockTransport
+from rollout_backends.adapters.dynamo import DynamoFleet, DynamoWire, launch_dynamo_fleet
+from rollout_backends.adapters.dynamo._launcher import _WorkerPorts, frontend_argv, worker_argv, worker_env
+from rollout_backends.adapters.dynamo._wire import completion_body
 
 W0 = Worker(id="127.0.0.1:21001", control_url="http://127.0.0.1:21001", instance_id=111)
 W1 = Worker(id="127.0.0.1:21002", control_url="http://127.0.0.1:21002", instance_id=222)
