@@ -1,10 +1,26 @@
 """The SGLang adapter: a server directly, or workers behind an smg / sglang-router router.
 
 Generation goes to the entry point (router or server); control calls fan out to every worker,
-because routers forward none of them.
+because routers forward none of them. ``launch_sglang_fleet`` starts workers (real SGLang or
+reference servers) and a router and hands back the connected backend.
 """
 
 from rollout_backends.adapters.sglang._client import connect, open_from_url
+from rollout_backends.adapters.sglang._launcher import (
+    SGLangFleet,
+    SGLangFleetConfig,
+    launch_sglang_fleet,
+    start_sglang_fleet,
+)
 from rollout_backends.adapters.sglang._wire import SGLangWire, sampling_params_body
 
-__all__ = ["SGLangWire", "connect", "open_from_url", "sampling_params_body"]
+__all__ = [
+    "SGLangFleet",
+    "SGLangFleetConfig",
+    "SGLangWire",
+    "connect",
+    "launch_sglang_fleet",
+    "open_from_url",
+    "sampling_params_body",
+    "start_sglang_fleet",
+]

@@ -61,6 +61,7 @@ async def connect(
     workers: Sequence[str] | None = None,
     routing: RoutingKind | str | None = None,
     api_key: str | None = None,
+    admin_api_key: str | None = None,
     client: HttpClient | None = None,
     vocab_size: int | None = None,
     on_close: Any = None,
@@ -70,6 +71,8 @@ async def connect(
     ``workers`` lists worker URLs (control calls go to each); without it, a router's
     ``GET /workers`` is asked, and a plain server is its own single worker. Features
     (begin/end sessions, ``/ready``, memory saver, deterministic mode) are detected once here.
+    ``admin_api_key`` (SGLang's ``--admin-api-key``) is sent on the admin control routes instead
+    of ``api_key``.
     """
     entry = _normalise(url)
     client = client or HttpClient(api_key=api_key)
@@ -109,6 +112,7 @@ async def connect(
         deterministic=bool(info.get("enable_deterministic_inference")) if isinstance(info, dict) else False,
         max_context=int(ctx) if isinstance(ctx, int) else None,
         vocab_size=vocab_size,
+        admin_api_key=admin_api_key,
     )
     fleet = [Worker(id=worker_id_of(u), control_url=u, generate_url=u) for u in worker_urls]
     return HttpFleetBackend(wire, fleet, client=client, name="sglang", on_close=on_close)

@@ -111,6 +111,8 @@ class SGLangWire:
     max_context: int | None = None
     vocab_size: int | None = None
     probe_timeout: float = 20.0
+    #: SGLang's ``--admin-api-key``: sent (as a bearer token) on the admin control routes only.
+    admin_api_key: str | None = attrs.field(default=None, repr=False)
 
     def capabilities(self) -> Capabilities:
         return Capabilities(
@@ -166,9 +168,11 @@ class SGLangWire:
 
     def control(self, op: Op, worker: Worker, **args: Any) -> HttpRequest | None:
         url = worker.control_url
+        admin = {"Authorization": f"Bearer {self.admin_api_key}"} if self.admin_api_key else {}
 
         def post(path: str, body: dict[str, Any] | None = None) -> HttpRequest:
-            return HttpRequest("POST", f"{url}{path}", json=body if body is not None else {})
+            # Every POST control route is one of SGLang's admin routes (ADMIN_OPTIONAL).
+            return HttpRequest("POST", f"{url}{path}", json=body if body is not None else {}, headers=admin)
 
         if op is Op.ABORT:
             return post("/abort_request", {"rid": args["request_id"], "abort_all": False})

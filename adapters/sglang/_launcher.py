@@ -1,0 +1,599 @@
+"""Launch an SGLang fleet: N workers (real SGLang or reference servers) behind an optional router.
+
+    config = SGLangFleetConfig(model_path="/models/tiny", workers=2, router="smg", router_policy="cache_aware")
+    async with launch_sglang_fleet(config) as fleet:
+        gen = await fleet.backend.generate(GenerateRequest(input_ids=[1, 2, 3]))
+    # every process (workers, router, their children) is gone here
+
+Order: every worker (and an ``smg`` router, which needs none at start) is spawned at once by the
+shared :class:`~rollout_backends._supervisor.Supervisor`; the launcher waits until each worker
+answers its health route (progress through ``progress``; on timeout the error names what is not
+ready with the tail of its log), registers the workers with the router (``POST /workers`` on
+``smg``; ``--worker-urls`` on ``sglang-router``, started after the workers), waits until the
+router lists every worker healthy, then connects an ``HttpFleetBackend`` (generation through the
+router, control calls fanned out to each worker URL).
+
+Closing the fleet or its backend stops everything: SIGTERM to each process group, then SIGKILL
+after the grace (``router_grace_s`` >= 8 s for smg, which keeps its listener open 5 s on SIGTERM).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import attrs
+
+from rollout_backends._errors import BackendUnavailable, InvalidRequest, RolloutBackendError
+from rollout_backends._fleet import HttpFleetBackend
+from rollout_backends._http import HttpClient, HttpRequest
+from rollout_backends._supervisor import (
+    ProcessSpec,
+    ReadyCheck,
+    ReadyProgress,
+    Supervisor,
+    free_port,
+    port_in_use,
+)
+from rollout_backends._types import RoutingKind
+from rollout_backends.adapters.sglang._client import connect, worker_id_of
+
+__all__ = [
+    "ROUTER_POLICIES",
+    "SGLangFleet",
+    "SGLangFleetConfig",
+    "launch_sglang_fleet",
+    "router_argv",
+    "start_sglang_fleet",
+    "worker_argv",
+]
+
+WORKER_KINDS = ("sglang", "reference")
+ROUTERS = ("none", "smg", "sglang-router")
+#: Policies each router accepts (smg 1.13.0 ``--help``; sglang-router 0.3.x).
+ROUTER_POLICIES: Mapping[str, tuple[str, ...]] = {
+    "smg": (
+        "cache_aware",
+        "round_robin",
+        "random",
+        "power_of_two",
+        "least_load",
+        "manual",
+        "consistent_hashing",
+        "prefix_hash",
+        "passthrough",
+    ),
+    "sglang-router": ("cache_aware", "round_robin", "random", "power_of_two"),
+}
+_ROUTING_KIND = {
+    "cache_aware": RoutingKind.CACHE_AWARE,
+    "round_robin": RoutingKind.ROUND_ROBIN,
+    "random": RoutingKind.RANDOM,
+}
+#: Share of a GPU's memory that all SGLang workers on it may take together when
+#: ``mem_fraction_static`` is not given and several workers share one device.
+_SHARED_GPU_BUDGET = 0.8
+
+
+def _opt_tuple(value: Sequence[Any] | None) -> tuple[str, ...] | None:
+    return None if value is None else tuple(str(v) for v in value)
+
+
+def _str_tuple(value: Sequence[Any]) -> tuple[str, ...]:
+    if isinstance(value, str):
+        raise TypeError("expected a sequence of arguments, not a string")
+    return tuple(str(v) for v in value)
+
+
+def _opt_int_tuple(value: Sequence[int] | None) -> tuple[int, ...] | None:
+    return None if value is None else tuple(int(v) for v in value)
+
+
+@attrs.frozen(slots=True, kw_only=True)
+class SGLangFleetConfig:
+    """What to launch. Every field is optional except ``model_path``.
+
+    Ports: ``worker_ports`` (one per worker) or ``worker_base_port`` (worker *i* on base + *i*),
+    else free ports chosen now; ``router_port`` and ``router_prometheus_port`` likewise. A port
+    already bound fails before anything starts.
+
+    SGLang-only flags (``mem_fraction_static``, backends, CUDA graphs, radix cache, memory saver,
+    deterministic inference) are not passed to ``reference`` workers, which are deterministic,
+    always report ``cached_tokens`` from a page-granular prefix index and never use a GPU.
+    """
+
+    model_path: str = attrs.field(converter=str)
+    workers: int = 1
+    #: ``sglang``: ``python -m sglang.launch_server``; ``reference``: our CPU reference server.
+    worker_kind: str = "sglang"
+    host: str = "127.0.0.1"
+    worker_ports: tuple[int, ...] | None = attrs.field(default=None, converter=_opt_int_tuple)
+    worker_base_port: int | None = None
+    #: ``CUDA_VISIBLE_DEVICES`` of each worker (e.g. ``("0", "1")`` or ``("0,1", "2,3")``).
+    cuda_visible_devices: tuple[str, ...] | None = attrs.field(default=None, converter=_opt_tuple)
+    #: ``--mem-fraction-static``; ``None``: SGLang's default for a worker alone on its GPU(s),
+    #: ``0.8 / n`` when ``n`` workers share a device.
+    mem_fraction_static: float | None = None
+    page_size: int = 16
+    attention_backend: str | None = "triton"
+    sampling_backend: str | None = "pytorch"
+    disable_cuda_graph: bool = True
+    disable_radix_cache: bool = False
+    enable_memory_saver: bool = False
+    deterministic_inference: bool = False
+    skip_tokenizer_init: bool = False
+    random_seed: int | None = None
+    weight_version: str = "default"
+    served_model_name: str | None = None
+    api_key: str | None = attrs.field(default=None, repr=False)
+    admin_api_key: str | None = attrs.field(default=None, repr=False)
+    #: Appended verbatim to every worker's command line.
+    extra_server_args: tuple[str, ...] = attrs.field(default=(), converter=_str_tuple)
+    #: Extra environment of every worker (on top of the defaults below).
+    env: Mapping[str, str] = attrs.field(factory=dict, converter=dict)
+    #: ``SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION``: off, so router health probes never generate.
+    health_endpoint_generation: bool = False
+    #: Torch threads of each reference worker.
+    reference_threads: int = 1
+    router: str = "smg"
+    router_policy: str = "cache_aware"
+    router_port: int | None = None
+    router_prometheus_port: int | None = None
+    #: Seconds between the router's health probes of each worker (``--health-check-interval-secs``).
+    health_check_interval_s: int = 10
+    #: Router retries (of requests whose connection failed) on another worker.
+    router_retries: bool = True
+    #: How workers join the router: ``api`` (``POST /workers``; smg only; the router starts with the
+    #: workers), ``cli`` (``--worker-urls``; the router starts once the workers are up), or ``auto``:
+    #: ``api`` on smg except for ``power_of_two`` (smg refuses to start it with < 2 workers), else ``cli``.
+    router_registration: str = "auto"
+    #: Appended verbatim to the router's command line.
+    extra_router_args: tuple[str, ...] = attrs.field(default=(), converter=_str_tuple)
+    #: Logs of every process (``<name>.log``); ``None``: a fresh temporary directory.
+    log_dir: str | None = attrs.field(default=None, converter=attrs.converters.optional(str))
+    #: Seconds to wait for the workers; ``None``: 900 for SGLang (first-run kernel JIT), 180 for reference.
+    startup_timeout_s: float | None = None
+    router_timeout_s: float = 60.0
+    #: SIGTERM → SIGKILL grace of workers and of the router.
+    worker_grace_s: float = 10.0
+    router_grace_s: float = 8.0
+    python: str = sys.executable
+
+    def __attrs_post_init__(self) -> None:
+        if isinstance(self.workers, bool) or not isinstance(self.workers, int) or self.workers < 1:
+            raise InvalidRequest("workers", f"must be an int >= 1, got {self.workers!r}")
+        if self.worker_kind not in WORKER_KINDS:
+            raise InvalidRequest("worker_kind", f"must be one of {WORKER_KINDS}, got {self.worker_kind!r}")
+        if self.router not in ROUTERS:
+            raise InvalidRequest("router", f"must be one of {ROUTERS}, got {self.router!r}")
+        if self.router != "none" and self.router_policy not in ROUTER_POLICIES[self.router]:
+            known = ROUTER_POLICIES[self.router]
+            raise InvalidRequest("router_policy", f"{self.router} has no policy {self.router_policy!r} ({known})")
+        if self.router_registration not in ("auto", "api", "cli"):
+            raise InvalidRequest("router_registration", f"must be auto, api or cli, got {self.router_registration!r}")
+        if self.router == "sglang-router" and self.router_registration == "api":
+            raise InvalidRequest("router_registration", "sglang-router is given its workers with --worker-urls (cli)")
+        if self.worker_ports is not None and self.worker_base_port is not None:
+            raise InvalidRequest("worker_ports", "give worker_ports or worker_base_port, not both")
+        if self.worker_ports is not None and len(self.worker_ports) != self.workers:
+            raise InvalidRequest("worker_ports", f"{len(self.worker_ports)} ports for {self.workers} workers")
+        if self.cuda_visible_devices is not None and len(self.cuda_visible_devices) != self.workers:
+            raise InvalidRequest(
+                "cuda_visible_devices", f"{len(self.cuda_visible_devices)} entries for {self.workers} workers"
+            )
+        if self.mem_fraction_static is not None and not 0 < self.mem_fraction_static < 1:
+            raise InvalidRequest("mem_fraction_static", f"must be in (0, 1), got {self.mem_fraction_static}")
+        if self.page_size < 1:
+            raise InvalidRequest("page_size", f"must be >= 1, got {self.page_size}")
+        if self.health_check_interval_s < 1:
+            raise InvalidRequest("health_check_interval_s", "must be >= 1 (smg's minimum)")
+        if not self.weight_version:
+            raise InvalidRequest("weight_version", "must be a non-empty string")
+        ports = [p for p in (*(self.worker_ports or ()), self.router_port, self.router_prometheus_port) if p]
+        if len(set(ports)) != len(ports):
+            raise InvalidRequest("worker_ports", f"ports must be distinct, got {ports}")
+
+    @property
+    def registration(self) -> str:
+        """``api``, ``cli`` or ``none`` (no router): ``router_registration`` with ``auto`` resolved."""
+        if self.router == "none":
+            return "none"
+        if self.router_registration != "auto":
+            return self.router_registration
+        return "api" if self.router == "smg" and self.router_policy != "power_of_two" else "cli"
+
+    @property
+    def routing_kind(self) -> RoutingKind:
+        if self.router == "none":
+            return RoutingKind.SINGLE if self.workers == 1 else RoutingKind.OTHER
+        return _ROUTING_KIND.get(self.router_policy, RoutingKind.OTHER)
+
+    def default_startup_timeout(self) -> float:
+        if self.startup_timeout_s is not None:
+            return self.startup_timeout_s
+        return 900.0 if self.worker_kind == "sglang" else 180.0
+
+    def worker_mem_fraction(self, index: int) -> float | None:
+        """The ``--mem-fraction-static`` worker ``index`` gets (see the field)."""
+        if self.mem_fraction_static is not None:
+            return self.mem_fraction_static
+        if self.cuda_visible_devices is None:
+            sharing = self.workers
+        else:
+            mine = set(self.cuda_visible_devices[index].split(","))
+            sharing = sum(1 for d in self.cuda_visible_devices if mine & set(d.split(",")))
+        return None if sharing <= 1 else round(_SHARED_GPU_BUDGET / sharing, 3)
+
+
+# -- command lines ------------------------------------------------------------------------------
+
+
+def worker_argv(config: SGLangFleetConfig, index: int, port: int) -> list[str]:
+    """The command line of worker ``index`` listening on ``port``."""
+    c = config
+    if c.worker_kind == "reference":
+        argv = [c.python, "-m", "rollout_backends.adapters.reference.serve", "--model-path", c.model_path,
+                "--host", c.host, "--port", str(port), "--weight-version", c.weight_version,
+                "--page-size", str(c.page_size), "--num-threads", str(c.reference_threads)]  # fmt: skip
+        if c.served_model_name:
+            argv += ["--served-model-name", c.served_model_name]
+    else:
+        argv = [c.python, "-m", "sglang.launch_server", "--model-path", c.model_path, "--host", c.host,
+                "--port", str(port), "--page-size", str(c.page_size), "--weight-version", c.weight_version]  # fmt: skip
+        if c.served_model_name:
+            argv += ["--served-model-name", c.served_model_name]
+        if c.attention_backend:
+            argv += ["--attention-backend", c.attention_backend]
+        if c.sampling_backend:
+            argv += ["--sampling-backend", c.sampling_backend]
+        if c.disable_cuda_graph:
+            argv.append("--disable-cuda-graph")
+        frac = c.worker_mem_fraction(index)
+        if frac is not None:
+            argv += ["--mem-fraction-static", str(frac)]
+        if c.disable_radix_cache:
+            argv.append("--disable-radix-cache")
+        if c.enable_memory_saver:
+            argv.append("--enable-memory-saver")
+        if c.deterministic_inference:
+            argv.append("--enable-deterministic-inference")
+        if c.skip_tokenizer_init:
+            argv.append("--skip-tokenizer-init")
+        if c.random_seed is not None:
+            argv += ["--random-seed", str(c.random_seed)]
+    if c.api_key:
+        argv += ["--api-key", c.api_key]
+    if c.admin_api_key:
+        argv += ["--admin-api-key", c.admin_api_key]
+    return argv + list(c.extra_server_args)
+
+
+def worker_env(config: SGLangFleetConfig, index: int) -> dict[str, str | None]:
+    env: dict[str, str | None] = {
+        "SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION": "1" if config.health_endpoint_generation else "0",
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+    }
+    if config.cuda_visible_devices is not None:
+        env["CUDA_VISIBLE_DEVICES"] = config.cuda_visible_devices[index]
+    env.update(config.env)
+    return env
+
+
+def router_argv(config: SGLangFleetConfig, port: int, prometheus_port: int, worker_urls: Sequence[str]) -> list[str]:
+    """The router's command line. ``worker_urls`` are passed as ``--worker-urls`` unless the
+    workers register through ``POST /workers`` (``config.registration == "api"``)."""
+    c = config
+    module = "smg.launch_router" if c.router == "smg" else "sglang_router.launch_router"
+    argv = [c.python, "-m", module, "--host", c.host, "--port", str(port), "--policy", c.router_policy,
+            "--prometheus-host", c.host, "--prometheus-port", str(prometheus_port),
+            "--health-check-interval-secs", str(c.health_check_interval_s)]  # fmt: skip
+    if c.router == "smg":
+        # No tokenizer is needed for token-id traffic; re-probe a registering worker every second.
+        argv += ["--disable-tokenizer-autoload", "--worker-startup-check-interval", "1"]
+    if c.registration == "cli" and worker_urls:
+        argv += ["--worker-urls", *worker_urls]
+    if not c.router_retries:
+        argv.append("--disable-retries")
+    if c.api_key:
+        argv += ["--api-key", c.api_key]
+    return argv + list(c.extra_router_args)
+
+
+# -- the fleet ----------------------------------------------------------------------------------
+
+
+def _distinct_free_ports(host: str, n: int, taken: set[int]) -> list[int]:
+    out: list[int] = []
+    for _ in range(100 * n + 100):
+        if len(out) == n:
+            break
+        p = free_port(host)
+        if p not in taken and p not in out:
+            out.append(p)
+    if len(out) != n:  # pragma: no cover - the OS keeps handing out the same ports
+        raise BackendUnavailable(f"could not find {n} distinct free ports on {host}")
+    return out
+
+
+def _vocab_size_of(model_path: str) -> int | None:
+    """``vocab_size`` from a local model's ``config.json`` (client-side token-id validation)."""
+    try:
+        cfg = json.loads((Path(model_path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    v = cfg.get("vocab_size") if isinstance(cfg, dict) else None
+    return v if isinstance(v, int) and v > 0 else None
+
+
+class SGLangFleet:
+    """A launched fleet. Use ``async with launch_sglang_fleet(config) as fleet`` or
+    ``fleet = await start_sglang_fleet(config)`` ... ``await fleet.aclose()``.
+
+    ``backend`` is an ``HttpFleetBackend``; closing it also stops the fleet.
+    """
+
+    def __init__(
+        self,
+        config: SGLangFleetConfig,
+        *,
+        progress: Callable[[ReadyProgress], None] | None = None,
+        supervisor: Supervisor | None = None,
+    ) -> None:
+        self.config = config
+        self.progress = progress
+        self.supervisor = supervisor or Supervisor(config.log_dir, grace=config.worker_grace_s)
+        self.log_dir: Path = self.supervisor.log_dir
+        self.worker_urls: tuple[str, ...] = ()
+        self.router_url: str | None = None
+        self.router_prometheus_port: int | None = None
+        self._backend: HttpFleetBackend | None = None
+        self._started = False
+        self._closed = False
+        self._close_lock: asyncio.Lock | None = None
+
+    # -- queries --------------------------------------------------------------------------------
+
+    @property
+    def backend(self) -> HttpFleetBackend:
+        if self._backend is None:
+            raise RuntimeError("the fleet is not started (use `async with launch_sglang_fleet(config)`)")
+        return self._backend
+
+    @property
+    def worker_ids(self) -> tuple[str, ...]:
+        """``host:port`` of each worker (the backend's worker ids)."""
+        return tuple(worker_id_of(u) for u in self.worker_urls)
+
+    @property
+    def entry_url(self) -> str:
+        """Where generation goes: the router, or the first worker without one."""
+        return self.router_url or self.worker_urls[0]
+
+    def worker_name(self, index: int) -> str:
+        return f"worker-{index}"
+
+    @property
+    def router_name(self) -> str:
+        return "router"
+
+    def pids(self) -> dict[str, list[int]]:
+        """Every live pid of every process group, by process name."""
+        return {n: self.supervisor.group_pids(n) for n in self.supervisor.names}
+
+    # -- start ----------------------------------------------------------------------------------
+
+    def _headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.config.api_key}"} if self.config.api_key else {}
+
+    def _plan_ports(self) -> tuple[list[int], int | None, int | None]:
+        c = self.config
+        if c.worker_ports is not None:
+            workers = list(c.worker_ports)
+        elif c.worker_base_port is not None:
+            workers = [c.worker_base_port + i for i in range(c.workers)]
+        else:
+            workers = []
+        fixed = [*workers, c.router_port, c.router_prometheus_port]
+        busy = [p for p in fixed if p is not None and port_in_use(c.host, p)]
+        if busy:
+            raise BackendUnavailable(f"port(s) {busy} on {c.host} are already in use; nothing was started")
+        taken = {p for p in fixed if p is not None}
+        need = (0 if workers else c.workers) + (
+            0 if c.router == "none" else (c.router_port is None) + (c.router_prometheus_port is None)
+        )
+        auto = _distinct_free_ports(c.host, need, taken)
+        if not workers:
+            workers, auto = auto[: c.workers], auto[c.workers :]
+        router_port = prom_port = None
+        if c.router != "none":
+            router_port = c.router_port if c.router_port is not None else auto.pop(0)
+            prom_port = c.router_prometheus_port if c.router_prometheus_port is not None else auto.pop(0)
+        return workers, router_port, prom_port
+
+    def _worker_spec(self, index: int, port: int) -> ProcessSpec:
+        c = self.config
+        # Real SGLang answers /health before its first forward pass; /health_generate runs one.
+        route = "/health_generate" if c.worker_kind == "sglang" else "/health"
+        return ProcessSpec(
+            name=self.worker_name(index),
+            argv=worker_argv(c, index, port),
+            env=worker_env(c, index),
+            ready=ReadyCheck.http(f"http://{c.host}:{port}{route}", headers=self._headers(), check_timeout=30.0),
+            ports=[(c.host, port)],
+            grace=c.worker_grace_s,
+        )
+
+    def _router_spec(
+        self, port: int, prom_port: int, *, name: str | None = None, policy: str | None = None
+    ) -> ProcessSpec:
+        c = self.config if policy is None else attrs.evolve(self.config, router_policy=policy)
+        route = "/liveness" if c.router == "smg" else "/health"
+        return ProcessSpec(
+            name=name or self.router_name,
+            argv=router_argv(c, port, prom_port, self.worker_urls),
+            ready=ReadyCheck.http(f"http://{c.host}:{port}{route}", headers=self._headers()),
+            ports=[(c.host, port), (c.host, prom_port)],
+            grace=c.router_grace_s,
+        )
+
+    async def start(self) -> SGLangFleet:
+        """Start everything and connect the backend; on any failure stop what started and raise."""
+        if self._started:
+            raise RuntimeError("the fleet was already started")
+        self._started = True
+        c = self.config
+        try:
+            worker_ports, router_port, prom_port = self._plan_ports()
+            self.worker_urls = tuple(f"http://{c.host}:{p}" for p in worker_ports)
+            names = []
+            for i, port in enumerate(worker_ports):
+                await self.supervisor.start(self._worker_spec(i, port))
+                names.append(self.worker_name(i))
+            if c.registration == "api":  # the router needs no workers to start: start it now
+                assert router_port is not None and prom_port is not None
+                await self.supervisor.start(self._router_spec(router_port, prom_port))
+                names.append(self.router_name)
+            await self.supervisor.wait_ready(names, timeout=c.default_startup_timeout(), progress=self.progress)
+            if c.registration == "cli":
+                assert router_port is not None and prom_port is not None
+                await self.supervisor.start(self._router_spec(router_port, prom_port))
+                await self.supervisor.wait_ready([self.router_name], timeout=c.router_timeout_s, progress=self.progress)
+            if router_port is not None:
+                self.router_url = f"http://{c.host}:{router_port}"
+                self.router_prometheus_port = prom_port
+                await self._register_and_wait(self.router_url, self.router_name, c.registration)
+            self._backend = await connect(
+                self.entry_url,
+                workers=list(self.worker_urls),
+                routing=c.routing_kind,
+                api_key=c.api_key,
+                admin_api_key=c.admin_api_key,
+                vocab_size=_vocab_size_of(c.model_path),
+                on_close=self.aclose,
+            )
+        except BaseException:
+            await self.aclose()
+            raise
+        return self
+
+    async def add_router(self, policy: str, *, name: str | None = None) -> str:
+        """Start one more router of the configured kind, with ``policy``, over the same workers.
+
+        Returns its URL. It is stopped with the fleet. For comparing policies on warm workers.
+        """
+        c = self.config
+        if c.router == "none":
+            raise InvalidRequest("router", "this fleet has no router kind to start another of")
+        if policy not in ROUTER_POLICIES[c.router]:
+            raise InvalidRequest("policy", f"{c.router} has no policy {policy!r}")
+        if self._backend is None or self._closed:
+            raise RuntimeError("the fleet is not running")
+        name = name or f"router-{policy}-{len(self.supervisor.names)}"
+        port, prom = _distinct_free_ports(c.host, 2, set())
+        await self.supervisor.start(self._router_spec(port, prom, name=name, policy=policy))
+        await self.supervisor.wait_ready([name], timeout=c.router_timeout_s, progress=self.progress)
+        url = f"http://{c.host}:{port}"
+        await self._register_and_wait(url, name, attrs.evolve(c, router_policy=policy).registration)
+        return url
+
+    async def _register_and_wait(self, router_url: str, router_name: str, registration: str) -> None:
+        """Register every worker (smg: ``POST /workers``) and wait until the router lists each healthy."""
+        c = self.config
+        client = HttpClient(api_key=c.api_key, control_timeout=10.0)
+        try:
+            if registration == "api":
+                for url in self.worker_urls:
+                    req = HttpRequest("POST", f"{router_url}/workers", json={"url": url, "worker_type": "regular"})
+                    resp = await client.send(attrs.evolve(req, timeout=10.0))
+                    if resp.status not in (200, 201, 202, 409):  # 409: already registered
+                        raise BackendUnavailable(
+                            f"router {router_url}: POST /workers {url} answered HTTP {resp.status}: {resp.text[:300]}"
+                        )
+            deadline = time.monotonic() + c.router_timeout_s
+            state: dict[str, str] = {}
+            while True:
+                state = await self._router_worker_state(client, router_url)
+                if all(state.get(u) == "healthy" for u in self.worker_urls):
+                    return
+                if time.monotonic() >= deadline:
+                    break
+                await asyncio.sleep(0.1)
+            missing = {u: state.get(u, "not listed") for u in self.worker_urls if state.get(u) != "healthy"}
+            tail = self.supervisor.log_tail(router_name)
+            raise BackendUnavailable(
+                f"router {router_url} does not list every worker healthy after {c.router_timeout_s:.0f}s: "
+                f"{missing}; last lines of its log:\n{tail}"
+            )
+        finally:
+            await client.aclose()
+
+    async def _router_worker_state(self, client: HttpClient, router_url: str) -> dict[str, str]:
+        try:
+            resp = await client.send(HttpRequest("GET", f"{router_url}/workers", timeout=5.0, idempotent=True))
+        except RolloutBackendError as exc:
+            return {"<router>": str(exc)}
+        if not resp.ok:
+            return {}
+        data = resp.json()
+        entries = data.get("workers", []) if isinstance(data, dict) else data
+        state: dict[str, str] = {}
+        for e in entries if isinstance(entries, list) else []:
+            url = e.get("url") if isinstance(e, dict) else e
+            if not isinstance(url, str):
+                continue
+            healthy = e.get("is_healthy", True) if isinstance(e, dict) else True
+            state[url.rstrip("/")] = "healthy" if healthy else str(e.get("status", "unhealthy"))
+        return state
+
+    # -- stop -----------------------------------------------------------------------------------
+
+    async def aclose(self) -> None:
+        """Close the backend's client and stop every process (idempotent; also run by ``backend.aclose``)."""
+        if self._close_lock is None:
+            self._close_lock = asyncio.Lock()
+        async with self._close_lock:
+            if self._closed:
+                return
+            self._closed = True
+            try:
+                if self._backend is not None:
+                    await self._backend.client.aclose()
+            finally:
+                await self.supervisor.aclose()
+
+    async def __aenter__(self) -> SGLangFleet:
+        if not self._started:
+            await self.start()
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.aclose()
+
+    def __repr__(self) -> str:
+        return (
+            f"<SGLangFleet {self.config.worker_kind} x{self.config.workers} router={self.config.router}"
+            f"({self.config.router_policy}) workers={list(self.worker_urls)} router_url={self.router_url}>"
+        )
+
+
+def launch_sglang_fleet(
+    config: SGLangFleetConfig, *, progress: Callable[[ReadyProgress], None] | None = None
+) -> SGLangFleet:
+    """An async context manager that starts the fleet on entry and stops it on exit."""
+    return SGLangFleet(config, progress=progress)
+
+
+async def start_sglang_fleet(
+    config: SGLangFleetConfig, *, progress: Callable[[ReadyProgress], None] | None = None
+) -> SGLangFleet:
+    """Start the fleet now; stop it with ``await fleet.aclose()`` (or ``await fleet.backend.aclose()``)."""
+    return await SGLangFleet(config, progress=progress).start()

@@ -1,0 +1,285 @@
+"""Real Dynamo 1.4.2 frontend + two of our Python workers over ``ReferenceEngine`` (CPU).
+
+Tokens and logprobs equal the in-process ``ReferenceBackend`` exactly; weight updates (disk and
+gloo) go through the engine routes inside ``backend.weight_update``; every pause mode; abort;
+bad inputs; no processes left behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+import pytest_asyncio
+
+from rollout_backends import (
+    ControlFailed,
+    FinishReason,
+    GenerateRequest,
+    InvalidRequest,
+    PauseMode,
+    SamplingParams,
+    Unsupported,
+    WeightBucket,
+    WeightGroup,
+)
+from rollout_backends._fleet import HttpFleetBackend
+from rollout_backends.adapters.dynamo import DynamoFleet, RunningDynamoFleet, launch_dynamo_fleet, open_from_url
+from rollout_backends.adapters.reference import ReferenceBackend, WeightSender, free_port
+
+from .conftest import HAS_DYNAMO
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not HAS_DYNAMO, reason="ai-dynamo is not installed"),
+    pytest.mark.asyncio(loop_scope="module"),
+]
+
+PROMPTS = [[5, 6, 7, 8, 9, 10], list(range(20, 60)), [300, 200, 100]]
+SAMPLINGS = [
+    SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True),
+    SamplingParams(max_new_tokens=12, temperature=0.7, top_p=0.9, top_k=50, seed=1234, ignore_eos=True),
+    SamplingParams(max_new_tokens=12, temperature=1.0, seed=7, repetition_penalty=1.1),
+]
+LONG = SamplingParams(max_new_tokens=3000, temperature=0.0, ignore_eos=True)
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def fleet(tiny_model: Path, no_orphans: None) -> AsyncIterator[tuple[RunningDynamoFleet, HttpFleetBackend]]:
+    # kv mode: the frontend honours pinning (round-robin ignores it); the workers publish no KV
+    # events, so the router runs on load only.
+    cfg = DynamoFleet(model_path=tiny_model, workers=2, worker_kind="reference", router_mode="kv", kv_events=False)
+    async with launch_dynamo_fleet(cfg) as running:
+        yield running, await running.connect()
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def local(tiny_model: Path, tiny_model_b: Path) -> AsyncIterator[ReferenceBackend]:
+    backend = ReferenceBackend.create(tiny_model, workers=1)
+    yield backend
+    await backend.aclose()
+
+
+async def _expected(local: ReferenceBackend, prompt: list[int], sampling: SamplingParams) -> tuple:  # type: ignore[type-arg]
+    g = await local.generate(GenerateRequest(input_ids=prompt, sampling=sampling))
+    return g.output_ids, g.logprobs, g.finish_reason
+
+
+async def test_capabilities(fleet: tuple[RunningDynamoFleet, HttpFleetBackend]) -> None:
+    _, b = fleet
+    caps = b.capabilities
+    assert caps.version_source.value == "response" and caps.worker_pinning and caps.logprobs
+    assert set(caps.pause_modes) == set(PauseMode) and caps.vocab_size == 512 and caps.max_context == 4096
+    assert b.wire.flavor == "rollout"  # type: ignore[attr-defined]
+    assert all(w.instance_id is not None for w in b._workers.values())
+    report = await b.health(probe=True)
+    assert report.ready and report.router_live and all(w.making_progress for w in report.workers)
+    assert await b.weight_version() == "default"
+
+
+async def test_tokens_and_logprobs_equal_in_process(
+    fleet: tuple[RunningDynamoFleet, HttpFleetBackend], local: ReferenceBackend
+) -> None:
+    _, b = fleet
+    for prompt in PROMPTS:
+        for sampling in SAMPLINGS:
+            want = await _expected(local, prompt, sampling)
+            for worker in b.workers:
+                g = await b.generate(GenerateRequest(input_ids=prompt, sampling=sampling, worker=worker))
+                assert g.worker == worker and g.weight_version == "default"
+                assert (g.output_ids, g.logprobs, g.finish_reason) == want, (prompt, sampling)
+                assert g.prompt_tokens == len(prompt)
+
+
+async def test_stop_token(fleet: tuple[RunningDynamoFleet, HttpFleetBackend], local: ReferenceBackend) -> None:
+    _, b = fleet
+    free = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
+    ids, _, _ = await _expected(local, PROMPTS[1], free)
+    stop = ids[4]
+    sampling = SamplingParams(max_new_tokens=12, temperature=0.0, stop_token_ids=[stop])
+    want = await _expected(local, PROMPTS[1], sampling)
+    g = await b.generate(GenerateRequest(input_ids=PROMPTS[1], sampling=sampling))
+    assert (g.output_ids, g.logprobs, g.finish_reason) == want
+    assert g.finish_reason is FinishReason.STOP and g.output_ids[-1] == stop and g.matched_stop == stop
+
+
+async def test_bad_inputs(fleet: tuple[RunningDynamoFleet, HttpFleetBackend]) -> None:
+    _, b = fleet
+    with pytest.raises(InvalidRequest) as e:
+        await b.generate(GenerateRequest(input_ids=[1, 600]))
+    assert e.value.field == "input_ids[1]"
+    with pytest.raises(InvalidRequest):
+        await b.generate(GenerateRequest(input_ids=[1] * 4096))
+    with pytest.raises(InvalidRequest):
+        await b.generate(GenerateRequest(input_ids=[1], worker="nobody:1"))
+    with pytest.raises(InvalidRequest):
+        GenerateRequest(input_ids=[])
+    with pytest.raises(InvalidRequest):
+        await b.pause("sideways")  # type: ignore[arg-type]
+    with pytest.raises(InvalidRequest):
+        await b.flush_cache(workers=["nobody:1"])
+
+
+async def test_disk_update_inside_transaction(
+    fleet: tuple[RunningDynamoFleet, HttpFleetBackend], tiny_model: Path, tiny_model_b: Path
+) -> None:
+    _, b = fleet
+    req = GenerateRequest(input_ids=PROMPTS[0], sampling=SAMPLINGS[0])
+    before = await b.generate(req)
+    fresh_b = ReferenceBackend.create(tiny_model_b, workers=1)
+    try:
+        want_b = await fresh_b.generate(req)
+    finally:
+        await fresh_b.aclose()
+    async with b.weight_update("disk-1") as tx:
+        await tx.update_from_disk(str(tiny_model_b))
+    assert await b.weight_version() == "disk-1"
+    for w in b.workers:
+        g = await b.generate(GenerateRequest(input_ids=PROMPTS[0], sampling=SAMPLINGS[0], worker=w))
+        assert g.weight_version == "disk-1" and g.output_ids == want_b.output_ids and g.logprobs == want_b.logprobs
+        assert g.output_ids != before.output_ids
+    report = await b.health()
+    assert not report.stale_workers
+    # Back to the first checkpoint (also checks the refusal path: a bad path changes nothing).
+    with pytest.raises(ControlFailed):
+        await b.update_weights_from_disk("/no/such/checkpoint")
+    async with b.weight_update("default") as tx:
+        await tx.update_from_disk(str(tiny_model))
+    assert (await b.generate(req)).output_ids == before.output_ids
+
+
+async def test_gloo_update_inside_transaction(
+    fleet: tuple[RunningDynamoFleet, HttpFleetBackend], tiny_model_b: Path
+) -> None:
+    from safetensors.torch import load_file
+
+    _, b = fleet
+    req = GenerateRequest(input_ids=PROMPTS[2], sampling=SAMPLINGS[0])
+    before = await b.generate(req)
+    named = sorted(load_file(str(tiny_model_b / "model.safetensors")).items())
+    port = free_port()
+    sender = WeightSender("127.0.0.1", port, world_size=1 + len(b.workers), group_name="g1", timeout_s=60)
+    group = WeightGroup(master_address="127.0.0.1", master_port=port, world_size=3, group_name="g1", backend="gloo")
+    try:
+        await asyncio.gather(asyncio.to_thread(sender.connect), b.init_weight_group(group))
+        async with b.weight_update("gloo-1") as tx:
+            # The sender's broadcast blocks until the engines receive: run both concurrently.
+            await asyncio.gather(
+                asyncio.to_thread(sender.broadcast, named),
+                tx.update_from_distributed(WeightBucket.from_named_tensors(named), group_name="g1"),
+            )
+    finally:
+        await b.destroy_weight_group("g1")
+        sender.close()
+    versions = await b.weight_versions()
+    assert set(versions.values()) == {"gloo-1"}
+    after = await b.generate(req)
+    assert after.weight_version == "gloo-1" and after.output_ids != before.output_ids
+
+
+async def _started(b: HttpFleetBackend, task: asyncio.Future[object], seconds: float = 0.4) -> None:
+    await asyncio.sleep(seconds)
+    assert not task.done()
+
+
+async def test_abort_one_request_keeps_partial_tokens(fleet: tuple[RunningDynamoFleet, HttpFleetBackend]) -> None:
+    _, b = fleet
+    req = GenerateRequest(input_ids=PROMPTS[0], sampling=LONG, worker=b.workers[0], request_id="my-own-id-1")
+    task = asyncio.ensure_future(b.generate(req))
+    await _started(b, task)
+    await b.abort(req.request_id)  # by id on the worker (nvext.annotations carries the id)
+    g = await asyncio.wait_for(task, 10)
+    assert g.finish_reason is FinishReason.ABORT and 0 < len(g.output_ids) < 3000
+    assert g.logprobs is not None and len(g.logprobs) == len(g.output_ids) and g.request_id == "my-own-id-1"
+    # abort_all on every worker
+    tasks = [asyncio.ensure_future(b.generate(GenerateRequest(input_ids=PROMPTS[1], sampling=LONG, worker=w)))
+             for w in b.workers]  # fmt: skip
+    await asyncio.sleep(0.4)
+    await b.abort_all()
+    for g in await asyncio.wait_for(asyncio.gather(*tasks), 10):
+        assert g.aborted and len(g.output_ids) < 3000
+
+
+@pytest.mark.parametrize("mode", list(PauseMode))
+async def test_pause_modes(
+    fleet: tuple[RunningDynamoFleet, HttpFleetBackend], local: ReferenceBackend, mode: PauseMode
+) -> None:
+    _, b = fleet
+    w = b.workers[1]
+    sampling = SamplingParams(max_new_tokens=500, temperature=0.0, ignore_eos=True)
+    # What this worker serves now (the update tests changed its weights), unpaused.
+    ref = await b.generate(GenerateRequest(input_ids=PROMPTS[2], sampling=sampling, worker=w))
+    want = (ref.output_ids, ref.logprobs, ref.finish_reason)
+    task = asyncio.ensure_future(b.generate(GenerateRequest(input_ids=PROMPTS[2], sampling=sampling, worker=w)))
+    await asyncio.sleep(0.25)
+    await b.pause(mode, workers=[w])
+    try:
+        report = await b.health()
+        assert not report.worker(w).ready and report.worker(b.workers[0]).ready
+        if mode is PauseMode.ABORT:
+            g = await asyncio.wait_for(task, 10)
+            assert g.aborted and 0 < len(g.output_ids) < 500
+        else:
+            await asyncio.sleep(0.3)
+            assert not task.done(), "a paused worker generates nothing"
+            if mode is PauseMode.IN_PLACE:
+                with pytest.raises(ControlFailed):  # frozen requests hold KV: flush is refused
+                    await b.flush_cache(workers=[w])
+            else:
+                await b.flush_cache(workers=[w])
+    finally:
+        await b.resume(workers=[w])
+    if mode is not PauseMode.ABORT:
+        g = await asyncio.wait_for(task, 20)
+        assert (g.output_ids, g.finish_reason) == (want[0], want[2])
+        if mode is PauseMode.IN_PLACE:
+            assert g.logprobs == want[1]
+        else:  # RETRACT recomputes the KV in one prefill: same tokens, logprobs within float noise
+            assert g.logprobs is not None and max(abs(x - y) for x, y in zip(g.logprobs, want[1], strict=True)) < 1e-4
+    assert (await b.health()).ready
+
+
+async def test_memory_release(fleet: tuple[RunningDynamoFleet, HttpFleetBackend]) -> None:
+    _, b = fleet
+    req = GenerateRequest(input_ids=PROMPTS[0], sampling=SAMPLINGS[0])
+    before = await b.generate(req)
+    await b.pause(PauseMode.RETRACT)
+    try:
+        await b.release_memory()
+        await b.resume_memory()
+    finally:
+        await b.resume()
+    assert (await b.generate(req)).output_ids == before.output_ids
+    with pytest.raises(ControlFailed):  # releasing while requests run is refused by the engine
+        task = asyncio.ensure_future(b.generate(GenerateRequest(input_ids=PROMPTS[0], sampling=LONG)))
+        await asyncio.sleep(0.3)
+        try:
+            await b.release_memory()
+        finally:
+            await b.abort_all()
+            await task
+
+
+async def test_registry_url(fleet: tuple[RunningDynamoFleet, HttpFleetBackend]) -> None:
+    from rollout_backends import open_backend
+
+    running, b = fleet
+    workers = ",".join(u.split("://", 1)[1] for u in running.worker_urls)
+    host = running.frontend_url.split("://", 1)[1]
+    other = await open_backend(f"dynamo://{host}?workers={workers}&router_mode=kv")
+    try:
+        assert other.workers == b.workers
+        g = await other.generate(GenerateRequest(input_ids=PROMPTS[0], sampling=SAMPLINGS[0], worker=b.workers[1]))
+        assert g.worker == b.workers[1]
+    finally:
+        await other.aclose()
+    with pytest.raises(InvalidRequest):
+        await open_from_url(f"dynamo://{host}?bogus=1")
+    rr = await open_backend(f"dynamo://{host}?workers={workers}")  # router mode unknown: no pinning declared
+    try:
+        with pytest.raises(Unsupported):
+            await rr.generate(GenerateRequest(input_ids=[1], worker=b.workers[0]))
+    finally:
+        await rr.aclose()

@@ -1,0 +1,226 @@
+"""DynamoWire and the launcher's command lines, without processes (MockTransport)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from rollout_backends import (
+    BackendUnavailable,
+    ConnectionFailed,
+    ContractViolation,
+    ControlFailed,
+    FinishReason,
+    GenerateRequest,
+    InvalidRequest,
+    PauseMode,
+    SamplingParams,
+    Unsupported,
+    WeightGroup,
+)
+from rollout_backends._fleet import HttpFleetBackend, Op, Worker
+from rollout_backends._http import HttpClient, HttpRequest, HttpResponse, MockTransport
+from rollout_backends.adapters.dynamo import DynamoFleet, DynamoWire, launch_dynamo_fleet
+from rollout_backends.adapters.dynamo._launcher import _WorkerPorts, frontend_argv, worker_argv, worker_env
+from rollout_backends.adapters.dynamo._wire import completion_body
+
+W0 = Worker(id="127.0.0.1:21001", control_url="http://127.0.0.1:21001", instance_id=111)
+W1 = Worker(id="127.0.0.1:21002", control_url="http://127.0.0.1:21002", instance_id=222)
+
+
+def _wire(**kw: Any) -> DynamoWire:
+    base: dict[str, Any] = dict(
+        frontend_url="http://fe",
+        model="tiny",
+        router_mode="kv",
+        instance_workers={111: W0.id, 222: W1.id},
+        url_workers={W0.control_url: W0.id, W1.control_url: W1.id},
+        eos_token_ids=(0,),
+    )
+    base.update(kw)
+    return DynamoWire(**base)
+
+
+def _answer(ids: list[int], lps: list[float] | None, finish: str = "length", **nvext: Any) -> dict[str, Any]:
+    choice: dict[str, Any] = {"text": "", "index": 0, "finish_reason": finish}
+    if lps is not None:
+        choice["logprobs"] = {"tokens": [], "token_logprobs": lps, "top_logprobs": [], "text_offset": []}
+    return {
+        "choices": [choice],
+        "usage": {"prompt_tokens": 3, "completion_tokens": len(ids), "prompt_tokens_details": {"cached_tokens": 2}},
+        "nvext": {"completion_token_ids": ids, "worker_id": {"decode_worker_id": 222}, **nvext},
+    }
+
+
+def test_completion_body() -> None:
+    req = GenerateRequest(
+        input_ids=[1, 2, 3],
+        sampling=SamplingParams(max_new_tokens=5, temperature=0.5, stop_token_ids=[7], seed=3, min_new_tokens=1),
+        request_id="r1",
+    )
+    body = completion_body(req, "tiny", logprobs=True, instance_id=222)
+    assert body["prompt"] == [1, 2, 3] and body["max_tokens"] == 5 and body["ignore_eos"] is False
+    assert body["stop_token_ids"] == [7] and body["seed"] == 3 and body["min_tokens"] == 1 and body["logprobs"] == 0
+    assert "top_k" not in body  # -1 (whole vocabulary) is Dynamo's default
+    assert body["nvext"]["backend_instance_id"] == 222 and body["nvext"]["annotations"] == ["rid:r1"]
+    assert {"completion_token_ids", "worker_id", "engine_data"} <= set(body["nvext"]["extra_fields"])
+    http = _wire().generate(req, W1)
+    assert http.url == "http://fe/v1/completions" and http.json["nvext"]["backend_instance_id"] == 222
+
+
+def test_parse_generation() -> None:
+    w = _wire()
+    req = GenerateRequest(input_ids=[1, 2, 3], sampling=SamplingParams(max_new_tokens=2))
+    g = w.parse_generation(req, HttpResponse.from_json(_answer([4, 5], [-0.1, -0.2])), 0.1)
+    assert g.output_ids == (4, 5) and g.finish_reason is FinishReason.LENGTH and g.worker == W1.id
+    assert g.cached_tokens == 2 and g.prompt_tokens == 3 and g.weight_version is None
+    assert g.logprobs is not None and abs(g.logprobs[0] + 0.1) < 1e-7
+    # engine_data: version, raw finish reason (1.4.2 reports an abort as "stop"), worker by URL
+    ed = {"weight_version": "v3", "finish_reason": "abort", "worker": W0.control_url}
+    g = w.parse_generation(req, HttpResponse.from_json(_answer([4], [-0.1], "stop", engine_data=ed)), 0.1)
+    assert g.aborted and g.weight_version == "v3" and g.worker == W0.id
+    # stop on EOS without engine_data: STOP with the matched token
+    g = w.parse_generation(req, HttpResponse.from_json(_answer([4, 0], [-0.1, -0.2], "stop", stop_reason=0)), 0.1)
+    assert g.finish_reason is FinishReason.STOP and g.matched_stop == 0
+    # "stop" on a token that stops nothing: an abort the frontend reported as stop
+    g = w.parse_generation(req, HttpResponse.from_json(_answer([4, 9], [-0.1, -0.2], "stop")), 0.1)
+    assert g.aborted
+
+
+def test_parse_generation_errors() -> None:
+    w = _wire()
+    req = GenerateRequest(input_ids=[1])
+    with pytest.raises(ContractViolation):  # never padded
+        w.parse_generation(req, HttpResponse.from_json(_answer([4, 5], [-0.1])), 0.1)
+    with pytest.raises(ContractViolation):
+        w.parse_generation(req, HttpResponse.from_json(_answer([4, 5], None)), 0.1)
+    with pytest.raises(ContractViolation):
+        w.parse_generation(req, HttpResponse.from_json({"choices": []}), 0.1)
+    with pytest.raises(InvalidRequest):
+        w.parse_generation(req, HttpResponse.from_json({"message": "bad max_tokens"}, 400), 0.1)
+    with pytest.raises(ConnectionFailed):  # nothing generated: safe to resend
+        w.parse_generation(req, HttpResponse.from_json({"message": "Failed to generate completions"}, 500), 0.1)
+    with pytest.raises(BackendUnavailable):
+        w.parse_generation(req, HttpResponse.from_json({"message": "Failed to fold completions stream"}, 500), 0.1)
+    # the mocker has no logprobs: none are asked for and none are required
+    g = _wire(flavor="mocker").parse_generation(req, HttpResponse.from_json(_answer([4], None)), 0.1)
+    assert g.logprobs is None
+
+
+@pytest.mark.parametrize("flavor", ["rollout", "sglang14", "sglang16"])
+def test_control_routes(flavor: str) -> None:
+    w = _wire(flavor=flavor)
+    pause = w.control(Op.PAUSE, W0, mode=PauseMode.IN_PLACE)
+    assert pause is not None
+    if flavor == "sglang16":
+        assert pause.url.endswith("/engine/pause_generation") and pause.json == {"mode": "in_place"}
+    else:
+        assert pause.url.endswith("/engine/call_tokenizer_manager")
+        assert pause.json["args"] == [{"io_struct.PauseGenerationReqInput": {"mode": "in_place"}}]
+    sv = w.control(Op.SET_VERSION, W0, version="v2")
+    assert sv is not None and sv.json == {"new_version": "v2", "abort_all_requests": False}
+    g = WeightGroup(master_address="h", master_port=1234, world_size=3, backend="gloo")
+    init = w.control(Op.INIT_GROUP, W0, group=g, rank_offset=2)
+    assert init is not None and "2" in str(init.json) and "gloo" in str(init.json)
+    disk = w.control(Op.UPDATE_DISK, W0, path="/ck", version=None, load_format=None, flush_cache=False)
+    assert disk is not None and disk.url.endswith("/engine/control/update_weights_from_disk")
+    assert disk.json == {"model_path": "/ck", "abort_all_requests": False, "flush_cache": False}
+    abort = w.control(Op.ABORT, W0, request_id="r")
+    assert (abort is not None) == (flavor == "rollout")
+    # success is checked in every body
+    with pytest.raises(ControlFailed):
+        w.parse_control(Op.UPDATE_DISK, W0, HttpResponse.from_json({"success": False, "message": "no"}))
+    with pytest.raises(ControlFailed):
+        w.parse_control(Op.RELEASE_MEMORY, W0, HttpResponse.from_json({"status": "error", "message": "no"}))
+
+
+def test_sglang14_abort_all_500_is_success() -> None:
+    w = _wire(flavor="sglang14")
+    msg = {"error": "Handler error", "message": "TypeError: object NoneType can't be used in 'await' expression"}
+    assert w.parse_control(Op.ABORT_ALL, W0, HttpResponse.from_json(msg, 500)) is None
+    with pytest.raises(ControlFailed):
+        w.parse_control(Op.FLUSH_CACHE, W0, HttpResponse.from_json(msg, 500))
+
+
+def test_capabilities_by_mode_and_flavor() -> None:
+    assert _wire(router_mode="round-robin").capabilities().worker_pinning is False
+    assert _wire(router_mode="direct").capabilities().worker_pinning is True
+    m = _wire(flavor="mocker").capabilities()
+    assert not m.pause_modes and not m.weight_transports and not m.logprobs
+
+
+async def test_abort_cancels_the_in_flight_call() -> None:
+    """Where the engine cannot abort by id, abort() cancels the client's HTTP call."""
+    gate = asyncio.Event()
+
+    async def handler(req: HttpRequest) -> HttpResponse:
+        await gate.wait()
+        return HttpResponse.from_json(_answer([1], [-0.5]))
+
+    wire = _wire(flavor="sglang14")
+    b = HttpFleetBackend(wire, [W0, W1], client=HttpClient(MockTransport(handler)))
+    b.set_installed_version("v1")
+    req = GenerateRequest(input_ids=[1, 2], worker=W1.id)
+    task = asyncio.ensure_future(b.generate(req))
+    await asyncio.sleep(0.01)
+    assert b.inflight == (req.request_id,)
+    await b.abort(req.request_id)
+    g = await task
+    assert g.aborted and g.output_ids == () and g.logprobs == () and g.worker == W1.id and g.weight_version == "v1"
+    assert b.inflight == ()
+    # a caller's own cancellation still propagates
+    task = asyncio.ensure_future(b.generate(GenerateRequest(input_ids=[1])))
+    await asyncio.sleep(0.01)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    gate.set()
+    await b.aclose()
+
+
+def test_launcher_command_lines() -> None:
+    cfg = DynamoFleet(
+        model_path="/m/tiny",
+        worker_kind="sglang",
+        workers=2,
+        router_mode="kv",
+        kv_events=True,
+        router_predicted_ttl_secs=5,
+        stream_interval=4,
+        sglang_args=["--tp", "1"],
+        gpus=["2", "3"],
+    )
+    fe = frontend_argv(cfg, "ns1", 20000)
+    for flag in ("--discovery-backend", "--request-plane", "--event-plane", "--kv-cache-block-size"):
+        assert flag in fe
+    assert fe[fe.index("--router-predicted-ttl-secs") + 1] == "5" and "--no-router-kv-events" not in fe
+    ports = _WorkerPorts(system=21000, rpc=21001, kv_events=21002, sglang=21003, nccl=21004)
+    argv = worker_argv(cfg, 1, "ns1", ports)
+    assert argv[1:3] == ["-m", "rollout_backends.adapters.dynamo._sglang_shim"]
+    assert "--enable-rl" in argv and argv[argv.index("--page-size") + 1] == "16"
+    assert '"endpoint":"tcp://*:21002"' in argv[argv.index("--kv-events-config") + 1]
+    assert argv[argv.index("--stream-interval") + 1] == "4" and argv[-2:] == ["--tp", "1"]
+    env = worker_env(cfg, 1, {}, ports)
+    assert env["CUDA_VISIBLE_DEVICES"] == "3" and env["PYTHONHASHSEED"] == "0" and env["DYN_SYSTEM_PORT"] == "21000"
+    off = DynamoFleet(model_path="/m", router_mode="kv", kv_events=False)
+    assert "--no-router-kv-events" in frontend_argv(off, "ns", 1)
+
+
+def test_launcher_config_validation() -> None:
+    with pytest.raises(InvalidRequest):
+        DynamoFleet(model_path="/m", worker_kind="vllm")
+    with pytest.raises(InvalidRequest):
+        DynamoFleet(model_path="/m", router_mode="kv", kv_events=False, router_predicted_ttl_secs=5)
+    with pytest.raises(InvalidRequest):
+        DynamoFleet(model_path="/m", discovery="etcd")
+    cfg = DynamoFleet(model_path="/m", discovery="etcd", etcd_endpoints=["http://10.0.0.1:2379"])
+    assert "etcd" in frontend_argv(cfg, "ns", 1)
+
+
+async def test_start_etcd_is_unsupported() -> None:
+    cfg = DynamoFleet(model_path="/m", discovery="etcd", start_etcd=True)
+    with pytest.raises(Unsupported):
+        async with launch_dynamo_fleet(cfg):
+            pass
