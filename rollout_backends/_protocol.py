@@ -132,7 +132,10 @@ class RolloutBackend(Protocol):
         flush_cache: bool = True,
         workers: WorkerSelection = None,
     ) -> None:
-        """Load a checkpoint directory. Outputs then equal a fresh engine started on ``path``."""
+        """Load a checkpoint directory. Outputs then equal a fresh engine started on ``path``.
+
+        ``flush_cache=False`` is what ``weight_update`` passes (it flushed already, or must not).
+        """
         ...
 
     async def begin_weight_update(self, selector: str = "all", *, workers: WorkerSelection = None) -> None:

@@ -1,1 +1,50 @@
-"""The reference adapter."""
+"""The reference adapter: a deterministic in-process CPU engine with SGLang's control semantics.
+
+``ReferenceEngine`` is one engine; ``ReferenceBackend`` is the ``RolloutBackend`` over N of them;
+``make_tiny_model`` makes the seeded Qwen2 model they (and the GPU servers) load; ``WeightSender``
+is the trainer side of the gloo weight-update group. Importing this package does not import torch.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+__all__ = [
+    "EngineError",
+    "EngineHealth",
+    "ReferenceBackend",
+    "ReferenceEngine",
+    "WeightSender",
+    "free_port",
+    "make_tiny_model",
+    "open_from_url",
+]
+
+if TYPE_CHECKING:
+    from ._backend import ReferenceBackend, open_from_url
+    from ._dist import WeightSender, free_port
+    from ._engine import EngineError, EngineHealth, ReferenceEngine
+    from ._model import make_tiny_model
+
+_WHERE = {
+    "ReferenceBackend": "_backend",
+    "open_from_url": "_backend",
+    "WeightSender": "_dist",
+    "free_port": "_dist",
+    "EngineError": "_engine",
+    "EngineHealth": "_engine",
+    "ReferenceEngine": "_engine",
+    "make_tiny_model": "_model",
+}
+
+
+def __getattr__(name: str) -> Any:
+    # Lazy: the registry imports this package to find ``open_from_url`` without paying for torch.
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value

@@ -1,0 +1,132 @@
+"""Command line: serve a ``ReferenceEngine`` over SGLang's native HTTP API.
+
+    python -m rollout_backends.adapters.reference.serve --model-path DIR --host 127.0.0.1 --port P \
+        [--worker-id W] [--weight-version v0] [--api-key K] [--admin-api-key K] [--page-size 16] \
+        [--with-begin-end] [--make-model SEED]
+
+``--make-model SEED`` first writes a tiny seeded model to ``--model-path`` (if it has no
+``config.json``) with ``make_tiny_model``. Keys given on the command line are never printed.
+Only ``stream=false`` generation is served (see ``_server``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = ["load_engine", "main", "parse_args"]
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m rollout_backends.adapters.reference.serve", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p.add_argument("--model-path", required=True)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=30000)
+    p.add_argument("--worker-id", default=None, help="defaults to host:port")
+    p.add_argument("--weight-version", default="default")
+    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--api-key", default=os.environ.get("SGLANG_API_KEY"))
+    p.add_argument("--admin-api-key", default=None)
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--with-begin-end", action="store_true", help="serve /begin_weight_update and /end_weight_update")
+    p.add_argument("--sglang-version", default=None, help="the version /server_info reports")
+    p.add_argument("--make-model", type=int, default=None, metavar="SEED", help="write a tiny model first")
+    p.add_argument("--model-size", default="tiny", help="preset for --make-model")
+    p.add_argument("--num-threads", type=int, default=1, help="torch threads of the engine")
+    p.add_argument("--log-level", default="info")
+    p.add_argument(
+        "--engine-factory",
+        default=None,
+        metavar="MODULE:CALLABLE",
+        help="build the engine with CALLABLE(args) instead of ReferenceEngine (tests)",
+    )
+    return p.parse_args(argv)
+
+
+def load_engine(args: argparse.Namespace) -> Any:
+    """Build the ``ReferenceEngine`` for ``args`` (imports torch), or call ``--engine-factory``."""
+    if args.engine_factory:
+        import importlib
+
+        module, _, attr = args.engine_factory.partition(":")
+        return getattr(importlib.import_module(module), attr)(args)
+    from ._engine import ReferenceEngine
+
+    kw: dict[str, Any] = {
+        "worker_id": args.worker_id or f"{args.host}:{args.port}",
+        "weight_version": args.weight_version,
+        "page_size": args.page_size,
+    }
+    if args.num_threads != 1:
+        kw["num_threads"] = args.num_threads
+    return ReferenceEngine(args.model_path, **kw)
+
+
+async def _serve(args: argparse.Namespace) -> None:
+    from aiohttp import web
+
+    from ._server import build_app
+
+    engine = load_engine(args)
+    start = getattr(engine, "start", None)
+    if start is not None:
+        res = start()
+        if asyncio.iscoroutine(res):
+            await res
+    app = build_app(
+        engine,
+        model_path=args.model_path,
+        served_model_name=args.served_model_name,
+        api_key=args.api_key,
+        admin_api_key=args.admin_api_key,
+        with_begin_end=args.with_begin_end,
+        page_size=args.page_size,
+        sglang_version=args.sglang_version,
+        host=args.host,
+        port=args.port,
+    )
+    runner = web.AppRunner(app, access_log=None, handler_cancellation=False)
+    await runner.setup()
+    site = web.TCPSite(runner, args.host, args.port, reuse_address=True)
+    await site.start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    logging.getLogger("rollout_backends.reference").info(
+        "serving %s (worker %s, weight_version %s) on http://%s:%d",
+        args.model_path, engine.worker_id, engine.weight_version, args.host, args.port,
+    )  # fmt: skip
+    try:
+        await stop.wait()
+    finally:
+        await runner.cleanup()
+        close = getattr(engine, "aclose", None) or getattr(engine, "close", None)
+        if close is not None:
+            res = close()
+            if asyncio.iscoroutine(res):
+                await res
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")  # fmt: skip
+    if args.make_model is not None and not (Path(args.model_path) / "config.json").exists():
+        from ._model import make_tiny_model
+
+        make_tiny_model(args.model_path, seed=args.make_model, size=args.model_size)
+    asyncio.run(_serve(args))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
