@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import tempfile
 from collections.abc import Awaitable, Callable, Sequence
 
 from rollout_backends._errors import WeightUpdateFailed
+from rollout_backends._protocol import RolloutBackend
 from rollout_backends._transaction import WeightUpdateTransaction
 from rollout_backends._types import Generation, PauseMode, WeightBucket, WeightTransport
 
@@ -188,35 +190,55 @@ async def check_stale_prefix_after_update(ctx: CheckContext) -> None:
     prefix = rng_prompts[0][: ctx.clamp_prompt_len(64)]
     probes = [prefix, *(prefix + tail for tail in ctx.prompts(3, min_len=1, max_len=4, seed=92))]
     loader = _alt_loader(ctx)
-    modes: list[PauseMode | None] = [m for m in _MODE_PREFERENCE if m in ctx.capabilities.pause_modes]
+    modes = [m for m in _MODE_PREFERENCE if m in ctx.capabilities.pause_modes]
     if not modes:
         ctx.skip("no pause mode declared: the weight-update transaction cannot run")
     previous = dict(await ctx.backend.weight_versions())
-    changed = False
+    for i, mode in enumerate(modes):
+        if i == 0 or ctx.harness.base_weights_path is not None:
+            await _stale_prefix_probe(ctx, ctx.backend, mode, loader, probes, previous)
+        else:
+            # Each mode needs the old weights back: a new backend from the factory (fresh engines for
+            # in-process backends; for a shared server, the probe is weak and says so).
+            backend = await ctx.factory()
+            try:
+                await _stale_prefix_probe(ctx, backend, mode, loader, probes, previous)
+            finally:
+                with contextlib.suppress(Exception):
+                    await backend.resume()
+                await backend.aclose()
+
+
+async def _stale_prefix_probe(
+    ctx: CheckContext,
+    backend: RolloutBackend,
+    mode: PauseMode,
+    loader: Loader,
+    probes: Sequence[tuple[int, ...]],
+    previous: dict[str, str | None],
+) -> None:
+    sp = ctx.greedy(16)
+    await ctx.generate_all(probes, sp, backend=backend)
+    warm = await ctx.generate_all(probes, sp, backend=backend)  # the second run is served from the cache
     try:
-        for mode in modes:
-            assert mode is not None
-            if changed:
-                await _restore(ctx, previous)  # no-op without base_weights_path (the probe weakens)
-            await ctx.generate_all(probes, ctx.greedy(16))
-            warm = await ctx.generate_all(probes, ctx.greedy(16))  # the second run is served from the cache
-            await _update(ctx, f"conformance-prefix-{mode.value}", loader, mode)
-            changed = True
-            served = await ctx.generate_all(probes, ctx.greedy(16))
-            ctx.measure(f"cached_tokens_{mode.value}", sum(g.cached_tokens for g in served))
-            await ctx.backend.flush_cache()
-            cold = await ctx.generate_all(probes, ctx.greedy(16))
-            compare(
-                served,
-                cold,
-                what=f"after update ({mode.value}): cached prefix vs flushed",
-                tolerance=ctx.harness.logprob_tolerance,
-                ctx=ctx,
-            )
-            if all(a.output_ids == b.output_ids for a, b in zip(warm, cold, strict=True)):
-                ctx.measure(f"warning_{mode.value}", "alt weights gave the same outputs; the probe is weak")
+        async with backend.weight_update(f"conformance-prefix-{mode.value}", mode=mode) as tx:
+            await loader(tx)
+        served = await ctx.generate_all(probes, sp, backend=backend)
+        # Tokens served from KV computed before the update (must be 0 unless the KV is recomputed).
+        ctx.measure(f"cached_tokens_first_probe_{mode.value}", served[0].cached_tokens)
+        await backend.flush_cache()
+        cold = await ctx.generate_all(probes, sp, backend=backend)
+        compare(
+            served,
+            cold,
+            what=f"after update ({mode.value}): cached prefix vs flushed",
+            tolerance=ctx.harness.logprob_tolerance,
+            ctx=ctx,
+        )
+        if all(a.output_ids == b.output_ids for a, b in zip(warm, cold, strict=True)):
+            ctx.measure(f"warning_{mode.value}", "outputs did not change with the update; the probe is weak")
     finally:
-        if changed:
+        if backend is ctx.backend:
             await _restore(ctx, previous)
 
 
