@@ -217,7 +217,7 @@ async def _stale_prefix_probe(
     probes: Sequence[tuple[int, ...]],
     previous: dict[str, str | None],
 ) -> None:
-    sp = ctx.greedy(16)
+    sp = ctx.greedy(8)
     await ctx.generate_all(probes, sp, backend=backend)
     warm = await ctx.generate_all(probes, sp, backend=backend)  # the second run is served from the cache
     try:

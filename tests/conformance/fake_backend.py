@@ -431,3 +431,22 @@ def fake_harness(tmp: Path, **changes: Any) -> Harness:
         check_timeout_s=30.0,
     )
     return h.replace(**changes)
+
+
+def open_fake_url(url: str, **kw: Any) -> FakeBackend:
+    """``fake://?workers=2&bugs=a,b`` (registered by ``url_harness``, for plugin tests)."""
+    from urllib.parse import parse_qs, urlparse
+
+    q = {k: v[-1] for k, v in parse_qs(urlparse(url).query).items()}
+    bugs = frozenset(b for b in q.get("bugs", "").split(",") if b)
+    return FakeBackend(int(q.get("seed", "1")), workers=int(q.get("workers", "1")), bugs=bugs)
+
+
+def url_harness(url: str) -> Harness:
+    """``--rb-harness tests.conformance.fake_backend:url_harness``: registers ``fake://`` too."""
+    import tempfile
+
+    from rollout_backends import register_scheme
+
+    register_scheme("fake", open_fake_url)
+    return fake_harness(Path(tempfile.mkdtemp(prefix="rb-fake-")))
