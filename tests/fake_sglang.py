@@ -11,8 +11,8 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import attrs
-from rollout_backends.adapters.sglang import SGLangWire
 
+from rollout_backends.adapters.sglang import SGLangWire
 from rollout_backends.kit import HttpClient, HttpFleetBackend, HttpRequest, HttpResponse, MockTransport, Worker
 
 

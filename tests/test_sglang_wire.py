@@ -5,9 +5,9 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from rollout_backends.adapters.sglang import SGLangWire, sampling_params_body
 
 import rollout_backends as rb
+from rollout_backends.adapters.sglang import SGLangWire, sampling_params_body
 from rollout_backends.kit import HttpClient, HttpFleetBackend, HttpRequest, HttpResponse, MockTransport, Worker
 
 

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from rollout_backends.adapters.reference import ReferenceEngine, make_tiny_model
 
 

@@ -5,9 +5,8 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from rollout_backends.adapters.reference import ReferenceEngine
-
 from rollout_backends._types import GenerateRequest, Generation, SamplingParams
+from rollout_backends.adapters.reference import ReferenceEngine
 
 GREEDY = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
 PROMPTS: list[tuple[int, ...]] = [

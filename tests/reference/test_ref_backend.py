@@ -9,14 +9,6 @@ from typing import Any
 
 import pytest
 from refhelpers import GREEDY, PROMPTS, outputs, req, run_all, wait_for_tokens
-from rollout_backends.adapters.reference import (
-    EngineError,
-    ReferenceBackend,
-    ReferenceEngine,
-    WeightSender,
-    free_port,
-    open_from_url,
-)
 
 from rollout_backends._errors import ControlFailed, InvalidRequest, StaleWeights, WeightUpdateFailed
 from rollout_backends._protocol import RolloutBackend
@@ -28,6 +20,14 @@ from rollout_backends._types import (
     WeightBucket,
     WeightGroup,
     WeightTransport,
+)
+from rollout_backends.adapters.reference import (
+    EngineError,
+    ReferenceBackend,
+    ReferenceEngine,
+    WeightSender,
+    free_port,
+    open_from_url,
 )
 
 

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 from refhelpers import GREEDY, PROMPTS, req, wait_for_tokens
-from rollout_backends.adapters.reference import EngineError, ReferenceEngine
 
 from rollout_backends._errors import InvalidRequest
 from rollout_backends._types import FinishReason, Generation, PauseMode
+from rollout_backends.adapters.reference import EngineError, ReferenceEngine
 
 LONG = GREEDY.replace(max_new_tokens=3000)
 

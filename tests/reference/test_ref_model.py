@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from rollout_backends.adapters.reference import make_tiny_model
 from rollout_backends.adapters.reference._model import SPECIAL_TOKENS, _write_tokenizer
 
@@ -59,8 +60,9 @@ def test_tokenizer_covers_vocab(model_dir: Path) -> None:
 
 def test_filler_tokens_decode_and_are_unreachable(tmp_path: Path) -> None:
     """A vocab larger than the corpus supports is padded with tokens encoding never produces."""
-    from rollout_backends.adapters.reference._model import corpus_path
     from transformers import AutoTokenizer
+
+    from rollout_backends.adapters.reference._model import corpus_path
 
     n = _write_tokenizer(tmp_path, 5000)
     assert n == 5000

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 from refhelpers import GREEDY, PROMPTS, outputs, req, run_all
-from rollout_backends.adapters.reference import ReferenceEngine
 
 from rollout_backends._types import FinishReason, SamplingParams
+from rollout_backends.adapters.reference import ReferenceEngine
 
 SAMPLED = SamplingParams(max_new_tokens=12, temperature=0.8, top_p=0.95, top_k=100, seed=1234, ignore_eos=True)
 

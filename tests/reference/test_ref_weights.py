@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 from refhelpers import GREEDY, PROMPTS, outputs, req, run_all, wait_for_tokens
-from rollout_backends.adapters.reference import EngineError, ReferenceEngine, WeightSender, free_port
 
 from rollout_backends._types import PauseMode, WeightBucket
+from rollout_backends.adapters.reference import EngineError, ReferenceEngine, WeightSender, free_port
 
 
 def _tensors(model_dir: Path) -> list[tuple[str, Any]]:

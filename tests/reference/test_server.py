@@ -13,14 +13,14 @@ import aiohttp
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 from fake_engine import FakeEngine
+
+from rollout_backends._supervisor import ProcessSpec, Supervisor, free_port
 from rollout_backends.adapters.reference._server import (
     SERVER_KEY,
     build_app,
     deserialize_named_tensors,
     serialize_named_tensors,
 )
-
-from rollout_backends._supervisor import ProcessSpec, Supervisor, free_port
 
 
 async def _client(engine: FakeEngine, **kw: Any) -> TestClient:

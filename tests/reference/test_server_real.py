@@ -9,9 +9,9 @@ from typing import Any
 
 import aiohttp
 import pytest
-from rollout_backends.adapters.reference._server import serialize_named_tensors
 
 from rollout_backends._supervisor import ProcessSpec, Supervisor, free_port
+from rollout_backends.adapters.reference._server import serialize_named_tensors
 
 pytestmark = pytest.mark.slow
 
