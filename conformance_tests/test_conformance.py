@@ -10,9 +10,9 @@ import asyncio
 from typing import Any
 
 import pytest
-from rollout_backends.conformance import Check, Outcome, check_parity, plugin
 
 import rollout_backends as rb
+from rollout_backends.conformance import Check, Outcome, check_parity, plugin
 
 _NO_BACKEND = (
     "no backend given: pass --rb-backend URL (e.g. --rb-backend 'reference://?workers=2') to run the "

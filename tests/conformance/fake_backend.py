@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Any
 
 import attrs
-from rollout_backends.conformance import BackendFactory, Harness
 
 from rollout_backends import (
     Capabilities,
@@ -39,6 +38,7 @@ from rollout_backends import (
     WorkerFailure,
     WorkerHealth,
 )
+from rollout_backends.conformance import BackendFactory, Harness
 from rollout_backends.kit import BackendBase, fan_out
 
 VOCAB = 64

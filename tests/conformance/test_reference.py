@@ -12,11 +12,11 @@ import sys
 from pathlib import Path
 
 import pytest
+
+import rollout_backends as rb
 from rollout_backends.adapters.reference import ReferenceBackend
 from rollout_backends.conformance import ALL_CHECKS, Outcome, Report, check_parity, run_checks
 from rollout_backends.conformance._reference import reference_harness
-
-import rollout_backends as rb
 
 ROOT = Path(__file__).resolve().parents[2]
 URL = "reference://?workers=2&seed=0"

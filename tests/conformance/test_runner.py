@@ -7,6 +7,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+import rollout_backends as rb
 from rollout_backends.conformance import (
     ALL_CHECKS,
     CheckContext,
@@ -24,8 +26,6 @@ from rollout_backends.conformance import (
     run_checks,
     select_checks,
 )
-
-import rollout_backends as rb
 from tests.conformance.fake_backend import BUGS, FakeBackend, fake_factory, fake_harness
 
 NEEDS_HOOK_OR_CAPABILITY = {

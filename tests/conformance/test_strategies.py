@@ -6,10 +6,10 @@ import asyncio
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from rollout_backends.conformance import CheckContext, Harness, prompts, sampling_params, validate_generation
-from rollout_backends.conformance.strategies import prompts as prompts_direct
 
 import rollout_backends as rb
+from rollout_backends.conformance import CheckContext, Harness, prompts, sampling_params, validate_generation
+from rollout_backends.conformance.strategies import prompts as prompts_direct
 from tests.conformance.fake_backend import VOCAB, FakeBackend
 
 
