@@ -1,0 +1,248 @@
+"""Abort and pause: what happens to in-flight and new requests (``docs/pause-modes.md``).
+
+In-flight requests are caught by timing: a check measures how long a short request takes
+(``CheckContext.token_time``), starts a long ``ignore_eos`` request and acts after that time.
+A request that finished before the action makes the check fail with a message saying so
+(raise ``Harness.long_max_new_tokens`` / ``pause_max_new_tokens``, or ``progress_wait_s``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from rollout_backends._errors import ControlFailed
+from rollout_backends._types import FinishReason, GenerateRequest, Generation, PauseMode
+
+from ._core import (
+    CheckContext,
+    CheckFailed,
+    check,
+    compare,
+    expect,
+    requires,
+    validate_generation,
+)
+
+__all__ = [
+    "check_abort_all",
+    "check_abort_one",
+    "check_pause_abort",
+    "check_pause_in_place",
+    "check_pause_retract",
+    "check_resume_idempotent",
+    "check_set_version_keeps_inflight",
+]
+
+#: How long an action (abort, pause) may take to show its effect on a request.
+_SETTLE_S = 30.0
+
+
+async def _finish(task: asyncio.Task[Generation], what: str, timeout: float = _SETTLE_S) -> Generation:
+    try:
+        return await asyncio.wait_for(asyncio.shield(task), timeout)
+    except asyncio.TimeoutError:
+        task.cancel()
+        raise CheckFailed(f"{what}: not finished {timeout:.0f}s later") from None
+
+
+def _expect_partial_abort(ctx: CheckContext, req: GenerateRequest, gen: Generation, what: str) -> None:
+    validate_generation(ctx, req, gen, allow_abort=True)
+    limit = req.sampling.max_new_tokens
+    if gen.finish_reason is FinishReason.LENGTH:
+        raise CheckFailed(
+            f"{what}: the request finished ({limit} tokens) before it was aborted; "
+            "raise Harness.long_max_new_tokens for this backend"
+        )
+    expect(gen.finish_reason is FinishReason.ABORT, f"{what}: finish {gen.finish_reason.value!r}, want 'abort'")
+    expect(len(gen.output_ids) >= 1, f"{what}: aborted with no token kept (partial tokens must be returned)")
+    expect(len(gen.output_ids) < limit, f"{what}: aborted but all {limit} tokens were produced")
+    ctx.measure(f"{what}_tokens_kept", len(gen.output_ids))
+
+
+async def _assert_waits(ctx: CheckContext, task: asyncio.Task[Generation], what: str) -> None:
+    await asyncio.sleep(ctx.harness.wait_s)
+    if task.done():
+        gen = task.result() if not task.cancelled() and task.exception() is None else None
+        detail = f"finish {gen.finish_reason.value!r}, {len(gen.output_ids)} tokens" if gen else repr(task)
+        raise CheckFailed(f"{what}: completed while the backend was paused ({detail}); it must wait for resume")
+
+
+@check("abort")
+@requires(abort=True)
+async def check_abort_one(ctx: CheckContext) -> None:
+    """``abort(id)`` ends that request with finish 'abort' and its partial tokens; others are untouched."""
+    long_prompt, side_prompt = ctx.prompts(2, seed=21)
+    side_sp = ctx.greedy(16, ignore_eos=True)
+    side_solo = await ctx.generate(side_prompt, side_sp)
+    await ctx.token_time()
+    req = ctx.long_request(long_prompt)
+    side_req = ctx.request(side_prompt, side_sp, "side")
+    task = ctx.start(req)
+    side = ctx.start(side_req)
+    await ctx.let_run()
+    await ctx.backend.abort(req.request_id)
+    gen = await _finish(task, "aborted request")
+    _expect_partial_abort(ctx, req, gen, "abort")
+    side_gen = await _finish(side, "the other request")
+    validate_generation(ctx, side_req, side_gen)
+    compare(
+        [side_gen], [side_solo], what="request running next to an aborted one", tolerance=ctx.harness.logprob_tolerance
+    )
+    await ctx.backend.abort("conformance-no-such-request")  # unknown ids are ignored
+    await ctx.backend.abort(req.request_id)  # so is an id that already finished
+    after = await ctx.generate(side_prompt, side_sp)
+    compare([after], [side_solo], what="request after the abort", tolerance=ctx.harness.logprob_tolerance)
+
+
+@check("abort")
+@requires(abort=True)
+async def check_abort_all(ctx: CheckContext) -> None:
+    """``abort_all()`` ends every in-flight request with finish 'abort' and partial tokens; serving goes on."""
+    prompts = ctx.prompts(3, seed=22)
+    await ctx.token_time()
+    reqs = [ctx.long_request(p) for p in prompts]
+    tasks = [ctx.start(r) for r in reqs]
+    await ctx.let_run()
+    await ctx.backend.abort_all()
+    for i, (r, t) in enumerate(zip(reqs, tasks, strict=True)):
+        _expect_partial_abort(ctx, r, await _finish(t, f"request {i}"), f"abort_all_{i}")
+    gen = await ctx.generate(prompts[0], ctx.greedy(4, ignore_eos=True))
+    expect(len(gen.output_ids) == 4, "the backend does not serve normally after abort_all")
+
+
+async def _paused_newcomer(
+    ctx: CheckContext, prompt: tuple[int, ...]
+) -> tuple[GenerateRequest, asyncio.Task[Generation]]:
+    req = ctx.request(prompt, ctx.greedy(8, ignore_eos=True), "while-paused")
+    task = ctx.start(req)
+    await _assert_waits(ctx, task, "a request sent while paused")
+    return req, task
+
+
+@check("pause")
+@requires(pause_mode=PauseMode.ABORT)
+async def check_pause_abort(ctx: CheckContext) -> None:
+    """``pause(ABORT)`` ends in-flight requests with 'abort' + partial tokens; new ones wait; resume serves them."""
+    running_prompt, new_prompt = ctx.prompts(2, seed=31)
+    newcomer_solo = await ctx.generate(new_prompt, ctx.greedy(8, ignore_eos=True))
+    await ctx.token_time()
+    req = ctx.long_request(running_prompt)
+    task = ctx.start(req)
+    await ctx.let_run()
+    await ctx.backend.pause(PauseMode.ABORT)
+    try:
+        _expect_partial_abort(ctx, req, await _finish(task, "in-flight request at pause(ABORT)"), "pause_abort")
+        new_req, new_task = await _paused_newcomer(ctx, new_prompt)
+    finally:
+        await ctx.backend.resume()
+    gen = await _finish(new_task, "request sent while paused, after resume")
+    validate_generation(ctx, new_req, gen)
+    compare([gen], [newcomer_solo], what="request served after resume", tolerance=ctx.harness.logprob_tolerance)
+
+
+async def _pause_and_resume_in_flight(ctx: CheckContext, mode: PauseMode) -> None:
+    running_prompt, new_prompt = ctx.prompts(2, seed=41 if mode is PauseMode.RETRACT else 51)
+    budget = ctx.cap_new_tokens(len(running_prompt), ctx.harness.pause_max_new_tokens)
+    sp = ctx.greedy(budget, ignore_eos=True)
+    solo = await ctx.generate(running_prompt, sp)
+    newcomer_solo = await ctx.generate(new_prompt, ctx.greedy(8, ignore_eos=True))
+    await ctx.token_time()
+    req = ctx.request(running_prompt, sp, "paused")
+    task = ctx.start(req)
+    await ctx.let_run()
+    await ctx.backend.pause(mode)
+    try:
+        if task.done():
+            raise CheckFailed(
+                f"the in-flight request finished before pause({mode.value}) took effect "
+                f"({budget} tokens); raise Harness.pause_max_new_tokens"
+            )
+        await _assert_waits(ctx, task, f"an in-flight request under pause({mode.value})")
+        if mode is PauseMode.RETRACT:
+            # Retracted requests hold no KV: the cache can be flushed (the weight update does).
+            await ctx.backend.flush_cache()
+        else:
+            try:
+                await ctx.backend.flush_cache()
+            except ControlFailed as exc:
+                ctx.measure("flush_refused", str(exc)[:80])
+            else:
+                raise CheckFailed("flush_cache succeeded under pause(IN_PLACE) with a request frozen with its KV")
+        new_req, new_task = await _paused_newcomer(ctx, new_prompt)
+    finally:
+        await ctx.backend.resume()
+    gen = await _finish(task, f"request paused by {mode.value}, after resume", timeout=_SETTLE_S * 4)
+    validate_generation(ctx, req, gen)
+    expect(gen.finish_reason is FinishReason.LENGTH, f"paused request ended {gen.finish_reason.value!r} after resume")
+    compare(
+        [gen],
+        [solo],
+        what=f"request paused ({mode.value}) and resumed vs uninterrupted",
+        tolerance=ctx.harness.logprob_tolerance,
+        ctx=ctx,
+    )
+    new_gen = await _finish(new_task, "request sent while paused, after resume")
+    validate_generation(ctx, new_req, new_gen)
+    compare([new_gen], [newcomer_solo], what="request sent while paused", tolerance=ctx.harness.logprob_tolerance)
+    if mode is PauseMode.IN_PLACE:
+        await ctx.backend.flush_cache()  # idle again: flushing works
+
+
+@check("pause")
+@requires(pause_mode=PauseMode.RETRACT)
+async def check_pause_retract(ctx: CheckContext) -> None:
+    """``pause(RETRACT)`` parks in-flight requests (flush allowed); after resume they complete as if never paused."""
+    await _pause_and_resume_in_flight(ctx, PauseMode.RETRACT)
+
+
+@check("pause")
+@requires(pause_mode=PauseMode.IN_PLACE)
+async def check_pause_in_place(ctx: CheckContext) -> None:
+    """``pause(IN_PLACE)`` freezes in-flight requests with their KV (flush refused); resume completes them unchanged."""
+    await _pause_and_resume_in_flight(ctx, PauseMode.IN_PLACE)
+
+
+@check("pause")
+@requires(any_pause_mode=True)
+async def check_resume_idempotent(ctx: CheckContext) -> None:
+    """``resume`` on a running backend is not an error; every declared mode pauses and resumes (twice)."""
+    await ctx.backend.resume()
+    prompt = ctx.prompts(1, seed=61)[0]
+    for mode in sorted(ctx.capabilities.pause_modes, key=lambda m: m.value):
+        await ctx.backend.pause(mode)
+        await ctx.backend.resume()
+        await ctx.backend.resume()
+        gen = await ctx.generate(prompt, ctx.greedy(4, ignore_eos=True))
+        expect(len(gen.output_ids) == 4, f"no normal generation after pause({mode.value}) + resume")
+
+
+@check("pause")
+async def check_set_version_keeps_inflight(ctx: CheckContext) -> None:
+    """``set_weight_version`` never aborts in-flight requests (miles#2372)."""
+    prompt = ctx.prompts(1, seed=71)[0]
+    budget = ctx.cap_new_tokens(len(prompt), ctx.harness.pause_max_new_tokens)
+    sp = ctx.greedy(budget, ignore_eos=True)
+    solo = await ctx.generate(prompt, sp)
+    previous = dict(await ctx.backend.weight_versions())
+    await ctx.token_time()
+    req = ctx.request(prompt, sp, "inflight")
+    task = ctx.start(req)
+    await ctx.let_run()
+    try:
+        await ctx.backend.set_weight_version("conformance-bump")
+        gen = await _finish(task, "in-flight request during set_weight_version", timeout=_SETTLE_S * 4)
+        validate_generation(ctx, req, gen, allow_abort=True)
+        expect(not gen.aborted, "set_weight_version aborted an in-flight request")
+        compare(
+            [gen],
+            [solo],
+            what="in-flight request across a version label change",
+            tolerance=ctx.harness.logprob_tolerance,
+        )
+        versions = dict(await ctx.backend.weight_versions())
+        if ctx.versioned():
+            expect(set(versions.values()) == {"conformance-bump"}, f"versions after set_weight_version: {versions}")
+    finally:
+        for worker, old in previous.items():
+            if old is not None:
+                await ctx.backend.set_weight_version(old, workers=[worker])

@@ -1,0 +1,737 @@
+"""The check machinery: requirements, results, the context handed to a check, the runner.
+
+A *check* is an ``async def body(ctx: CheckContext) -> None`` wrapped by :func:`check` into a
+:class:`Check`; calling the ``Check`` with a backend factory (and optionally a ``Harness``) runs it
+and returns a :class:`CheckResult`. No pytest anywhere: failures are ``CheckFailed``
+(an ``AssertionError``), skips are ``SkipCheck``.
+
+Outcome rules (SQLAlchemy's dialect-suite style):
+
+* a requirement that the backend does not *declare* (``Capabilities``), or a harness hook that is
+  not provided, makes the check **skip** with a reason, before the backend is exercised;
+* a declared capability that does not behave is a **fail**: a ``CheckFailed``, any
+  ``RolloutBackendError`` (``Unsupported`` included: it was declared), or a hang past
+  ``Harness.check_timeout_s``;
+* anything else (the factory or a harness hook raising, a bug in a check) is an **error**.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import fnmatch
+import math
+import random
+import time
+import traceback
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from typing import Any, NoReturn, TypeVar, overload
+
+import attrs
+
+from rollout_backends._errors import RolloutBackendError
+from rollout_backends._protocol import RolloutBackend
+from rollout_backends._types import (
+    Capabilities,
+    FinishReason,
+    GenerateRequest,
+    Generation,
+    PauseMode,
+    SamplingParams,
+    VersionSource,
+    WeightTransport,
+)
+
+from ._harness import BackendFactory, Harness
+
+__all__ = [
+    "ALL_CHECKS",
+    "Check",
+    "CheckContext",
+    "CheckFailed",
+    "CheckResult",
+    "HarnessError",
+    "Outcome",
+    "Report",
+    "Requirement",
+    "SkipCheck",
+    "check",
+    "expect",
+    "requires",
+    "run_checks",
+    "select_checks",
+]
+
+
+class Outcome(str, enum.Enum):
+    PASS = "pass"
+    FAIL = "fail"
+    SKIP = "skip"
+    ERROR = "error"
+
+
+class CheckFailed(AssertionError):
+    """The backend broke the contract (raised by checks; survives ``python -O``)."""
+
+
+class SkipCheck(Exception):
+    """The check cannot run here (an undeclared capability, a missing hook, too few workers)."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+class HarnessError(Exception):
+    """The harness (not the backend) is unfit for the check, e.g. alt weights equal to the base."""
+
+
+def expect(condition: object, message: str) -> None:
+    """``assert`` that is not stripped by ``-O`` and raises ``CheckFailed``."""
+    if not condition:
+        raise CheckFailed(message)
+
+
+def _measure_value(value: object) -> Any:
+    return round(value, 9) if isinstance(value, float) else value
+
+
+@attrs.frozen(kw_only=True)
+class CheckResult:
+    """The outcome of one check on one backend."""
+
+    name: str
+    outcome: Outcome
+    #: Why it failed, was skipped or errored ("" when it passed).
+    message: str = ""
+    duration_s: float = 0.0
+    #: Numbers the check measured (e.g. ``max_abs_dlogprob``), reported whatever the outcome.
+    measurements: Mapping[str, Any] = attrs.field(factory=dict)
+    #: The formatted traceback of an error (``None`` otherwise).
+    traceback: str | None = None
+    backend: str | None = None
+
+    @property
+    def passed(self) -> bool:
+        return self.outcome is Outcome.PASS
+
+    @property
+    def ok(self) -> bool:
+        """Passed or skipped."""
+        return self.outcome in (Outcome.PASS, Outcome.SKIP)
+
+    def line(self) -> str:
+        meas = ", ".join(f"{k}={_fmt(v)}" for k, v in self.measurements.items())
+        text = f"{self.outcome.value.upper():5} {self.name} ({self.duration_s:.2f}s)"
+        if self.message:
+            text += f": {self.message.splitlines()[0] if self.message else ''}"
+        if meas:
+            text += f" [{meas}]"
+        return text
+
+
+def _fmt(v: Any) -> str:
+    return f"{v:.3g}" if isinstance(v, float) else str(v)
+
+
+@attrs.frozen(kw_only=True)
+class Report:
+    """The results of ``run_checks`` in run order."""
+
+    results: tuple[CheckResult, ...]
+    backend: str | None = None
+    duration_s: float = 0.0
+
+    def _with(self, outcome: Outcome) -> tuple[CheckResult, ...]:
+        return tuple(r for r in self.results if r.outcome is outcome)
+
+    @property
+    def passed(self) -> tuple[CheckResult, ...]:
+        return self._with(Outcome.PASS)
+
+    @property
+    def failed(self) -> tuple[CheckResult, ...]:
+        return self._with(Outcome.FAIL)
+
+    @property
+    def skipped(self) -> tuple[CheckResult, ...]:
+        return self._with(Outcome.SKIP)
+
+    @property
+    def errors(self) -> tuple[CheckResult, ...]:
+        return self._with(Outcome.ERROR)
+
+    @property
+    def ok(self) -> bool:
+        """No failure and no error."""
+        return all(r.ok for r in self.results)
+
+    def __getitem__(self, name: str) -> CheckResult:
+        for r in self.results:
+            if r.name == name:
+                return r
+        raise KeyError(name)
+
+    def summary(self) -> str:
+        head = f"conformance of {self.backend or 'backend'}: " + ", ".join(
+            f"{len(self._with(o))} {o.value}" for o in Outcome
+        )
+        return "\n".join([head + f" in {self.duration_s:.1f}s", *(r.line() for r in self.results)])
+
+    def raise_for_failures(self) -> None:
+        """Raise ``CheckFailed`` listing every failed or errored check."""
+        bad = [r for r in self.results if not r.ok]
+        if bad:
+            raise CheckFailed("conformance failures:\n" + "\n".join(r.line() for r in bad))
+
+
+# -- requirements -------------------------------------------------------------------------------
+
+
+#: Returns why a requirement is not met (the skip reason), or ``None`` when it is.
+Missing = Callable[[Capabilities, Harness, RolloutBackend], "str | None"]
+
+
+@attrs.frozen
+class Requirement:
+    """One thing a check needs; ``missing`` returns the skip reason, or ``None`` when it is met."""
+
+    description: str
+    missing: Missing
+
+
+def _pause_req(mode: PauseMode) -> Requirement:
+    def missing(c: Capabilities, h: Harness, b: RolloutBackend) -> str | None:
+        return None if mode in c.pause_modes else f"pause mode {mode.value!r} not declared"
+
+    return Requirement(f"pause_mode={mode.value}", missing)
+
+
+def _transport_req(transport: WeightTransport) -> Requirement:
+    def missing(c: Capabilities, h: Harness, b: RolloutBackend) -> str | None:
+        return None if transport in c.weight_transports else f"weight transport {transport.value!r} not declared"
+
+    return Requirement(f"transport={transport.value}", missing)
+
+
+def _flag_req(flag: str, value: bool) -> Requirement:
+    def missing(c: Capabilities, h: Harness, b: RolloutBackend) -> str | None:
+        return None if getattr(c, flag) == value else f"capability {flag}={value} not declared"
+
+    return Requirement(f"{flag}={value}", missing)
+
+
+def _hook_req(hook: str) -> Requirement:
+    def missing(c: Capabilities, h: Harness, b: RolloutBackend) -> str | None:
+        return None if getattr(h, hook) is not None else f"harness hook {hook!r} not provided"
+
+    return Requirement(f"harness.{hook}", missing)
+
+
+def _method_req(method: str) -> Requirement:
+    def missing(c: Capabilities, h: Harness, b: RolloutBackend) -> str | None:
+        return None if callable(getattr(b, method, None)) else f"backend has no {method}() (not part of the protocol)"
+
+    return Requirement(f"method {method}", missing)
+
+
+def _min_workers_req(n: int) -> Requirement:
+    def missing(c: Capabilities, h: Harness, b: RolloutBackend) -> str | None:
+        have = len(b.workers)
+        return None if have >= n else f"needs >= {n} workers, the fleet has {have}"
+
+    return Requirement(f"min_workers={n}", missing)
+
+
+def _any_pause_mode(c: Capabilities, h: Harness, b: RolloutBackend) -> str | None:
+    return None if c.pause_modes else "no pause mode declared"
+
+
+def _vocab_known(c: Capabilities, h: Harness, b: RolloutBackend) -> str | None:
+    if c.vocab_size or h.vocab_size:
+        return None
+    return "vocab size unknown (Capabilities.vocab_size and Harness.vocab_size are None)"
+
+
+def _context_known(c: Capabilities, h: Harness, b: RolloutBackend) -> str | None:
+    if c.max_context or h.max_context:
+        return None
+    return "context length unknown (Capabilities.max_context and Harness.max_context are None)"
+
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+Body = Callable[["CheckContext"], Awaitable[None]]
+
+
+class _Requires:
+    def __init__(self, reqs: Sequence[Requirement]) -> None:
+        self.reqs = tuple(reqs)
+
+    @overload
+    def __call__(self, target: Check) -> Check: ...
+
+    @overload
+    def __call__(self, target: _F) -> _F: ...
+
+    def __call__(self, target: Any) -> Any:
+        if isinstance(target, Check):
+            return attrs.evolve(target, requirements=target.requirements + self.reqs)
+        existing: tuple[Requirement, ...] = getattr(target, "__rb_requirements__", ())
+        target.__rb_requirements__ = existing + self.reqs
+        return target
+
+
+def requires(
+    *,
+    pause_mode: PauseMode | Iterable[PauseMode] | None = None,
+    any_pause_mode: bool = False,
+    transport: WeightTransport | Iterable[WeightTransport] | None = None,
+    any_transport: Iterable[WeightTransport] | None = None,
+    abort: bool | None = None,
+    seeded_sampling: bool | None = None,
+    logprobs: bool | None = None,
+    worker_pinning: bool | None = None,
+    min_workers: int | None = None,
+    vocab_size: bool = False,
+    max_context: bool = False,
+    hooks: Sequence[str] = (),
+    methods: Sequence[str] = (),
+) -> _Requires:
+    """Declare what a check needs; what is not there makes it skip (with the reason).
+
+    * ``pause_mode`` / ``transport``: each given one must be declared in ``Capabilities``;
+      ``any_pause_mode`` / ``any_transport``: at least one;
+    * ``abort``, ``seeded_sampling``, ``logprobs``, ``worker_pinning``: boolean capabilities;
+    * ``min_workers``: the fleet has at least that many workers;
+    * ``vocab_size`` / ``max_context``: the value is known (``Capabilities`` or ``Harness``);
+    * ``hooks``: ``Harness`` attributes that must not be ``None``;
+    * ``methods``: backend methods beyond the protocol (e.g. ``"expect_version"``).
+
+    Usable above or below ``@check``.
+    """
+    reqs: list[Requirement] = []
+    modes = [pause_mode] if isinstance(pause_mode, PauseMode) else list(pause_mode or ())
+    reqs.extend(_pause_req(PauseMode(m)) for m in modes)
+    if any_pause_mode:
+        reqs.append(Requirement("any pause mode", _any_pause_mode))
+    transports = [transport] if isinstance(transport, WeightTransport) else list(transport or ())
+    reqs.extend(_transport_req(WeightTransport(t)) for t in transports)
+    if any_transport is not None:
+        wanted = frozenset(WeightTransport(t) for t in any_transport)
+        names = sorted(t.value for t in wanted)
+
+        def _any(c: Capabilities, h: Harness, b: RolloutBackend) -> str | None:
+            return None if wanted & c.weight_transports else f"none of the weight transports {names} declared"
+
+        reqs.append(Requirement(f"transport in {names}", _any))
+    flags = {"abort": abort, "seeded_sampling": seeded_sampling, "logprobs": logprobs, "worker_pinning": worker_pinning}
+    reqs.extend(_flag_req(k, v) for k, v in flags.items() if v is not None)
+    if min_workers is not None:
+        reqs.append(_min_workers_req(min_workers))
+    if vocab_size:
+        reqs.append(Requirement("vocab_size known", _vocab_known))
+    if max_context:
+        reqs.append(Requirement("max_context known", _context_known))
+    reqs.extend(_hook_req(h) for h in hooks)
+    reqs.extend(_method_req(m) for m in methods)
+    return _Requires(reqs)
+
+
+# -- checks -------------------------------------------------------------------------------------
+
+#: Every check defined by the suite, in definition order (the order ``run_checks`` uses).
+ALL_CHECKS: list[Check] = []
+
+
+@attrs.frozen(eq=False)
+class Check:
+    """A conformance check. ``await check(factory, harness)`` runs it and returns a ``CheckResult``."""
+
+    name: str
+    body: Body
+    group: str
+    doc: str = ""
+    requirements: tuple[Requirement, ...] = ()
+
+    async def __call__(self, factory: BackendFactory, harness: Harness | None = None) -> CheckResult:
+        return await run_check(self, factory, harness)
+
+    def skip_reason(self, backend: RolloutBackend, harness: Harness) -> str | None:
+        caps = backend.capabilities
+        reasons = [r for r in (req.missing(caps, harness, backend) for req in self.requirements) if r]
+        return "; ".join(reasons) if reasons else None
+
+    def __repr__(self) -> str:
+        return f"<Check {self.name} [{self.group}]>"
+
+
+def check(group: str, *, register: bool = True) -> Callable[[Body], Check]:
+    """Turn ``async def check_x(ctx)`` into a registered :class:`Check` named ``x``."""
+
+    def wrap(body: Body) -> Check:
+        name = body.__name__.removeprefix("check_")
+        doc = (body.__doc__ or "").strip()
+        reqs: tuple[Requirement, ...] = getattr(body, "__rb_requirements__", ())
+        c = Check(name=name, body=body, group=group, doc=doc, requirements=reqs)
+        if register:
+            ALL_CHECKS.append(c)
+        return c
+
+    return wrap
+
+
+# -- context ------------------------------------------------------------------------------------
+
+
+@attrs.define
+class CheckContext:
+    """What a check body gets: the backend under test, its factory, the harness, helpers."""
+
+    backend: RolloutBackend
+    factory: BackendFactory
+    harness: Harness
+    name: str
+    measurements: dict[str, Any] = attrs.field(factory=dict)
+    _counter: int = 0
+    _token_time: float | None = None
+
+    @property
+    def capabilities(self) -> Capabilities:
+        return self.backend.capabilities
+
+    @property
+    def vocab_size(self) -> int | None:
+        return self.capabilities.vocab_size or self.harness.vocab_size
+
+    @property
+    def max_context(self) -> int | None:
+        return self.capabilities.max_context or self.harness.max_context
+
+    def measure(self, key: str, value: Any) -> None:
+        self.measurements[key] = _measure_value(value)
+
+    def skip(self, reason: str) -> NoReturn:
+        raise SkipCheck(reason)
+
+    def request_id(self, tag: str = "") -> str:
+        self._counter += 1
+        return f"conf-{self.name}-{tag}{'-' if tag else ''}{self._counter}-{random.getrandbits(32):08x}"
+
+    # -- prompts and requests --
+
+    def prompts(self, n: int, *, min_len: int = 4, max_len: int = 24, seed: int = 0) -> list[tuple[int, ...]]:
+        """``n`` deterministic pseudo-random prompts with ids in the harness's prompt-token range."""
+        rng = random.Random(f"{self.name}:{seed}")
+        lo, hi = self.token_range()
+        max_len = self.clamp_prompt_len(max_len)
+        min_len = min(min_len, max_len)
+        return [tuple(rng.randrange(lo, hi) for _ in range(rng.randint(min_len, max_len))) for _ in range(n)]
+
+    def token_range(self) -> tuple[int, int]:
+        hi = self.harness.max_prompt_token
+        if self.vocab_size is not None:
+            hi = min(hi, self.vocab_size)
+        lo = min(self.harness.min_prompt_token, hi - 1)
+        return max(lo, 0), hi
+
+    def clamp_prompt_len(self, n: int) -> int:
+        ctx = self.max_context
+        return max(1, min(n, ctx // 4)) if ctx is not None else n
+
+    def cap_new_tokens(self, prompt_len: int, wanted: int) -> int:
+        ctx = self.max_context
+        return max(1, min(wanted, ctx - prompt_len - 1)) if ctx is not None else wanted
+
+    def greedy(self, max_new_tokens: int | None = None, **changes: Any) -> SamplingParams:
+        return SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens or self.harness.max_new_tokens, **changes)
+
+    def request(self, prompt: Sequence[int], sampling: SamplingParams | None = None, tag: str = "") -> GenerateRequest:
+        return GenerateRequest(
+            input_ids=tuple(prompt),
+            sampling=sampling or self.greedy(),
+            request_id=self.request_id(tag),
+            return_logprobs=self.capabilities.logprobs,
+        )
+
+    async def generate(
+        self, prompt: Sequence[int], sampling: SamplingParams | None = None, tag: str = ""
+    ) -> Generation:
+        req = self.request(prompt, sampling, tag)
+        gen = await self.backend.generate(req)
+        validate_generation(self, req, gen)
+        return gen
+
+    async def generate_all(
+        self,
+        prompts: Sequence[Sequence[int]],
+        sampling: SamplingParams | None = None,
+        *,
+        backend: RolloutBackend | None = None,
+    ) -> list[Generation]:
+        """Each prompt one after the other (no concurrency), on ``backend`` (default: the one under test)."""
+        b = backend or self.backend
+        out = []
+        for p in prompts:
+            req = self.request(p, sampling)
+            gen = await b.generate(req)
+            validate_generation(self, req, gen)
+            out.append(gen)
+        return out
+
+    def long_request(
+        self, prompt: Sequence[int], max_new_tokens: int | None = None, tag: str = "long"
+    ) -> GenerateRequest:
+        wanted = max_new_tokens or self.harness.long_max_new_tokens
+        return self.request(prompt, self.greedy(self.cap_new_tokens(len(prompt), wanted), ignore_eos=True), tag)
+
+    async def token_time(self) -> float:
+        """Seconds for prefill + ~8 tokens of a short prompt, measured once per check."""
+        if self._token_time is None:
+            prompt = self.prompts(1, min_len=8, max_len=8, seed=991)[0]
+            t0 = time.perf_counter()
+            await self.backend.generate(self.request(prompt, self.greedy(8, ignore_eos=True), "calibrate"))
+            self._token_time = time.perf_counter() - t0
+        return self._token_time
+
+    async def let_run(self) -> None:
+        """Sleep long enough for an in-flight request to have produced some tokens."""
+        t = await self.token_time()
+        await asyncio.sleep(max(0.05, 1.5 * t) + self.harness.progress_wait_s)
+
+    def start(self, request: GenerateRequest) -> asyncio.Task[Generation]:
+        return asyncio.ensure_future(self.backend.generate(request))
+
+    # -- versions --
+
+    def versioned(self) -> bool:
+        return self.capabilities.version_source is not VersionSource.NONE
+
+
+def validate_generation(ctx: CheckContext, req: GenerateRequest, gen: Generation, *, allow_abort: bool = False) -> None:
+    """Everything the protocol promises about one ``Generation``; ``CheckFailed`` names the breach."""
+    rid = req.request_id
+    expect(isinstance(gen, Generation), f"{rid}: generate returned {type(gen).__name__}, not Generation")
+    expect(gen.request_id == rid, f"{rid}: response carries request_id {gen.request_id!r}")
+    expect(
+        isinstance(gen.finish_reason, FinishReason), f"{rid}: finish_reason {gen.finish_reason!r} is not a FinishReason"
+    )
+    if not allow_abort:
+        expect(gen.finish_reason is not FinishReason.ABORT, f"{rid}: unexpectedly aborted")
+    n = len(gen.output_ids)
+    limit = req.sampling.max_new_tokens
+    expect(n <= limit, f"{rid}: {n} output tokens > max_new_tokens={limit}")
+    expect(all(isinstance(t, int) and t >= 0 for t in gen.output_ids), f"{rid}: output ids are not ints >= 0")
+    vocab = ctx.vocab_size
+    if vocab is not None:
+        expect(all(t < vocab for t in gen.output_ids), f"{rid}: an output id is >= vocab size {vocab}")
+    if gen.finish_reason is FinishReason.LENGTH:
+        ctx_cap = ctx.max_context
+        hit_context = ctx_cap is not None and len(req.input_ids) + n >= ctx_cap
+        expect(n == limit or hit_context, f"{rid}: finish 'length' after {n} of max_new_tokens={limit}")
+    if gen.finish_reason is FinishReason.STOP:
+        expect(n >= 1, f"{rid}: finish 'stop' with no output token (the stop token is part of the output)")
+        if gen.matched_stop is not None:
+            expect(
+                gen.output_ids[-1] == gen.matched_stop,
+                f"{rid}: matched_stop {gen.matched_stop} is not the last output id {gen.output_ids[-1]}",
+            )
+        if req.sampling.ignore_eos:
+            raise CheckFailed(f"{rid}: finish 'stop' although ignore_eos=True")
+    if gen.finish_reason is not FinishReason.ABORT and not req.sampling.ignore_eos:
+        stops = set(req.sampling.stop_token_ids)
+        early = [i for i, t in enumerate(gen.output_ids[:-1]) if t in stops]
+        expect(
+            not early, f"{rid}: stop token {gen.output_ids[early[0]] if early else None} at {early[:1]} did not stop"
+        )
+    if req.return_logprobs and ctx.capabilities.logprobs:
+        expect(gen.logprobs is not None, f"{rid}: logprobs requested but None")
+    if gen.logprobs is not None:
+        expect(len(gen.logprobs) == n, f"{rid}: {len(gen.logprobs)} logprobs for {n} output ids")
+        for i, lp in enumerate(gen.logprobs):
+            expect(isinstance(lp, float) and math.isfinite(lp), f"{rid}: logprob[{i}]={lp!r} is not a finite float")
+            expect(lp <= 1e-6, f"{rid}: logprob[{i}]={lp!r} > 0")
+    expect(
+        gen.prompt_tokens == len(req.input_ids), f"{rid}: prompt_tokens={gen.prompt_tokens}, sent {len(req.input_ids)}"
+    )
+    expect(
+        0 <= gen.cached_tokens <= len(req.input_ids),
+        f"{rid}: cached_tokens={gen.cached_tokens} outside [0, {len(req.input_ids)}]",
+    )
+    if gen.worker is not None:
+        expect(gen.worker in ctx.backend.workers, f"{rid}: served by unknown worker {gen.worker!r}")
+    if ctx.versioned():
+        expect(gen.weight_version is not None, f"{rid}: weight_version is None but version_source is not NONE")
+
+
+def _around(g: Generation, j: int) -> str:
+    return f"...{list(g.output_ids[max(0, j - 2) : j + 3])}... of {len(g.output_ids)} tokens, {g.finish_reason.value}"
+
+
+def compare(
+    got: Sequence[Generation],
+    want: Sequence[Generation],
+    *,
+    what: str,
+    tolerance: float,
+    ctx: CheckContext | None = None,
+    key: str = "max_abs_dlogprob",
+) -> float:
+    """Identical ids, logprobs within ``tolerance``; returns the largest |Δlogprob| seen."""
+    expect(len(got) == len(want), f"{what}: {len(got)} results vs {len(want)}")
+    worst = 0.0
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        if g.output_ids != w.output_ids:
+            j = next((k for k, (a, b) in enumerate(zip(g.output_ids, w.output_ids, strict=False)) if a != b), None)
+            j = j if j is not None else min(len(g.output_ids), len(w.output_ids))
+            raise CheckFailed(
+                f"{what}: case {i} output ids differ at position {j} (got {_around(g, j)}, want {_around(w, j)})"
+            )
+        if g.logprobs is not None and w.logprobs is not None:
+            for a, b in zip(g.logprobs, w.logprobs, strict=True):
+                worst = max(worst, abs(a - b))
+    if ctx is not None:
+        ctx.measure(key, max(worst, float(ctx.measurements.get(key, 0.0))))
+    expect(worst <= tolerance, f"{what}: max |Δlogprob| {worst:.3g} > tolerance {tolerance:.3g}")
+    return worst
+
+
+# -- running --------------------------------------------------------------------------------------
+
+
+async def _cleanup(backend: RolloutBackend) -> str | None:
+    problems = []
+    if backend.capabilities.pause_modes:
+        try:
+            await asyncio.wait_for(backend.resume(), 30)
+        except Exception as exc:
+            problems.append(f"resume during cleanup failed: {type(exc).__name__}: {exc}")
+    try:
+        await asyncio.wait_for(backend.aclose(), 60)
+    except Exception as exc:
+        problems.append(f"aclose failed: {type(exc).__name__}: {exc}")
+    return "; ".join(problems) or None
+
+
+async def run_check(
+    c: Check, factory: BackendFactory, harness: Harness | None = None, *, label: str | None = None
+) -> CheckResult:
+    """Open a backend with ``factory``, run one check on it, close it; never raises (but cancels)."""
+    harness = harness or Harness()
+    t0 = time.perf_counter()
+
+    def result(
+        outcome: Outcome, message: str = "", tb: str | None = None, meas: Mapping[str, Any] | None = None
+    ) -> CheckResult:
+        return CheckResult(
+            name=c.name,
+            outcome=outcome,
+            message=message,
+            duration_s=time.perf_counter() - t0,
+            measurements=dict(meas or {}),
+            traceback=tb,
+            backend=label,
+        )
+
+    try:
+        backend = await asyncio.wait_for(factory(), harness.open_timeout_s)
+    except Exception as exc:
+        return result(Outcome.ERROR, f"the backend factory failed: {type(exc).__name__}: {exc}", traceback.format_exc())
+    ctx: CheckContext | None = None
+    outcome: CheckResult
+    try:
+        reason = c.skip_reason(backend, harness)
+        if reason is not None:
+            outcome = result(Outcome.SKIP, reason)
+        else:
+            ctx = CheckContext(backend=backend, factory=factory, harness=harness, name=c.name)
+            try:
+                await asyncio.wait_for(c.body(ctx), harness.check_timeout_s)
+            except SkipCheck as exc:
+                outcome = result(Outcome.SKIP, exc.reason, meas=ctx.measurements)
+            except CheckFailed as exc:
+                outcome = result(Outcome.FAIL, str(exc), traceback.format_exc(), ctx.measurements)
+            except RolloutBackendError as exc:
+                outcome = result(
+                    Outcome.FAIL,
+                    f"backend raised {type(exc).__name__}: {exc}",
+                    traceback.format_exc(),
+                    ctx.measurements,
+                )
+            except asyncio.TimeoutError:
+                outcome = result(
+                    Outcome.FAIL,
+                    f"timed out (Harness.check_timeout_s={harness.check_timeout_s}s): the backend hung",
+                    traceback.format_exc(),
+                    ctx.measurements,
+                )
+            except AssertionError as exc:
+                outcome = result(Outcome.FAIL, str(exc) or "assertion failed", traceback.format_exc(), ctx.measurements)
+            except Exception as exc:
+                outcome = result(
+                    Outcome.ERROR, f"{type(exc).__name__}: {exc}", traceback.format_exc(), ctx.measurements
+                )
+            else:
+                outcome = result(Outcome.PASS, meas=ctx.measurements)
+    finally:
+        problem = await _cleanup(backend)
+    if problem and outcome.outcome is Outcome.PASS:
+        outcome = attrs.evolve(outcome, outcome=Outcome.FAIL, message=problem)
+    return outcome
+
+
+def select_checks(
+    select: Iterable[str | Check] | None = None,
+    exclude: Iterable[str | Check] | None = None,
+    checks: Sequence[Check] | None = None,
+) -> list[Check]:
+    """Checks by name, ``fnmatch`` pattern (``"pause_*"``) or group name; ``None`` = all.
+
+    An entry that matches nothing raises ``ValueError`` (a typo would otherwise run nothing).
+    """
+    pool = list(checks if checks is not None else ALL_CHECKS)
+
+    def matches(entry: str | Check) -> list[Check]:
+        if isinstance(entry, Check):
+            return [entry]
+        return [c for c in pool if c.group == entry or fnmatch.fnmatchcase(c.name, entry)]
+
+    if select is None:
+        chosen = pool
+    else:
+        chosen = []
+        for entry in select:
+            found = matches(entry)
+            if not found:
+                raise ValueError(f"no check matches {entry!r} (checks: {[c.name for c in pool]})")
+            chosen.extend(c for c in found if c not in chosen)
+    if exclude is not None:
+        dropped = {id(c) for entry in exclude for c in matches(entry)}
+        chosen = [c for c in chosen if id(c) not in dropped]
+    return chosen
+
+
+async def run_checks(
+    factory: BackendFactory,
+    harness: Harness | None = None,
+    *,
+    select: Iterable[str | Check] | None = None,
+    exclude: Iterable[str | Check] | None = None,
+    label: str | None = None,
+    on_result: Callable[[CheckResult], None] | None = None,
+) -> Report:
+    """Run the selected checks one after the other, each on a backend of its own from ``factory``.
+
+    Usable without pytest::
+
+        report = await run_checks(lambda: rb.open_backend(url), Harness(alt_weights_path=...))
+        print(report.summary()); report.raise_for_failures()
+    """
+    chosen = select_checks(select, exclude)
+    t0 = time.perf_counter()
+    results = []
+    for c in chosen:
+        r = await run_check(c, factory, harness, label=label)
+        results.append(r)
+        if on_result is not None:
+            on_result(r)
+    return Report(results=tuple(results), backend=label, duration_s=time.perf_counter() - t0)

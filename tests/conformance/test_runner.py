@@ -1,0 +1,300 @@
+"""The conformance machinery against a fake backend: passes, skips, failures, errors, selection."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import rollout_backends as rb
+from rollout_backends.conformance import (
+    ALL_CHECKS,
+    CheckContext,
+    CheckFailed,
+    Harness,
+    Outcome,
+    Report,
+    check,
+    check_disk_update_matches_fresh,
+    check_greedy_shapes,
+    check_parity,
+    expect,
+    requires,
+    run_check,
+    run_checks,
+    select_checks,
+)
+from tests.conformance.fake_backend import BUGS, FakeBackend, fake_factory, fake_harness
+
+NEEDS_HOOK_OR_CAPABILITY = {
+    "distributed_update_matches_fresh": (
+        "weight transport 'distributed' not declared; harness hook 'make_sender' not provided"
+    ),
+    "hf_logprob_parity": "harness hook 'hf_model_path' not provided",
+    "staleness_visible": "needs >= 2 workers, the fleet has 1",
+}
+
+
+def _outcomes(report: Report) -> dict[str, Outcome]:
+    return {r.name: r.outcome for r in report.results}
+
+
+async def test_full_fake_passes_every_check_it_can(tmp_path: Path) -> None:
+    report = await run_checks(fake_factory(), fake_harness(tmp_path), label="fake")
+    assert [r.name for r in report.results] == [c.name for c in ALL_CHECKS]
+    bad = [r.line() for r in report.results if not r.ok]
+    assert not bad, "\n".join(bad)
+    skipped = {r.name: r.message for r in report.skipped}
+    assert skipped == NEEDS_HOOK_OR_CAPABILITY
+    assert report.ok
+    assert "fake" in report.summary() and f"{len(report.passed)} pass" in report.summary()
+    # measured numbers are reported
+    assert report["concurrent_equals_sequential"].measurements["requests"] == 40
+    assert report["abort_one"].measurements["abort_tokens_kept"] >= 1
+
+
+async def test_two_workers_run_the_staleness_check(tmp_path: Path) -> None:
+    report = await run_checks(
+        fake_factory(workers=2), fake_harness(tmp_path), select=["staleness_visible", "health_*", "injected_*"]
+    )
+    assert _outcomes(report) == {
+        "staleness_visible": Outcome.PASS,
+        "health_live_ready": Outcome.PASS,
+        "health_progress_probe": Outcome.PASS,
+        "health_paused_not_ready": Outcome.PASS,
+        "injected_failure_rolls_back": Outcome.PASS,
+    }
+
+
+async def test_backend_declaring_nothing_is_skipped_not_failed(tmp_path: Path) -> None:
+    nothing = rb.Capabilities(abort=False)
+    # The harness supplies the vocabulary the capabilities leave out (prompt ids stay in range).
+    report = await run_checks(fake_factory(declare=nothing), fake_harness(tmp_path, vocab_size=64))
+    assert not report.failed and not report.errors, report.summary()
+    skipped = {r.name: r.message for r in report.skipped}
+    for name in ("pause_abort", "pause_retract", "pause_in_place"):
+        assert "not declared" in skipped[name], (name, skipped[name])
+    assert skipped["resume_idempotent"] == skipped["health_paused_not_ready"] == "no pause mode declared"
+    assert skipped["pause_in_place"] == "pause mode 'in_place' not declared"
+    assert skipped["abort_one"] == "capability abort=True not declared"
+    assert skipped["seeded_sampling"] == "capability seeded_sampling=True not declared"
+    assert "weight transport 'disk' not declared" in skipped["disk_update_matches_fresh"]
+    assert "context length unknown" in skipped["reject_prompt_too_long"]
+    assert report["reject_out_of_vocab"].outcome is Outcome.PASS
+    unknown = await run_checks(fake_factory(declare=nothing), Harness(), select=["reject_out_of_vocab"])
+    assert "vocab size unknown" in unknown["reject_out_of_vocab"].message
+    # the data-plane contract still ran
+    for name in ("greedy_shapes", "finish_stop_token", "concurrent_equals_sequential", "generate_group"):
+        assert report[name].outcome is Outcome.PASS, report[name].line()
+
+
+async def test_missing_harness_hooks_skip_with_the_hook_named() -> None:
+    report = await run_checks(fake_factory(), Harness(concurrency=8), select=["weights"])
+    skipped = {r.name: r.message for r in report.skipped}
+    assert "harness hook 'alt_weights_path' not provided" in skipped["disk_update_matches_fresh"]
+    assert "harness hook 'fresh_factory_on' not provided" in skipped["disk_update_matches_fresh"]
+    assert "harness hook 'inject_failure' not provided" in skipped["injected_failure_rolls_back"]
+    # the one weight check that needs no hook runs
+    assert report["update_failure_keeps_version"].outcome is Outcome.PASS
+
+
+# Each bug breaks the contract in one way; the named check must report it as a failure.
+BUG_TO_CHECK = {
+    "positive_logprob": "greedy_shapes",
+    "wrong_prompt_tokens": "greedy_shapes",
+    "ignore_stop": "finish_stop_token",
+    "off_by_one": "max_new_tokens",
+    "abort_drops_tokens": "abort_one",
+    "abort_noop": "abort_all",
+    "concurrency_noise": "concurrent_equals_sequential",
+    "set_version_aborts": "set_version_keeps_inflight",
+    "stale_prefix": "stale_prefix_after_update",
+    "version_lag": "disk_update_matches_fresh",
+    "retract_as_abort": "pause_retract",
+    "in_place_flush_ok": "pause_in_place",
+    "paused_serves": "pause_abort",
+    "failed_load_corrupts": "update_failure_keeps_version",
+    "no_stale_report": "staleness_visible",
+    "accept_oov": "reject_out_of_vocab",
+    "seed_ignored": "seeded_sampling",
+    "probe_none": "health_progress_probe",
+    "resume_not_idempotent": "resume_idempotent",
+    "paused_still_ready": "health_paused_not_ready",
+}
+
+
+def test_every_bug_is_mapped() -> None:
+    assert set(BUG_TO_CHECK) == BUGS
+
+
+@pytest.mark.parametrize("bug", sorted(BUG_TO_CHECK))
+async def test_declared_capability_that_misbehaves_fails(bug: str, tmp_path: Path) -> None:
+    name = BUG_TO_CHECK[bug]
+    (c,) = select_checks([name])
+    factory = fake_factory(workers=2 if name == "staleness_visible" else 1, bugs=frozenset({bug}))
+    result = await c(factory, fake_harness(tmp_path))
+    assert result.outcome is Outcome.FAIL, result.line()
+    assert result.message and result.traceback
+    # and the same check passes without the bug (the failure is the bug's, not the check's)
+    clean = await c(fake_factory(workers=2 if name == "staleness_visible" else 1), fake_harness(tmp_path))
+    assert clean.outcome is Outcome.PASS, clean.line()
+
+
+async def test_declared_transport_that_raises_unsupported_fails() -> None:
+    declared = rb.Capabilities(
+        pause_modes=[rb.PauseMode.RETRACT], weight_transports=[rb.WeightTransport.DISTRIBUTED], vocab_size=64
+    )
+
+    class NullSender:
+        def connect(self) -> None:
+            return None
+
+        def broadcast(self, named: Any) -> rb.WeightBucket:
+            return rb.WeightBucket.from_named_tensors(named)
+
+        def close(self) -> None:
+            return None
+
+    def make_sender(world_size: int) -> tuple[rb.WeightGroup, NullSender]:
+        group = rb.WeightGroup(master_address="127.0.0.1", master_port=29500, world_size=world_size, backend="gloo")
+        return group, NullSender()
+
+    harness = Harness(
+        alt_weights_path="/unused", fresh_factory_on=lambda p: fake_factory(), make_sender=make_sender
+    ).replace(load_weights=lambda p: [])
+    (c,) = select_checks(["distributed_update_matches_fresh"])
+    result = await c(fake_factory(declare=declared), harness)
+    assert result.outcome is Outcome.FAIL
+    assert "Unsupported" in result.message and "distributed" in result.message
+
+
+async def test_factory_failure_and_check_bug_are_errors_not_failures() -> None:
+    async def broken() -> rb.RolloutBackend:
+        raise OSError("engine binary missing")
+
+    r = await check_greedy_shapes(broken)
+    assert r.outcome is Outcome.ERROR and "factory failed" in r.message and "engine binary missing" in r.message
+
+    @check("test", register=False)
+    async def check_buggy(ctx: CheckContext) -> None:
+        raise TypeError("bug in the check")
+
+    r = await check_buggy(fake_factory())
+    assert r.outcome is Outcome.ERROR and "TypeError: bug in the check" in r.message
+
+
+async def test_hang_is_a_failure_and_the_backend_is_closed_and_resumed() -> None:
+    made: list[FakeBackend] = []
+
+    async def factory() -> FakeBackend:
+        made.append(FakeBackend())
+        return made[-1]
+
+    @check("test", register=False)
+    async def check_hangs(ctx: CheckContext) -> None:
+        await ctx.backend.pause(rb.PauseMode.RETRACT)
+        await ctx.backend.generate(ctx.request((1, 2, 3)))  # waits for a resume that never comes
+
+    r = await check_hangs(factory, Harness(check_timeout_s=0.3))
+    assert r.outcome is Outcome.FAIL and "timed out" in r.message
+    assert made[0].closed
+    assert (await made[0].health()).ready  # the runner resumed it
+
+
+async def test_requires_decorator_order_and_combination() -> None:
+    @requires(min_workers=3)
+    @check("test", register=False)
+    @requires(pause_mode=rb.PauseMode.IN_PLACE, hooks=("alt_weights_path",), methods=("no_such_method",))
+    async def check_needs(ctx: CheckContext) -> None:
+        raise AssertionError("must not run")
+
+    r = await check_needs(fake_factory(declare=rb.Capabilities()))
+    assert r.outcome is Outcome.SKIP
+    for part in (
+        "pause mode 'in_place' not declared",
+        "harness hook 'alt_weights_path' not provided",
+        "backend has no no_such_method()",
+        "needs >= 3 workers",
+    ):
+        assert part in r.message
+    r = await check_needs(fake_factory(workers=3), Harness(alt_weights_path="/x"))
+    assert r.outcome is Outcome.SKIP and r.message == "backend has no no_such_method() (not part of the protocol)"
+
+
+async def test_plain_assertion_and_skip_inside_a_check() -> None:
+    @check("test", register=False)
+    async def check_asserts(ctx: CheckContext) -> None:
+        expect(1 == 2, "one is not two")
+
+    @check("test", register=False)
+    async def check_skips(ctx: CheckContext) -> None:
+        ctx.measure("seen", 1)
+        ctx.skip("not today")
+
+    r = await check_asserts(fake_factory())
+    assert r.outcome is Outcome.FAIL and r.message == "one is not two"
+    r = await check_skips(fake_factory())
+    assert r.outcome is Outcome.SKIP and r.message == "not today" and r.measurements == {"seen": 1}
+
+
+def test_select_checks() -> None:
+    names = [c.name for c in select_checks(["pause"])]
+    assert names == [
+        "pause_abort",
+        "pause_retract",
+        "pause_in_place",
+        "resume_idempotent",
+        "set_version_keeps_inflight",
+    ]
+    assert [c.name for c in select_checks(["reject_*"], exclude=["reject_empty_prompt"])] == [
+        "reject_out_of_vocab",
+        "reject_bad_max_new_tokens",
+        "reject_prompt_too_long",
+        "reject_unknown_sampling_key",
+    ]
+    assert select_checks([check_greedy_shapes, "greedy_shapes"]) == [check_greedy_shapes]
+    with pytest.raises(ValueError, match="no check matches 'nope'"):
+        select_checks(["nope"])
+
+
+async def test_report_raise_for_failures(tmp_path: Path) -> None:
+    report = await run_checks(
+        fake_factory(bugs=frozenset({"positive_logprob"})),
+        fake_harness(tmp_path),
+        select=["greedy_shapes", "health_live_ready"],
+    )
+    assert not report.ok and [r.name for r in report.failed] == ["greedy_shapes"]
+    assert [r.name for r in report.passed] == ["health_live_ready"]
+    with pytest.raises(CheckFailed, match="greedy_shapes"):
+        report.raise_for_failures()
+    seen: list[str] = []
+    await run_checks(fake_factory(), select=["finish_length"], on_result=lambda r: seen.append(r.name))
+    assert seen == ["finish_length"]
+
+
+async def test_a_single_check_is_a_plain_coroutine(tmp_path: Path) -> None:
+    r = await check_disk_update_matches_fresh(fake_factory(), fake_harness(tmp_path))
+    assert r.passed and r.measurements["max_abs_dlogprob"] == 0.0
+    r = await run_check(check_disk_update_matches_fresh, fake_factory(), Harness())
+    assert r.outcome is Outcome.SKIP
+
+
+async def test_parity_between_backends() -> None:
+    same = await check_parity({"a": fake_factory(1), "b": fake_factory(1)}, [(1, 2, 3), (4, 5, 6, 7)])
+    assert same.ok and same.pairs[0].ids_equal and same.pairs[0].max_abs_dlogprob == 0.0
+    assert [r.outcome for r in same.results()] == [Outcome.PASS]
+    differ = await check_parity({"a": fake_factory(1), "b": fake_factory(2)}, [(1, 2, 3)])
+    assert not differ.ok and differ.pairs[0].first_mismatch == (0, 0)
+    assert differ.results()[0].outcome is Outcome.FAIL and "differ" in differ.results()[0].message
+    noisy = await check_parity(
+        {"a": fake_factory(1), "b": fake_factory(1, bugs=frozenset({"positive_logprob"}))}, [(1, 2, 3)]
+    )
+    assert noisy.pairs[0].ids_equal and not noisy.ok and noisy.pairs[0].max_abs_dlogprob > 0.5
+    assert "parity of a, b" in noisy.summary()
+
+
+def test_check_parity_needs_a_backend() -> None:
+    with pytest.raises(ValueError):
+        asyncio.run(check_parity({}))
