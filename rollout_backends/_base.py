@@ -94,6 +94,10 @@ class BackendBase:
         self._require_pause_mode(mode)
         return weight_update(self, version, mode=mode, selector=selector)  # type: ignore[arg-type]
 
+    def expect_version(self, version: str | None) -> None:
+        """Declare the version every worker should serve; ``health()`` marks others ``stale``."""
+        self._expected_version = version
+
     async def weight_versions(self) -> Mapping[str, str | None]:  # pragma: no cover - overridden
         raise NotImplementedError
 

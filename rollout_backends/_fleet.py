@@ -410,6 +410,9 @@ class HttpFleetBackend(BackendBase):
         selected = self._select(workers)
         await self._fan(Op.SET_VERSION, selected, version=version)
         self.set_installed_version(version, selected)
+        if set(selected) == set(self.workers):
+            # The fleet was relabelled as a whole: that is now the version everyone should serve.
+            self._expected_version = version
 
     async def weight_versions(self) -> Mapping[str, str | None]:
         if self.capabilities.version_source is not VersionSource.RESPONSE:
@@ -497,10 +500,6 @@ class HttpFleetBackend(BackendBase):
         except RolloutBackendError:
             return False
         return bool(resp.ok)
-
-    def expect_version(self, version: str | None) -> None:
-        """Declare the version every worker should serve; others are reported ``stale``."""
-        self._expected_version = version
 
     async def aclose(self) -> None:
         if self._closed:

@@ -158,6 +158,13 @@ class RolloutBackend(Protocol):
         """The fleet's version. Raises ``StaleWeights`` if workers disagree."""
         ...
 
+    def expect_version(self, version: str | None) -> None:
+        """Declare the version every worker should serve; ``health()`` reports others as stale.
+
+        ``weight_update`` and a fleet-wide ``set_weight_version`` move it themselves.
+        """
+        ...
+
     async def flush_cache(self, *, workers: WorkerSelection = None) -> None:
         """Drop the prefix (KV) cache. Raises ``ControlFailed`` if a worker refuses (busy)."""
         ...
