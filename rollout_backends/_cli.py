@@ -1,7 +1,15 @@
 """The ``rollout-backends`` command.
 
-rollout-backends demo                 a small rollout + weight update on the CPU reference engine
-rollout-backends demo --backend URL   the same against any backend URL (sglang://, dynamo://)
+commands:
+  demo                   a small rollout + weight update on the CPU reference engine
+  demo --backend URL     the same against any backend URL (sglang://, dynamo://)
+  launch sglang ...      start SGLang workers (+ smg router) and wait (Ctrl-C stops)
+  launch dynamo ...      start a Dynamo frontend + workers and wait (Ctrl-C stops)
+  serve-reference ...    the CPU reference engine behind SGLang's native HTTP API
+  make-model OUT ...     write a seeded tiny Qwen2 model + tokenizer (nothing downloaded)
+  facade ...             SGLang-compatible facade for Miles over any backend
+  bench NAME ...         benchmarks: overhead, fanout, weightsync, soak
+  gpu-tier ...           the conformance suite's GPU tier (SGLang, smg, Dynamo)
 """
 
 from __future__ import annotations
@@ -102,10 +110,54 @@ def _build_parser() -> argparse.ArgumentParser:
     d.add_argument("--temperature", type=float, default=0.8)
     d.add_argument("--timeout", type=float, default=120.0)
     d.set_defaults(func=_demo)
+    for key in _DELEGATES:  # listed for --help; parsed by the delegate
+        if " " not in key:
+            sub.add_parser(key, help=f"see: rollout-backends {key} --help", add_help=False)
+    sub.add_parser("launch", help="launch sglang|dynamo ...: see rollout-backends launch sglang --help", add_help=False)
+    sub.add_parser("bench", help="bench overhead|fanout|weightsync|soak ...", add_help=False)
     return p
 
 
+#: Subcommands that hand their arguments to another module's ``main(argv)``.
+_DELEGATES: dict[str, str] = {
+    "launch sglang": "rollout_backends.adapters.sglang.launch:main",
+    "launch dynamo": "rollout_backends.adapters.dynamo.launch:main",
+    "serve-reference": "rollout_backends.adapters.reference.serve:main",
+    "make-model": "rollout_backends.adapters.reference.make_model:main",
+    "facade": "rollout_backends.integrations.miles.facade:main",
+    "bench overhead": "rollout_backends._bench.overhead:main",
+    "bench fanout": "rollout_backends._bench.fanout:main",
+    "bench weightsync": "rollout_backends._bench.weightsync:main",
+    "bench soak": "rollout_backends._bench.soak:main",
+    "gpu-tier": "rollout_backends.conformance.gpu_tier:main",
+}
+
+
+def _delegate(argv: Sequence[str]) -> int | None:
+    """Run a delegated subcommand, or return None if ``argv`` names none."""
+    import importlib
+
+    for words in (2, 1):
+        key = " ".join(argv[:words])
+        target = _DELEGATES.get(key) if len(argv) >= words else None
+        if target is None:
+            continue
+        module, _, func = target.partition(":")
+        try:
+            entry = getattr(importlib.import_module(module), func)
+        except (ImportError, AttributeError) as exc:
+            print(f"error: {key!r} is not available in this installation ({exc})", file=sys.stderr)
+            return 2
+        result = entry(list(argv[words:]))
+        return int(result or 0)
+    return None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    delegated = _delegate(argv)
+    if delegated is not None:
+        return delegated
     args = _build_parser().parse_args(argv)
     func: Any = args.func
     try:
