@@ -1,0 +1,109 @@
+"""Command line: launch a Dynamo fleet (frontend + workers), print its URLs, keep it up until Ctrl-C.
+
+    python -m rollout_backends.adapters.dynamo.launch --model-path DIR --workers 2 \
+        --worker-kind sglang --router-mode kv [--gpus 0 1] [-- <extra dynamo.sglang args>]
+
+Everything it started is stopped on Ctrl-C or SIGTERM. ``--`` ends our flags; what follows is
+passed verbatim to every ``dynamo.sglang`` worker.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+import sys
+from collections.abc import Sequence
+
+from rollout_backends._supervisor import stderr_progress
+from rollout_backends.adapters.dynamo._launcher import ROUTER_MODES, WORKER_KINDS, DynamoFleet, launch_dynamo_fleet
+
+__all__ = ["config_from_args", "main", "parse_args"]
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    extra: list[str] = []
+    if "--" in argv:
+        i = argv.index("--")
+        argv, extra = argv[:i], argv[i + 1 :]
+    p = argparse.ArgumentParser(
+        prog="rollout-backends launch dynamo", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--model-path", required=True)
+    p.add_argument("--workers", type=int, default=1)
+    p.add_argument("--worker-kind", choices=WORKER_KINDS, default="sglang")
+    p.add_argument("--router-mode", choices=ROUTER_MODES, default="kv")
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--no-kv-events", action="store_true", help="approximate KV routing (--no-router-kv-events)")
+    p.add_argument("--router-predicted-ttl-secs", type=float, default=None, help="predict-on-route")
+    p.add_argument("--stream-interval", type=int, default=None, help="SGLang --stream-interval for the workers")
+    p.add_argument("--gpus", nargs="+", default=None, help="CUDA_VISIBLE_DEVICES per worker, e.g. 0 1")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--http-port", type=int, default=None)
+    p.add_argument("--discovery", choices=("file", "etcd"), default="file")
+    p.add_argument("--etcd-endpoint", action="append", default=[], help="etcd endpoint (repeatable)")
+    p.add_argument("--weight-version", default="default")
+    p.add_argument("--log-dir", default=None)
+    args = p.parse_args(argv)
+    args.extra_worker_args = extra
+    return args
+
+
+def config_from_args(args: argparse.Namespace) -> DynamoFleet:
+    return DynamoFleet(
+        model_path=args.model_path,
+        workers=args.workers,
+        worker_kind=args.worker_kind,
+        router_mode=args.router_mode,
+        page_size=args.page_size,
+        kv_events=not args.no_kv_events,
+        router_predicted_ttl_secs=args.router_predicted_ttl_secs,
+        stream_interval=args.stream_interval,
+        gpus=tuple(args.gpus or ()),
+        host=args.host,
+        http_port=args.http_port,
+        discovery=args.discovery,
+        etcd_endpoints=tuple(args.etcd_endpoint),
+        weight_version=args.weight_version,
+        sglang_args=tuple(args.extra_worker_args),
+    )
+
+
+async def _run(config: DynamoFleet, log_dir: str | None) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    async with launch_dynamo_fleet(config, log_dir=log_dir, progress=stderr_progress) as fleet:
+        print(f"frontend: {fleet.frontend_url}  (namespace {fleet.namespace})", flush=True)
+        for name, url in zip(fleet.worker_names, fleet.worker_urls, strict=True):
+            print(f"worker:   {name}  control {url}", flush=True)
+        print(f"logs:     {fleet.run_dir}", flush=True)
+        hostport = fleet.frontend_url.split("://", 1)[1]
+        workers = ",".join(u.split("://", 1)[1] for u in fleet.worker_urls)
+        print(f"connect:  dynamo://{hostport}?workers={workers}", flush=True)
+        print("ready; Ctrl-C stops everything", flush=True)
+        await stop.wait()
+        print("stopping...", file=sys.stderr, flush=True)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        config = config_from_args(args)
+    except Exception as exc:  # InvalidRequest from the config's checks
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        asyncio.run(_run(config, args.log_dir))
+    except KeyboardInterrupt:  # pragma: no cover
+        return 130
+    except Exception as exc:
+        print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
