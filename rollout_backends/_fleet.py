@@ -29,6 +29,7 @@ from rollout_backends._errors import (
 from rollout_backends._http import HttpClient, HttpRequest, HttpResponse
 from rollout_backends._types import (
     Capabilities,
+    FinishReason,
     GenerateRequest,
     Generation,
     HealthReport,
@@ -43,6 +44,13 @@ from rollout_backends._types import (
 )
 
 __all__ = ["HttpFleetBackend", "Op", "Wire", "Worker"]
+
+
+def _cancelling() -> bool:
+    """Whether the current task itself is being cancelled (3.11+; on 3.10 assume not)."""
+    task = asyncio.current_task()
+    counter = getattr(task, "cancelling", None)
+    return bool(counter()) if counter is not None else False
 
 
 @attrs.frozen(slots=True, kw_only=True)
@@ -99,7 +107,10 @@ class Wire(Protocol):
         ...
 
     def control(self, op: Op, worker: Worker, **args: Any) -> HttpRequest | None:
-        """Build a control call; ``None`` = nothing to send on this engine (a no-op step)."""
+        """Build a control call; ``None`` = nothing to send on this engine (a no-op step).
+
+        For ``Op.ABORT`` (one request by id), ``None`` means the engine cannot abort by id: the
+        backend then cancels its own in-flight HTTP call for that request instead."""
         ...
 
     def parse_control(self, op: Op, worker: Worker, response: HttpResponse) -> Any:
@@ -133,6 +144,9 @@ class HttpFleetBackend(BackendBase):
         # The version each worker was last told to serve; used where engines do not report it.
         self._installed: dict[str, str | None] = dict.fromkeys(ids)
         self._paused: set[str] = set()
+        # generate() calls in flight by request id, and those that abort() cancelled.
+        self._inflight: dict[str, asyncio.Future[HttpResponse]] = {}
+        self._cancelled: set[str] = set()
         self._on_close = on_close
         self._closed = False
 
@@ -189,7 +203,21 @@ class HttpFleetBackend(BackendBase):
             raise Unsupported("worker_pinning")
         http = self.wire.generate(request, pinned)
         t0 = time.perf_counter()
-        resp = await self.client.send(http, worker=pinned.id if pinned else None)
+        rid = request.request_id
+        # The call runs in its own task so that ``abort(request_id)`` can cancel just this HTTP call
+        # (for engines that cannot abort one request by id: the server sees a disconnect).
+        send = asyncio.ensure_future(self.client.send(http, worker=pinned.id if pinned else None))
+        self._inflight[rid] = send
+        try:
+            resp = await send
+        except asyncio.CancelledError:
+            if rid in self._cancelled and send.cancelled() and not _cancelling():
+                return self._cancelled_generation(request, pinned, time.perf_counter() - t0)
+            raise
+        finally:
+            if self._inflight.get(rid) is send:
+                del self._inflight[rid]
+                self._cancelled.discard(rid)
         gen = self.wire.parse_generation(request, resp, time.perf_counter() - t0)
         if gen.worker is None and (pinned is not None or len(self._workers) == 1):
             gen = attrs.evolve(gen, worker=pinned.id if pinned is not None else self.workers[0])
@@ -200,8 +228,38 @@ class HttpFleetBackend(BackendBase):
         return gen
 
     async def abort(self, request_id: str) -> None:
-        # The router does not say which worker holds a request: ask every worker.
-        await self._fan(Op.ABORT, None, request_id=request_id)
+        """Abort one request: by id on every worker where the wire can (the answer then carries
+        the partial tokens); else cancel this client's in-flight HTTP call, which the server sees
+        as a disconnect. A cancelled call returns ``FinishReason.ABORT`` with no tokens (what was
+        generated is lost with the connection)."""
+        by_id = [w for w in self.workers if self.wire.control(Op.ABORT, self._workers[w], request_id=request_id)]
+        if by_id:
+            # The router does not say which worker holds a request: ask every worker.
+            await self._fan(Op.ABORT, by_id, request_id=request_id)
+            return
+        task = self._inflight.get(request_id)
+        if task is not None and not task.done():
+            self._cancelled.add(request_id)
+            task.cancel()
+
+    @property
+    def inflight(self) -> tuple[str, ...]:
+        """Request ids whose ``generate`` call is in flight from this client."""
+        return tuple(self._inflight)
+
+    def _cancelled_generation(self, request: GenerateRequest, pinned: Worker | None, latency_s: float) -> Generation:
+        worker = pinned.id if pinned is not None else (self.workers[0] if len(self._workers) == 1 else None)
+        version = self._installed.get(worker) if worker is not None else None
+        return Generation(
+            request_id=request.request_id,
+            output_ids=(),
+            logprobs=() if request.return_logprobs and self.capabilities.logprobs else None,
+            finish_reason=FinishReason.ABORT,
+            weight_version=version,
+            prompt_tokens=len(request.input_ids),
+            worker=worker,
+            latency_s=latency_s,
+        )
 
     async def abort_all(self, *, workers: Sequence[str] | None = None) -> None:
         await self._fan(Op.ABORT_ALL, workers)
@@ -364,8 +422,8 @@ class HttpFleetBackend(BackendBase):
         if live:
             ready, err2 = await self._probe(Op.READY, worker_id)
             err = err or err2
-            if ready is None:  # the engine has no readiness route: ready = live and not paused by us
-                ready = worker_id not in self._paused
+            # No readiness route (None) means ready when live; a worker we paused is never ready.
+            ready = (ready is None or bool(ready)) and worker_id not in self._paused
             if probe:
                 progress, err3 = await self._probe(Op.PROBE, worker_id)
                 err = err or err3

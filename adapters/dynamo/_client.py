@@ -1,0 +1,215 @@
+"""Connecting to a running Dynamo fleet: detect the worker flavor, map instance ids, build the backend."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qs, urlsplit
+
+from rollout_backends.adapters.dynamo._launcher import generate_instances
+from rollout_backends.adapters.dynamo._wire import FLAVORS, DynamoWire
+
+from rollout_backends._errors import BackendUnavailable, InvalidRequest, RolloutBackendError
+from rollout_backends._fleet import HttpFleetBackend, Worker
+from rollout_backends._http import HttpClient, HttpRequest, HttpResponse
+from rollout_backends._types import VersionSource
+
+__all__ = ["connect", "detect_flavor", "open_from_url", "worker_id_of"]
+
+
+def worker_id_of(url: str) -> str:
+    """A worker's id is its system port's ``host:port``."""
+    parts = urlsplit(url if "://" in url else f"http://{url}")
+    return f"{parts.hostname}:{parts.port}"
+
+
+def _normalise(url: str) -> str:
+    url = url.rstrip("/")
+    if url.startswith("dynamo://"):
+        url = "http://" + url[len("dynamo://") :]
+    if "://" not in url:
+        url = "http://" + url
+    return url
+
+
+async def _send(client: HttpClient, req: HttpRequest) -> HttpResponse:
+    return await client.send(req)
+
+
+async def _get_json(client: HttpClient, url: str) -> tuple[int, Any]:
+    resp = await client.send(HttpRequest("GET", url, timeout=10.0, idempotent=True))
+    try:
+        return resp.status, resp.json()
+    except RolloutBackendError:
+        return resp.status, None
+
+
+def _route_missing(resp: HttpResponse) -> bool:
+    return resp.status == 404 and "Route not found" in resp.text
+
+
+async def detect_flavor(client: HttpClient, worker_url: str) -> tuple[str, dict[str, Any] | None]:
+    """Which engine routes a worker serves, probed once (no side effects):
+
+    ``rollout/info`` answers → our worker (``rollout``, with its info); else
+    ``call_tokenizer_manager`` is routed → ``sglang14`` (1.4.x with ``--enable-rl``); else a
+    404 "Route not found" → ``sglang16`` (1.6.x native routes) — or a mocker, which has no engine
+    routes at all (pass ``flavor="mocker"``; the launcher does).
+    """
+    info = await _send(client, HttpRequest("POST", f"{worker_url}/engine/rollout/info", json={}, timeout=10.0))
+    if info.ok:
+        data = info.json()
+        return "rollout", data if isinstance(data, dict) else None
+    # An empty body makes the 1.4.x handler fail on the missing `method` (500); 1.6.x has no route.
+    tm = await _send(client, HttpRequest("POST", f"{worker_url}/engine/call_tokenizer_manager", json={}, timeout=10.0))
+    if _route_missing(tm):
+        return "sglang16", None
+    return "sglang14", None
+
+
+def _model_config(model_path: str | None) -> dict[str, Any]:
+    if not model_path:
+        return {}
+    try:
+        cfg = json.loads((Path(model_path) / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return cfg if isinstance(cfg, dict) else {}
+
+
+def _eos_ids(cfg: Mapping[str, Any]) -> tuple[int, ...]:
+    eos = cfg.get("eos_token_id")
+    if isinstance(eos, int):
+        return (eos,)
+    if isinstance(eos, list):
+        return tuple(int(x) for x in eos)
+    return ()
+
+
+async def connect(
+    url: str,
+    *,
+    workers: Sequence[str] | None = None,
+    rpc_ports: Mapping[str, int] | None = None,
+    flavor: str | None = None,
+    router_mode: str = "round-robin",
+    model: str | None = None,
+    model_path: str | None = None,
+    initial_version: str | None = None,
+    version_source: VersionSource | str | None = None,
+    memory_saver: bool = True,
+    namespace: str | None = None,
+    api_key: str | None = None,
+    client: HttpClient | None = None,
+    on_close: Any = None,
+) -> HttpFleetBackend:
+    """Connect to a Dynamo frontend at ``url``; ``workers`` are the workers' system-port URLs.
+
+    * The model is the frontend's only model unless ``model`` names one.
+    * Instance ids (the frontend's ``nvext.worker_id``) are mapped to worker ids from each worker's
+      ``rollout/info`` (our worker) or, for ``rpc_ports`` given, from the frontend's ``/health``
+      ``transport`` (``DYN_TCP_RPC_PORT``; the launcher fixes it per worker).
+    * ``router_mode`` is the frontend's (the frontend does not report it): pinning
+      (``GenerateRequest.worker``) is declared only for ``kv``/``direct``.
+    * Without ``workers``, the frontend's instances become workers without control routes
+      (generation only).
+    """
+    frontend = _normalise(url)
+    client = client or HttpClient(api_key=api_key)
+    try:
+        status, models = await _get_json(client, f"{frontend}/v1/models")
+        if status != 200 or not isinstance(models, dict):
+            raise BackendUnavailable(f"{frontend}: /v1/models answered HTTP {status}")
+        names = [m.get("id") for m in models.get("data") or [] if isinstance(m, dict)]
+        if model is None:
+            if len(names) != 1:
+                raise BackendUnavailable(f"{frontend}: expected one model, the frontend lists {names}")
+            model = str(names[0])
+        _, health = await _get_json(client, f"{frontend}/health")
+        instances = generate_instances(health, namespace)
+        by_rpc_port: dict[int, int] = {}
+        for inst in instances:
+            tcp = (inst.get("transport") or {}).get("tcp") if isinstance(inst.get("transport"), dict) else None
+            if isinstance(tcp, str) and ":" in tcp:
+                with contextlib.suppress(ValueError, KeyError):
+                    by_rpc_port[int(tcp.split("/", 1)[0].rsplit(":", 1)[1])] = int(inst["instance_id"])
+        fleet: list[Worker] = []
+        info0: dict[str, Any] | None = None
+        if workers is None:
+            flavor = flavor or "none"
+            fleet = [Worker(id=f"instance-{int(i['instance_id']):x}", control_url="", instance_id=int(i["instance_id"]))
+                     for i in instances]  # fmt: skip
+            if not fleet:
+                raise BackendUnavailable(f"{frontend}: no generate instances are registered")
+        else:
+            urls = [_normalise(w) for w in workers]
+            if flavor is None:
+                flavor, info0 = await detect_flavor(client, urls[0])
+            for u in urls:
+                instance: int | None = None
+                if flavor == "rollout":
+                    resp = await _send(client, HttpRequest("POST", f"{u}/engine/rollout/info", json={}, timeout=10.0))
+                    data = resp.json() if resp.ok else None
+                    if isinstance(data, dict):
+                        info0 = info0 or data
+                        if isinstance(data.get("instance_id"), int):
+                            instance = data["instance_id"]
+                if instance is None and rpc_ports and u in rpc_ports:
+                    instance = by_rpc_port.get(int(rpc_ports[u]))
+                fleet.append(Worker(id=worker_id_of(u), control_url=u, instance_id=instance))
+    except RolloutBackendError:
+        await client.aclose()
+        raise
+    if flavor not in FLAVORS:
+        await client.aclose()
+        raise InvalidRequest("flavor", f"must be one of {FLAVORS}, got {flavor!r}")
+    if version_source is None:
+        vs = VersionSource.RESPONSE if flavor in ("rollout", "sglang14-shim") else VersionSource.STAMPED
+    else:
+        vs = VersionSource(version_source)
+    cfg = _model_config(model_path)
+    vocab = (info0 or {}).get("vocab_size") or cfg.get("vocab_size")
+    ctx = (info0 or {}).get("max_context") or cfg.get("max_position_embeddings")
+    eos = tuple((info0 or {}).get("eos_token_ids") or ()) or _eos_ids(cfg)
+    wire = DynamoWire(
+        frontend_url=frontend,
+        model=model,
+        flavor=flavor,
+        router_mode=router_mode,
+        instance_workers={w.instance_id: w.id for w in fleet if w.instance_id is not None},
+        url_workers={w.control_url: w.id for w in fleet if w.control_url},
+        version_source=vs,
+        memory_saver=memory_saver,
+        max_context=int(ctx) if isinstance(ctx, int) else None,
+        vocab_size=int(vocab) if isinstance(vocab, int) else None,
+        eos_token_ids=eos,
+        namespace=namespace,
+    )
+    backend = HttpFleetBackend(wire, fleet, client=client, name="dynamo", on_close=on_close)
+    if initial_version is not None and vs is VersionSource.STAMPED:
+        backend.set_installed_version(initial_version)
+    return backend
+
+
+async def open_from_url(url: str, **kwargs: Any) -> HttpFleetBackend:
+    """Registry entry: ``dynamo://host:port?workers=h1:p1,h2:p2&router_mode=kv&flavor=rollout``.
+
+    ``workers`` are the workers' system ports (``DYN_SYSTEM_PORT``); other keys: ``router_mode``,
+    ``flavor``, ``model``, ``model_path``, ``namespace``, ``version_source``.
+    """
+    parts = urlsplit(url)
+    query = parse_qs(parts.query)
+    known = {"workers", "router_mode", "flavor", "model", "model_path", "namespace", "version_source"}
+    for key, values in query.items():
+        if key not in known:
+            raise InvalidRequest(f"url.{key}", f"unknown option (known: {sorted(known)})")
+        if key in kwargs:
+            continue
+        if key == "workers":
+            kwargs["workers"] = [w for item in values for w in item.split(",") if w]
+        else:
+            kwargs[key] = values[-1]
+    return await connect(f"http://{parts.netloc}", **kwargs)

@@ -1,0 +1,489 @@
+"""Dynamo as a ``Wire``: the frontend's ``/v1/completions`` for generation, each worker's system
+port (``/engine/<route>``) for control. Request builders and response parsers only.
+
+Shapes are Dynamo 1.4.2's (``docs/dynamo-notes.md``); engine routes follow the flavor detected
+once at connect time:
+
+* ``rollout``: our Python worker (``_worker.py``): the ``dynamo.sglang`` 1.4.2 routes plus
+  ``rollout/{weight_version,info,abort}`` (abort by request id, served version).
+* ``sglang14`` / ``sglang14-shim``: ``dynamo.sglang`` 1.4.x: ``control/*`` and
+  ``call_tokenizer_manager`` (needs ``--enable-rl``); the shim adds ``engine_data`` and
+  ``rollout/weight_version``.
+* ``sglang16``: ``dynamo.sglang`` 1.6.x: native unprefixed routes (``pause_generation``, ...);
+  ``flush_cache``, ``init/destroy_weights_update_group`` and ``abort_request`` need the worker's
+  ``--engine-route`` allowlist.
+* ``mocker``: ``dynamo.mocker``: no engine routes, no logprobs.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Mapping
+from typing import Any
+
+import attrs
+
+from rollout_backends._errors import (
+    BackendUnavailable,
+    ContractViolation,
+    ControlFailed,
+    InvalidRequest,
+    Overloaded,
+    WorkerFailure,
+)
+from rollout_backends._fleet import Op, Worker
+from rollout_backends._http import HttpRequest, HttpResponse
+from rollout_backends._types import (
+    Capabilities,
+    FinishReason,
+    GenerateRequest,
+    Generation,
+    PauseMode,
+    RoutingKind,
+    VersionSource,
+    WeightTransport,
+)
+
+__all__ = ["FLAVORS", "DynamoWire", "completion_body", "is_uuid"]
+
+FLAVORS = ("rollout", "sglang14", "sglang14-shim", "sglang16", "mocker", "none")
+#: Router modes that honour ``nvext.backend_instance_id`` (measured on 1.4.2: round-robin ignores it).
+PINNING_MODES = ("kv", "direct")
+EXTRA_FIELDS = ("completion_token_ids", "worker_id", "timing", "engine_data", "stop_reason")
+RID_ANNOTATION = "rid:"
+
+_UUID_RE = re.compile(
+    r"^(?:[0-9a-fA-F]{32}|[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12})$"
+)
+_ROUTING = {
+    "round-robin": RoutingKind.ROUND_ROBIN,
+    "random": RoutingKind.RANDOM,
+    "kv": RoutingKind.KV,
+}
+
+
+def is_uuid(value: str) -> bool:
+    """Whether the 1.4.2 frontend keeps ``value`` as ``x-dynamo-request-id`` (UUID forms only)."""
+    return bool(_UUID_RE.match(value))
+
+
+def completion_body(request: GenerateRequest, model: str, *, logprobs: bool, instance_id: Any = None) -> dict[str, Any]:
+    """The ``/v1/completions`` body for one token-in/token-out request (every sampling value explicit)."""
+    s = request.sampling
+    body: dict[str, Any] = {
+        "model": model,
+        "prompt": list(request.input_ids),
+        "max_tokens": s.max_new_tokens,
+        "temperature": s.temperature,
+        "top_p": s.top_p,
+        "min_p": s.min_p,
+        "repetition_penalty": s.repetition_penalty,
+        "frequency_penalty": s.frequency_penalty,
+        "presence_penalty": s.presence_penalty,
+        "ignore_eos": s.ignore_eos,  # top level: nvext.ignore_eos is rejected by 1.4.2
+        "stream": False,
+        "n": 1,
+    }
+    if s.top_k != -1:
+        body["top_k"] = s.top_k
+    if s.min_new_tokens:
+        body["min_tokens"] = s.min_new_tokens
+    if s.stop_token_ids:
+        body["stop_token_ids"] = list(s.stop_token_ids)
+    if s.seed is not None:
+        body["seed"] = s.seed
+    if logprobs:
+        body["logprobs"] = 0  # the chosen token's logprob only (>= 1 is refused for SGLang workers)
+    nvext: dict[str, Any] = {
+        "extra_fields": list(EXTRA_FIELDS),
+        # The request id reaches the worker whatever its form (x-dynamo-request-id takes UUIDs only).
+        "annotations": [f"{RID_ANNOTATION}{request.request_id}"],
+    }
+    if instance_id is not None:
+        nvext["backend_instance_id"] = instance_id
+    body["nvext"] = nvext
+    return body
+
+
+def _error_message(resp: HttpResponse) -> str:
+    try:
+        data = resp.json()
+    except ContractViolation:
+        return resp.text[:500]
+    if isinstance(data, dict):
+        err = data.get("message", data.get("error", data.get("detail")))
+        if isinstance(err, dict):
+            return str(err.get("message", err))
+        if err is not None:
+            extra = data.get("error") if data.get("message") is not None else None
+            return f"{extra}: {err}" if isinstance(extra, str) and extra != err else str(err)
+    return resp.text[:500]
+
+
+def _field_of(message: str) -> str:
+    low = message.lower()
+    for key in ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "min_tokens"):
+        if key in low:
+            return f"sampling.{ {'max_tokens': 'max_new_tokens', 'min_tokens': 'min_new_tokens'}.get(key, key) }"
+    if "model" in low and "not found" in low:
+        return "model"
+    return "input_ids"
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+@attrs.frozen(slots=True, kw_only=True)
+class DynamoWire:
+    """One Dynamo fleet's wire format.
+
+    ``instance_workers`` maps the frontend's 64-bit instance ids to our worker ids;
+    ``url_workers`` maps a worker's system URL (what our worker stamps in ``engine_data.worker``)
+    to its id.
+    """
+
+    frontend_url: str
+    model: str
+    flavor: str = "rollout"
+    router_mode: str = "round-robin"
+    instance_workers: Mapping[int, str] = attrs.field(factory=dict)
+    url_workers: Mapping[str, str] = attrs.field(factory=dict)
+    version_source: VersionSource = VersionSource.RESPONSE
+    memory_saver: bool = True
+    max_context: int | None = None
+    vocab_size: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    namespace: str | None = None
+    probe_timeout: float = 20.0
+
+    def __attrs_post_init__(self) -> None:
+        if self.flavor not in FLAVORS:
+            raise InvalidRequest("flavor", f"must be one of {FLAVORS}, got {self.flavor!r}")
+
+    @property
+    def pinning(self) -> bool:
+        return self.router_mode in PINNING_MODES
+
+    @property
+    def _sglang_like(self) -> bool:
+        return self.flavor in ("rollout", "sglang14", "sglang14-shim", "sglang16")
+
+    def capabilities(self) -> Capabilities:
+        sg = self._sglang_like
+        transports = set()
+        if sg:
+            transports = {WeightTransport.DISK, WeightTransport.DISTRIBUTED}
+            if self.flavor == "rollout":
+                transports.add(WeightTransport.TENSOR)
+        return Capabilities(
+            pause_modes=set(PauseMode) if sg else set(),
+            weight_transports=transports,
+            memory_release=sg and self.memory_saver,
+            logprobs=self.flavor != "mocker",
+            streaming=False,
+            routing=_ROUTING.get(self.router_mode, RoutingKind.OTHER),
+            abort=True,
+            seeded_sampling=self.flavor == "rollout",
+            begin_end_update=False,
+            version_source=self.version_source,
+            cached_tokens=self.flavor != "mocker",
+            worker_pinning=self.pinning,
+            max_context=self.max_context,
+            vocab_size=self.vocab_size,
+        )
+
+    # -- generation -------------------------------------------------------------------------
+
+    def generate(self, request: GenerateRequest, worker: Worker | None) -> HttpRequest:
+        body = completion_body(
+            request,
+            self.model,
+            logprobs=request.return_logprobs and self.flavor != "mocker",
+            instance_id=worker.instance_id if worker is not None else None,
+        )
+        headers = {"x-dynamo-request-id": request.request_id} if is_uuid(request.request_id) else {}
+        return HttpRequest("POST", f"{self.frontend_url}/v1/completions", json=body, headers=headers)
+
+    def parse_generation(self, request: GenerateRequest, response: HttpResponse, latency_s: float) -> Generation:
+        if response.status in (400, 422):
+            msg = _error_message(response)
+            raise InvalidRequest(_field_of(msg), msg)
+        if response.status == 404:
+            raise BackendUnavailable(
+                f"frontend: HTTP 404 ({_error_message(response)}): no worker serves {self.model!r}"
+            )
+        if response.status in (429, 503, 529):
+            raise Overloaded(f"frontend: HTTP {response.status}: {_error_message(response)}")
+        if response.status >= 500:
+            raise BackendUnavailable(f"frontend: HTTP {response.status}: {_error_message(response)}")
+        if response.status != 200:
+            raise ContractViolation(f"/v1/completions answered HTTP {response.status}: {_error_message(response)}")
+        data = response.json()
+        if not isinstance(data, dict):
+            raise ContractViolation(f"/v1/completions answered {type(data).__name__}, expected an object")
+        return self.parse_completion(request, data, latency_s)
+
+    def worker_of(self, nvext: Mapping[str, Any]) -> str | None:
+        ed = nvext.get("engine_data")
+        if isinstance(ed, dict) and isinstance(ed.get("worker"), str):
+            w = self.url_workers.get(ed["worker"].rstrip("/"))
+            if w is not None:
+                return w
+        wid = nvext.get("worker_id")
+        if isinstance(wid, dict):
+            inst = wid.get("decode_worker_id", wid.get("prefill_worker_id"))
+            if isinstance(inst, int):
+                return self.instance_workers.get(inst)
+        return None
+
+    def parse_completion(self, request: GenerateRequest, data: Mapping[str, Any], latency_s: float) -> Generation:
+        choices = data.get("choices")
+        if not isinstance(choices, list) or len(choices) != 1 or not isinstance(choices[0], dict):
+            raise ContractViolation("/v1/completions answer has no single choice")
+        choice = choices[0]
+        nvext = data.get("nvext") if isinstance(data.get("nvext"), dict) else {}
+        assert isinstance(nvext, dict)
+        worker = self.worker_of(nvext)
+        # Token ids: nvext.completion_token_ids (1.4.2); DYN_ENABLE_RL shaping may move them to the choice.
+        ids = nvext.get("completion_token_ids")
+        if ids is None:
+            ids = choice.get("token_ids")
+        if not isinstance(ids, list) or not all(_is_int(t) for t in ids):
+            raise ContractViolation("no integer completion_token_ids in the answer", worker=worker)
+        engine_data = nvext.get("engine_data") if isinstance(nvext.get("engine_data"), dict) else {}
+        assert isinstance(engine_data, dict)
+        reason, matched = self._finish(request, choice, nvext, engine_data, ids, worker)
+        logprobs: tuple[float, ...] | None = None
+        if request.return_logprobs and self.flavor != "mocker":
+            lp_obj = choice.get("logprobs")
+            lps = lp_obj.get("token_logprobs") if isinstance(lp_obj, dict) else None
+            if not isinstance(lps, list):
+                if ids:
+                    raise ContractViolation("choices[0].logprobs.token_logprobs is missing", worker=worker)
+                lps = []
+            if len(lps) != len(ids):
+                raise ContractViolation(
+                    f"{len(lps)} logprobs for {len(ids)} output tokens (never padded)", worker=worker
+                )
+            out = []
+            for i, lp in enumerate(lps):
+                if not isinstance(lp, (int, float)) or isinstance(lp, bool) or math.isnan(lp):
+                    raise ContractViolation(f"token_logprobs[{i}] is not a number ({lp!r})", worker=worker)
+                out.append(float(lp))
+            logprobs = tuple(out)
+        usage = data.get("usage") if isinstance(data.get("usage"), dict) else {}
+        assert isinstance(usage, dict)
+        details = usage.get("prompt_tokens_details") if isinstance(usage.get("prompt_tokens_details"), dict) else {}
+        assert isinstance(details, dict)
+        version = engine_data.get("weight_version")
+        prompt_tokens = usage.get("prompt_tokens")
+        return Generation(
+            request_id=request.request_id,
+            output_ids=tuple(ids),
+            logprobs=logprobs,
+            finish_reason=reason,
+            weight_version=None if version is None else str(version),
+            prompt_tokens=prompt_tokens if isinstance(prompt_tokens, int) else len(request.input_ids),
+            cached_tokens=int(details.get("cached_tokens") or 0),
+            worker=worker,
+            latency_s=latency_s,
+            matched_stop=matched,
+        )
+
+    def _finish(
+        self,
+        request: GenerateRequest,
+        choice: Mapping[str, Any],
+        nvext: Mapping[str, Any],
+        engine_data: Mapping[str, Any],
+        ids: list[int],
+        worker: str | None,
+    ) -> tuple[FinishReason, int | None]:
+        raw = engine_data.get("finish_reason")
+        if raw is None:
+            raw = choice.get("finish_reason")
+        if raw in ("abort", "cancelled"):
+            return FinishReason.ABORT, None
+        if raw == "length":
+            return FinishReason.LENGTH, None
+        if raw in ("stop", "eos"):
+            stop_reason = nvext.get("stop_reason")
+            last = ids[-1] if ids else None
+            matched = stop_reason if _is_int(stop_reason) else last
+            if "finish_reason" not in engine_data:
+                # 1.4.2 reports an aborted request as "stop": a stop whose last token ends nothing
+                # the request could stop on is an abort.
+                stops = set(request.sampling.stop_token_ids) | set(self.eos_token_ids)
+                if last is None or request.sampling.ignore_eos or (stops and last not in stops):
+                    return FinishReason.ABORT, None
+            return FinishReason.STOP, matched if _is_int(matched) else None
+        raise ContractViolation(f"unknown finish reason {raw!r}", worker=worker)
+
+    # -- control ----------------------------------------------------------------------------
+
+    def _tm(
+        self, worker: Worker, method: str, arg: Mapping[str, Any] | None = None, cls: str | None = None
+    ) -> HttpRequest:
+        """``call_tokenizer_manager`` (1.4.x with ``--enable-rl``); an io_struct arg is typed by ``cls``."""
+        args: list[Any] = [] if arg is None else [{f"io_struct.{cls}": dict(arg)} if cls else dict(arg)]
+        body = {"method": method, "args": args, "kwargs": {}}
+        return HttpRequest("POST", f"{worker.control_url}/engine/call_tokenizer_manager", json=body)
+
+    def _engine(self, worker: Worker, route: str, body: Mapping[str, Any] | None = None) -> HttpRequest:
+        return HttpRequest("POST", f"{worker.control_url}/engine/{route}", json=dict(body or {}))
+
+    def control(self, op: Op, worker: Worker, **args: Any) -> HttpRequest | None:
+        if op is Op.LIVE:
+            return HttpRequest("GET", f"{worker.control_url}/live", timeout=5.0, idempotent=True)
+        if op is Op.READY:
+            if worker.instance_id is None:
+                return None
+            return HttpRequest("GET", f"{self.frontend_url}/health", timeout=5.0, idempotent=True)
+        if op is Op.PROBE:
+            if not self.pinning or worker.instance_id is None:
+                return None
+            probe = GenerateRequest(input_ids=(1,), return_logprobs=False)
+            body = completion_body(probe, self.model, logprobs=False, instance_id=worker.instance_id)
+            body.update(max_tokens=1, temperature=0.0, ignore_eos=True)
+            return HttpRequest("POST", f"{self.frontend_url}/v1/completions", json=body, timeout=self.probe_timeout)
+        if op is Op.BEGIN or op is Op.END:
+            return None
+        if op is Op.ABORT:
+            # Only our worker aborts one request by id (and still answers with the partial tokens).
+            # Elsewhere: None -> the fleet backend cancels the client's HTTP request (disconnect).
+            return (
+                self._engine(worker, "rollout/abort", {"rid": args["request_id"]}) if self.flavor == "rollout" else None
+            )
+        if not self._sglang_like:
+            return self._engine(worker, f"control/{op.value}")  # the mocker answers 404: ControlFailed
+        v16 = self.flavor == "sglang16"
+        if op is Op.ABORT_ALL:
+            if self.flavor == "rollout":
+                return self._engine(worker, "rollout/abort", {"abort_all": True})
+            if v16:
+                return self._engine(worker, "abort_request", {"abort_all": True})
+            # Plain kwargs: a typed io_struct arg would become `rid`.
+            body = {"method": "abort_request", "args": [], "kwargs": {"abort_all": True}}
+            return HttpRequest("POST", f"{worker.control_url}/engine/call_tokenizer_manager", json=body)
+        if op is Op.PAUSE:
+            mode = {"mode": PauseMode(args["mode"]).value}
+            return (
+                self._engine(worker, "pause_generation", mode)
+                if v16
+                else self._tm(worker, "pause_generation", mode, "PauseGenerationReqInput")
+            )
+        if op is Op.RESUME:
+            return (
+                self._engine(worker, "continue_generation")
+                if v16
+                else self._tm(worker, "continue_generation", {}, "ContinueGenerationReqInput")
+            )
+        if op is Op.FLUSH_CACHE:
+            return self._engine(worker, "flush_cache") if v16 else self._tm(worker, "flush_cache")
+        if op is Op.INIT_GROUP:
+            g = args["group"]
+            body = {
+                "master_address": g.master_address,
+                "master_port": g.master_port,
+                "rank_offset": args["rank_offset"],
+                "world_size": g.world_size,
+                "group_name": g.group_name,
+                "backend": g.backend,
+            }
+            return (
+                self._engine(worker, "init_weights_update_group", body)
+                if v16
+                else self._tm(worker, "init_weights_update_group", body, "InitWeightsUpdateGroupReqInput")
+            )
+        if op is Op.DESTROY_GROUP:
+            body = {"group_name": args["group_name"]}
+            return (
+                self._engine(worker, "destroy_weights_update_group", body)
+                if v16
+                else self._tm(worker, "destroy_weights_update_group", body, "DestroyWeightsUpdateGroupReqInput")
+            )
+        if op is Op.UPDATE_DISTRIBUTED:
+            b = args["bucket"]
+            body = {
+                "names": b.names,
+                "dtypes": b.dtypes,
+                "shapes": b.shapes,
+                "group_name": args["group_name"],
+                "flush_cache": args["flush_cache"],
+                "abort_all_requests": False,
+            }
+            if args.get("version") is not None:
+                body["weight_version"] = args["version"]
+            return self._engine(worker, "control/update_weights_from_distributed", body)
+        if op is Op.UPDATE_TENSORS:
+            body = {
+                "serialized_named_tensors": [args["payload"]] * worker.ranks,
+                "load_format": args.get("load_format"),
+                "flush_cache": args["flush_cache"],
+                "abort_all_requests": False,
+            }
+            if args.get("version") is not None:
+                body["weight_version"] = args["version"]
+            return self._engine(worker, "control/update_weights_from_tensor", body)
+        if op is Op.UPDATE_DISK:
+            body = {"model_path": args["path"], "abort_all_requests": False, "flush_cache": args["flush_cache"]}
+            if args.get("load_format") is not None:
+                body["load_format"] = args["load_format"]
+            if args.get("version") is not None:
+                body["weight_version"] = args["version"]
+            return self._engine(worker, "control/update_weights_from_disk", body)
+        if op is Op.SET_VERSION:
+            # abort_all_requests defaults to true in SGLang's struct: it would kill in-flight rollouts.
+            return self._engine(
+                worker, "control/update_weight_version", {"new_version": args["version"], "abort_all_requests": False}
+            )
+        if op is Op.RELEASE_MEMORY or op is Op.RESUME_MEMORY:
+            tags = args.get("tags")
+            name = "release_memory_occupation" if op is Op.RELEASE_MEMORY else "resume_memory_occupation"
+            route = name if v16 else f"control/{name}"
+            return self._engine(worker, route, {"tags": None if tags is None else [t.value for t in tags]})
+        if op is Op.GET_VERSION:
+            if self.flavor in ("rollout", "sglang14-shim"):
+                return HttpRequest(
+                    "POST", f"{worker.control_url}/engine/rollout/weight_version", json={}, idempotent=True
+                )
+            return None
+        raise ValueError(f"unknown op {op}")  # pragma: no cover
+
+    def parse_control(self, op: Op, worker: Worker, response: HttpResponse) -> Any:
+        if op is Op.LIVE:
+            # The process answers (the mocker's system port always answers 503 "notready").
+            return response.status in (200, 503)
+        if op is Op.READY:
+            if not response.ok:
+                return False
+            from rollout_backends.adapters.dynamo._launcher import generate_instances
+
+            listed = {i.get("instance_id") for i in generate_instances(response.json(), self.namespace)}
+            return worker.instance_id in listed
+        if op is Op.PROBE:
+            return response.ok
+        failed = not response.ok
+        if failed and op is Op.ABORT_ALL and self.flavor in ("sglang14", "sglang14-shim") and "await" in response.text:
+            # dynamo.sglang 1.4.x awaits TokenizerManager.abort_request, which is synchronous: the
+            # abort was dispatched, then the route fails with "object NoneType can't be used in
+            # 'await' expression".
+            return None
+        if failed:
+            raise ControlFailed(
+                op.value, [WorkerFailure(worker.id, op.value, f"HTTP {response.status}: {_error_message(response)}")]
+            )
+        data = response.json()
+        if isinstance(data, dict) and (data.get("success") is False or data.get("status") == "error"):
+            raise ControlFailed(op.value, [WorkerFailure(worker.id, op.value, str(data.get("message", data)))])
+        if op is Op.GET_VERSION:
+            if not isinstance(data, dict) or "weight_version" not in data:
+                raise ContractViolation("rollout/weight_version has no weight_version", worker=worker.id)
+            v = data["weight_version"]
+            return None if v is None else str(v)
+        return data
+
+    def router_health(self) -> HttpRequest | None:
+        return HttpRequest("GET", f"{self.frontend_url}/live", timeout=5.0, idempotent=True)

@@ -1,0 +1,594 @@
+"""A Python Dynamo worker around any engine with the reference engine's interface (Dynamo 1.4.2).
+
+The process registers with Dynamo's discovery exactly like ``dynamo.sglang`` does: a
+``DistributedRuntime``, an endpoint ``{namespace}.{component}.generate`` served by a Python async
+generator, and a model card registered with ``register_model(ModelInput.Tokens, ...)``. The
+frontend (``python -m dynamo.frontend``) tokenizes, routes and detokenizes; this worker receives
+the *preprocessed* request (``token_ids``, ``stop_conditions``, ``sampling_options``,
+``output_options``, ``eos_token_ids``, ...) and yields ``LLMEngineOutput``-shaped chunks
+(``token_ids``, ``log_probs``, ``finish_reason``, ``completion_usage``, ``index``).
+
+One chunk is yielded per generated token, with that token's logprob, so per-token logprobs are
+exact whatever the frontend does with chunk boundaries.
+
+Control goes through *engine routes* on the worker's system port (``DYN_SYSTEM_PORT``):
+``POST http://127.0.0.1:$DYN_SYSTEM_PORT/engine/<route>``. The paths and bodies are the ones
+``dynamo.sglang`` 1.4.2 registers (``control/update_weights_from_disk``, ...,
+``call_tokenizer_manager`` with SGLang ``TokenizerManager`` method names), so one adapter drives
+both this worker and a real ``dynamo.sglang`` worker. Two additions that ``dynamo.sglang`` lacks
+are under ``rollout/`` (``rollout/weight_version``, ``rollout/abort``).
+
+Usage (the adapter's launcher does this)::
+
+    DYN_SYSTEM_PORT=18081 DYN_SYSTEM_HOST=127.0.0.1 DYN_TCP_RPC_HOST=127.0.0.1 \
+    DYN_TCP_RESPONSE_STREAM_HOST=lo DYN_FILE_KV=/run/kv \
+    python -m rollout_backends.adapters.dynamo._worker --engine pkg.mod:factory \
+        --model-path /m/tiny --served-model-name tiny --namespace ns1
+
+``factory`` is called with the parsed args' ``engine_arg`` (a JSON string, may be empty) and must
+return the engine object (or an awaitable of it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import importlib
+import inspect
+import json
+import logging
+import math
+import os
+import signal
+import struct
+import time
+from collections.abc import AsyncIterator, Callable, Mapping
+from typing import Any
+
+from rollout_backends._types import (
+    FinishReason,
+    GenerateRequest,
+    Generation,
+    PauseMode,
+    SamplingParams,
+)
+
+__all__ = ["DynamoWorker", "build_generate_request", "main", "run_worker"]
+
+logger = logging.getLogger("rollout_backends.dynamo_worker")
+#: ``nvext.annotations`` entry that carries the client's request id to the worker.
+RID_ANNOTATION = "rid:"
+_LOG_REQUESTS = os.environ.get("ROLLOUT_DYN_LOG_REQUESTS", "") not in ("", "0")
+
+#: Dynamo's finish-reason strings (``FinishReason`` in dynamo-llm). ``dynamo.sglang`` maps SGLang's
+#: ``abort`` to ``cancelled``; the frontend then reports it to the client.
+_FINISH = {
+    FinishReason.STOP: "stop",
+    FinishReason.LENGTH: "length",
+    FinishReason.ABORT: "cancelled",
+}
+
+
+def _resolve_io_struct(arg: Any) -> Any:
+    """``{"io_struct.Cls": {...}}`` (dynamo.sglang's typed-argument encoding) -> ``(Cls, {...})``."""
+    if isinstance(arg, dict) and len(arg) == 1:
+        key = next(iter(arg))
+        if isinstance(key, str) and key.startswith("io_struct."):
+            return key[len("io_struct.") :], dict(arg[key] or {})
+    return None
+
+
+def f32_to_decimal(value: float) -> float:
+    """The shortest decimal that rounds to the same float32 as ``value``.
+
+    The frontend parses sampling floats as f32 (``temperature: 0.7`` arrives as
+    ``0.699999988079071``); the client's value was a short decimal, so this recovers it exactly and
+    the engine samples with what the client sent (the in-process backend's value).
+    """
+    if not math.isfinite(value):
+        return value
+    target = struct.unpack("<f", struct.pack("<f", value))[0]
+    for digits in range(1, 10):
+        candidate = float(f"{target:.{digits}g}")
+        if struct.unpack("<f", struct.pack("<f", candidate))[0] == target:
+            return candidate
+    return value
+
+
+def _rid_from_annotations(request: Mapping[str, Any]) -> str | None:
+    for a in request.get("annotations") or ():
+        if isinstance(a, str) and a.startswith(RID_ANNOTATION):
+            return a[len(RID_ANNOTATION) :] or None
+    return None
+
+
+def build_generate_request(request: Mapping[str, Any], request_id: str) -> GenerateRequest:
+    """Map Dynamo's preprocessed request onto ``GenerateRequest``.
+
+    Dynamo 1.4.2 puts the user's integer ``stop`` list into ``stop_conditions.stop_token_ids`` and
+    the model's EOS ids into both ``stop_token_ids_hidden`` and ``eos_token_ids``; all become
+    ``stop_token_ids``. With ``ignore_eos`` the frontend already sends none of them.
+    """
+    stop = dict(request.get("stop_conditions") or {})
+    samp = dict(request.get("sampling_options") or {})
+    stop_ids: list[int] = []
+    for t in (
+        list(stop.get("stop_token_ids") or [])
+        + list(stop.get("stop_token_ids_hidden") or [])
+        + list(request.get("eos_token_ids") or [])
+    ):
+        if t not in stop_ids:
+            stop_ids.append(int(t))
+    kwargs: dict[str, Any] = {
+        "stop_token_ids": tuple(stop_ids),
+        "ignore_eos": bool(stop.get("ignore_eos") or False),
+    }
+    if stop.get("max_tokens") is not None:
+        kwargs["max_new_tokens"] = int(stop["max_tokens"])
+    if stop.get("min_tokens") is not None:
+        kwargs["min_new_tokens"] = int(stop["min_tokens"])
+    for src, dst in (
+        ("temperature", "temperature"),
+        ("top_p", "top_p"),
+        ("min_p", "min_p"),
+        ("repetition_penalty", "repetition_penalty"),
+        ("frequency_penalty", "frequency_penalty"),
+        ("presence_penalty", "presence_penalty"),
+    ):
+        if samp.get(src) is not None:
+            kwargs[dst] = f32_to_decimal(float(samp[src]))
+    if samp.get("top_k") is not None:
+        k = int(samp["top_k"])
+        kwargs["top_k"] = -1 if k <= 0 else k
+    if samp.get("seed") is not None:
+        kwargs["seed"] = int(samp["seed"])
+    return GenerateRequest(
+        input_ids=tuple(request["token_ids"]),
+        sampling=SamplingParams(**kwargs),
+        request_id=request_id,
+        # Always computed: the chunk carries them and the frontend drops them unless asked.
+        return_logprobs=True,
+    )
+
+
+class DynamoWorker:
+    """Serves one engine as a Dynamo worker. ``engine`` has the reference engine's interface."""
+
+    def __init__(
+        self,
+        engine: Any,
+        *,
+        namespace: str,
+        model_path: str,
+        served_model_name: str,
+        component: str = "backend",
+        endpoint: str = "generate",
+        discovery_backend: str = "file",
+        request_plane: str = "tcp",
+        event_plane: str | None = "zmq",
+        kv_cache_block_size: int = 16,
+        context_length: int | None = None,
+        worker_name: str | None = None,
+    ) -> None:
+        self.engine = engine
+        #: Stamped into each response's engine_data; defaults to the system port's URL.
+        self.worker_name = worker_name or (
+            f"http://{os.environ.get('DYN_SYSTEM_HOST', '127.0.0.1')}:{os.environ['DYN_SYSTEM_PORT']}"
+            if os.environ.get("DYN_SYSTEM_PORT")
+            else None
+        )
+        self.namespace = namespace
+        self.component = component
+        self.endpoint_name = endpoint
+        self.model_path = model_path
+        self.served_model_name = served_model_name
+        self.discovery_backend = discovery_backend
+        self.request_plane = request_plane
+        self.event_plane = event_plane
+        self.kv_cache_block_size = kv_cache_block_size
+        self.context_length = context_length
+        self.runtime: Any = None
+        self.generate_endpoint: Any = None
+        self._inflight: dict[str, asyncio.Task[Generation]] = {}
+        self.paused: PauseMode | None = None
+
+    # -- data plane ----------------------------------------------------------------------------
+
+    async def generate(self, request: dict[str, Any], context: Any) -> AsyncIterator[dict[str, Any]]:
+        """Dynamo generate handler: one chunk per token, the last one with finish reason and usage."""
+        # Our request id: the client's ``nvext.annotations: ["rid:<id>"]`` (any string), else the
+        # frontend's context id (header ``x-dynamo-request-id`` when it is a UUID, else random).
+        rid = _rid_from_annotations(request) or (context.id() if context is not None else os.urandom(8).hex())
+        if _LOG_REQUESTS:
+            logger.info("generate rid=%s trace_id=%s request=%s", rid, getattr(context, "trace_id", None), request)
+        greq = build_generate_request(request, rid)
+        task = asyncio.ensure_future(self.engine.generate(greq))
+        self._inflight[rid] = task
+        stopped = asyncio.ensure_future(context.async_killed_or_stopped()) if context is not None else None
+        try:
+            if stopped is not None:
+                done, _ = await asyncio.wait({task, stopped}, return_when=asyncio.FIRST_COMPLETED)
+                if task not in done:
+                    logger.info("request %s stopped by the frontend (client gone): aborting", rid)
+                    # Client went away (or the frontend stopped the stream): abort in the engine and
+                    # still finish the stream cleanly with the partial result.
+                    with contextlib.suppress(Exception):
+                        await _maybe_await(self.engine.abort(rid))
+            gen = await task
+        finally:
+            self._inflight.pop(rid, None)
+            if stopped is not None and not stopped.done():
+                stopped.cancel()
+        for chunk in self._chunks(gen):
+            yield chunk
+
+    def _chunks(self, gen: Generation) -> list[dict[str, Any]]:
+        ids = list(gen.output_ids)
+        lps = list(gen.logprobs) if gen.logprobs is not None else None
+        chunks: list[dict[str, Any]] = []
+        for i, t in enumerate(ids):
+            c: dict[str, Any] = {"token_ids": [t], "index": 0}
+            if lps is not None:
+                c["log_probs"] = [float(lps[i])]
+            chunks.append(c)
+        if not chunks:
+            chunks.append({"token_ids": [], "index": 0})
+        last = chunks[-1]
+        last["finish_reason"] = _FINISH[gen.finish_reason]
+        if gen.finish_reason is FinishReason.STOP and gen.matched_stop is not None:
+            last["stop_reason"] = int(gen.matched_stop)
+        usage: dict[str, Any] = {
+            "prompt_tokens": gen.prompt_tokens,
+            "completion_tokens": len(ids),
+            "total_tokens": gen.prompt_tokens + len(ids),
+        }
+        if gen.cached_tokens:
+            usage["prompt_tokens_details"] = {"cached_tokens": gen.cached_tokens}
+        last["completion_usage"] = usage
+        # Dynamo 1.4.2 forwards the final chunk's engine_data verbatim as nvext.engine_data (when the
+        # client asks for extra_fields ["engine_data"]). It carries what the OpenAI shape loses: the
+        # served weight version, and ABORT (the frontend reports "cancelled" as "stop").
+        last["engine_data"] = {
+            "weight_version": gen.weight_version,
+            "finish_reason": gen.finish_reason.value,
+            "worker": self.worker_name,
+        }
+        return chunks
+
+    # -- engine routes (dynamo.sglang 1.4.2 paths and bodies) --------------------------------------
+
+    async def _update_weights_from_disk(self, body: dict[str, Any]) -> dict[str, Any]:
+        if body.get("abort_all_requests"):
+            await self._abort_all()
+        try:
+            await _maybe_await(
+                self.engine.update_weights_from_disk(
+                    body["model_path"],
+                    load_format=body.get("load_format"),
+                    version=body.get("weight_version"),
+                    flush_cache=bool(body.get("flush_cache", True)),
+                )
+            )
+        except Exception as e:  # SGLang answers 200 + success false
+            return {"success": False, "message": f"{type(e).__name__}: {e}", "num_paused_requests": 0}
+        return {"success": True, "message": "Succeeded to update model weights.", "num_paused_requests": 0}
+
+    async def _update_weights_from_tensor(self, body: dict[str, Any]) -> dict[str, Any]:
+        # SGLang's body: serialized_named_tensors = one base64 string per TP rank, each a
+        # ForkingPickler dump of [(name, tensor), ...]. TP = 1 here.
+        try:
+            from rollout_backends._tensors import deserialize_named_tensors
+
+            payload = body["serialized_named_tensors"]
+            blob = payload[0] if isinstance(payload, list) else payload
+            named = deserialize_named_tensors(blob)
+            await _maybe_await(
+                self.engine.update_weights_from_tensors(
+                    named,
+                    version=body.get("weight_version"),
+                    flush_cache=body.get("flush_cache", True),
+                    load_format=body.get("load_format"),
+                )
+            )
+        except Exception as e:
+            return {"success": False, "message": f"{type(e).__name__}: {e}"}
+        return {"success": True, "message": "Succeeded to update model weights."}
+
+    async def _update_weights_from_distributed(self, body: dict[str, Any]) -> dict[str, Any]:
+        try:
+            await _maybe_await(
+                self.engine.update_weights_from_distributed(
+                    list(body["names"]),
+                    list(body["dtypes"]),
+                    [list(x) for x in body["shapes"]],
+                    group_name=body.get("group_name", "weight_update_group"),
+                    version=body.get("weight_version"),
+                    flush_cache=bool(body.get("flush_cache", True)),
+                    load_format=body.get("load_format"),
+                )
+            )
+        except Exception as e:
+            return {"success": False, "message": f"{type(e).__name__}: {e}"}
+        return {"success": True, "message": "Succeeded to update parameter online."}
+
+    async def _update_weights_from_ipc(self, body: dict[str, Any]) -> dict[str, Any]:
+        return {"success": False, "message": "update_weights_from_ipc is not supported by this worker"}
+
+    async def _update_weight_version(self, body: dict[str, Any]) -> dict[str, Any]:
+        # Same as dynamo.sglang: abort_all_requests defaults to True in SGLang's struct.
+        if body.get("abort_all_requests", True):
+            await self._abort_all()
+        await _maybe_await(self.engine.set_weight_version(str(body["new_version"])))
+        return {
+            "success": True,
+            "message": f"Weight version updated to {body['new_version']}",
+            "new_version": body["new_version"],
+        }
+
+    async def _release_memory(self, body: dict[str, Any]) -> dict[str, Any]:
+        try:
+            await _maybe_await(self.engine.release_memory(body.get("tags")))
+        except Exception as e:
+            return {"status": "error", "message": str(e)}
+        return {"status": "ok", "message": "Memory released"}
+
+    async def _resume_memory(self, body: dict[str, Any]) -> dict[str, Any]:
+        try:
+            await _maybe_await(self.engine.resume_memory(body.get("tags")))
+        except Exception as e:
+            return {"status": "error", "message": str(e)}
+        return {"status": "ok", "message": "Memory resumed"}
+
+    async def _start_profile(self, body: dict[str, Any]) -> dict[str, Any]:
+        return {"status": "ok", "message": "Profiling started"}
+
+    async def _stop_profile(self, body: dict[str, Any]) -> dict[str, Any]:
+        return {"status": "ok", "message": "Profiling stopped"}
+
+    async def _abort_all(self) -> None:
+        abort_all = getattr(self.engine, "abort_all", None)
+        if abort_all is not None:
+            await _maybe_await(abort_all())
+            return
+        for rid in list(self._inflight):
+            with contextlib.suppress(Exception):
+                await _maybe_await(self.engine.abort(rid))
+
+    async def _call_tokenizer_manager(self, body: dict[str, Any]) -> dict[str, Any]:
+        """``{"method", "args", "kwargs"}`` like dynamo.sglang's RLMixin, for the TM methods RL needs.
+
+        Results are normalized the way dynamo.sglang does: ``None`` -> ``{"status": "ok"}``,
+        ``(ok, msg)`` -> ``{"success", "message"}``, a dataclass -> its fields.
+        """
+        method = body["method"]
+        args = list(body.get("args") or [])
+        kwargs = dict(body.get("kwargs") or {})
+
+        def typed(i: int, key: str) -> dict[str, Any]:
+            """The i-th positional arg or kwarg ``key``, as a plain dict of the io_struct's fields."""
+            v = args[i] if i < len(args) else kwargs.get(key, kwargs.get("obj", {}))
+            r = _resolve_io_struct(v)
+            return r[1] if r else dict(v or {})
+
+        if method == "pause_generation":
+            mode = typed(0, "obj").get("mode", "abort")
+            await _maybe_await(self.engine.pause(PauseMode(mode)))
+            self.paused = PauseMode(mode)
+            return {"status": "ok"}
+        if method == "continue_generation":
+            await _maybe_await(self.engine.resume())
+            self.paused = None
+            return {"status": "ok"}
+        if method == "flush_cache":
+            try:
+                await _maybe_await(self.engine.flush_cache())
+            except Exception as e:
+                return {"success": False, "message": str(e)}
+            return {"success": True, "message": ""}
+        if method == "init_weights_update_group":
+            f = typed(0, "obj")
+            try:
+                await _maybe_await(
+                    self.engine.init_weight_group(
+                        str(f["master_address"]),
+                        int(f["master_port"]),
+                        int(f["rank_offset"]),
+                        int(f["world_size"]),
+                        str(f.get("group_name", "weight_update_group")),
+                        str(f.get("backend", "nccl")),
+                    )
+                )
+            except Exception as e:
+                return {"success": False, "message": f"{type(e).__name__}: {e}"}
+            return {"success": True, "message": "Succeeded to initialize custom process group."}
+        if method == "destroy_weights_update_group":
+            f = typed(0, "obj")
+            try:
+                await _maybe_await(self.engine.destroy_weight_group(f.get("group_name", "weight_update_group")))
+            except Exception as e:
+                return {"success": False, "message": str(e)}
+            return {"success": True, "message": "Succeeded to destroy custom process group."}
+        if method == "abort_request":
+            rid = args[0] if args else kwargs.get("rid", "")
+            if kwargs.get("abort_all") or (len(args) > 1 and args[1]):
+                await self._abort_all()
+            elif rid:
+                await _maybe_await(self.engine.abort(str(rid)))
+            return {"status": "ok"}
+        raise ValueError(f"call_tokenizer_manager: method {method!r} is not supported by this worker")
+
+    async def _weight_version(self, body: dict[str, Any]) -> dict[str, Any]:
+        v = self.engine.weight_version
+        v = v() if callable(v) else v
+        v = await _maybe_await(v)
+        return {"weight_version": v}
+
+    async def _info(self, body: dict[str, Any]) -> dict[str, Any]:
+        v = self.engine.weight_version
+        v = await _maybe_await(v() if callable(v) else v)
+        return {
+            "instance_id": self.generate_endpoint.connection_id() if self.generate_endpoint is not None else None,
+            "worker": self.worker_name,
+            "weight_version": v,
+            "inflight": sorted(self._inflight),
+            "paused": None if self.paused is None else self.paused.value,
+            "vocab_size": getattr(self.engine, "vocab_size", None),
+            "max_context": getattr(self.engine, "max_context", None),
+            "eos_token_ids": list(getattr(self.engine, "eos_token_ids", ()) or ()),
+            "served_model_name": self.served_model_name,
+        }
+
+    async def _abort(self, body: dict[str, Any]) -> dict[str, Any]:
+        if body.get("abort_all"):
+            await self._abort_all()
+        else:
+            found = await _maybe_await(self.engine.abort(str(body["rid"])))
+            return {"status": "ok", "found": bool(found) if found is not None else None}
+        return {"status": "ok"}
+
+    def routes(self) -> dict[str, Callable[[dict[str, Any]], Any]]:
+        return {
+            "control/start_profile": self._start_profile,
+            "control/stop_profile": self._stop_profile,
+            "control/release_memory_occupation": self._release_memory,
+            "control/resume_memory_occupation": self._resume_memory,
+            "control/update_weights_from_disk": self._update_weights_from_disk,
+            "control/update_weights_from_tensor": self._update_weights_from_tensor,
+            "control/update_weights_from_distributed": self._update_weights_from_distributed,
+            "control/update_weights_from_ipc": self._update_weights_from_ipc,
+            "control/update_weight_version": self._update_weight_version,
+            "call_tokenizer_manager": self._call_tokenizer_manager,
+            # Not in dynamo.sglang: read the served version, abort by request id.
+            "rollout/weight_version": self._weight_version,
+            "rollout/info": self._info,
+            "rollout/abort": self._abort,
+        }
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        from dynamo.llm import ModelInput, ModelRuntimeConfig, ModelType, WorkerType, register_model
+        from dynamo.runtime import DistributedRuntime
+
+        loop = asyncio.get_running_loop()
+        self.runtime = DistributedRuntime(
+            loop, self.discovery_backend, self.request_plane, event_plane=self.event_plane
+        )
+        for path, fn in self.routes().items():
+            self.runtime.register_engine_route(path, _json_safe(fn))
+        self.generate_endpoint = self.runtime.endpoint(f"{self.namespace}.{self.component}.{self.endpoint_name}")
+
+        def _stop() -> None:
+            logger.info("signal: shutting down")
+            self.runtime.shutdown()
+
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, _stop)
+
+        rc = ModelRuntimeConfig()
+        if self.context_length is not None:
+            rc.context_length = self.context_length
+
+        async def _register() -> None:
+            await register_model(
+                ModelInput.Tokens,
+                ModelType.Completions | ModelType.Chat,
+                self.generate_endpoint,
+                self.model_path,
+                self.served_model_name,
+                worker_type=WorkerType.Aggregated,
+                kv_cache_block_size=self.kv_cache_block_size,
+                runtime_config=rc,
+            )
+            logger.info("registered model %s", self.served_model_name)
+
+        await asyncio.gather(
+            self.generate_endpoint.serve_endpoint(self.generate, graceful_shutdown=True),
+            _register(),
+        )
+
+
+def reference_engine(arg: str) -> Any:
+    """``--engine rollout_backends.adapters.dynamo._worker:reference_engine``: a ``ReferenceEngine``.
+
+    ``arg`` is a JSON object: ``model_path`` (required) and any ``ReferenceEngine`` keyword
+    (``worker_id``, ``weight_version``, ``page_size``, ``num_threads``).
+    """
+    from rollout_backends.adapters.reference import ReferenceEngine
+
+    kw = dict(json.loads(arg)) if arg else {}
+    path = kw.pop("model_path")
+    return ReferenceEngine(path, **kw)
+
+
+def _json_safe(fn: Callable[[dict[str, Any]], Any]) -> Callable[[dict[str, Any]], Any]:
+    async def wrapper(body: dict[str, Any]) -> dict[str, Any]:
+        result = await fn(body or {})
+        safe: dict[str, Any] = json.loads(json.dumps(result, default=str))
+        return safe
+
+    wrapper.__name__ = getattr(fn, "__name__", "route")
+    return wrapper
+
+
+async def _maybe_await(v: Any) -> Any:
+    if inspect.isawaitable(v):
+        return await v
+    return v
+
+
+def _load_factory(spec: str) -> Callable[..., Any]:
+    mod, _, attr = spec.partition(":")
+    obj: Any = importlib.import_module(mod)
+    for part in attr.split("."):
+        obj = getattr(obj, part)
+    return obj  # type: ignore[no-any-return]
+
+
+async def run_worker(args: argparse.Namespace) -> None:
+    engine = await _maybe_await(_load_factory(args.engine)(args.engine_arg))
+    w = DynamoWorker(
+        engine,
+        namespace=args.namespace,
+        component=args.component,
+        endpoint=args.endpoint,
+        model_path=args.model_path,
+        served_model_name=args.served_model_name,
+        discovery_backend=args.discovery_backend,
+        request_plane=args.request_plane,
+        event_plane=args.event_plane,
+        kv_cache_block_size=args.kv_cache_block_size,
+        context_length=args.context_length,
+        worker_name=args.worker_name,
+    )
+    t0 = time.monotonic()
+    logger.info("starting worker (engine ready)")
+    try:
+        await w.run()
+    finally:
+        logger.info("worker stopped after %.1fs", time.monotonic() - t0)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description="rollout-backends Python Dynamo worker")
+    p.add_argument("--engine", required=True, help="module:factory returning the engine")
+    p.add_argument("--engine-arg", default="", help="string passed to the factory")
+    p.add_argument("--model-path", required=True, help="HF model dir (tokenizer + config for the frontend)")
+    p.add_argument("--served-model-name", required=True)
+    p.add_argument("--namespace", default=os.environ.get("DYN_NAMESPACE", "dynamo"))
+    p.add_argument("--component", default="backend")
+    p.add_argument("--endpoint", default="generate")
+    p.add_argument("--discovery-backend", default=os.environ.get("DYN_DISCOVERY_BACKEND", "file"))
+    p.add_argument("--request-plane", default=os.environ.get("DYN_REQUEST_PLANE", "tcp"))
+    p.add_argument("--event-plane", default=os.environ.get("DYN_EVENT_PLANE", "zmq"))
+    p.add_argument("--kv-cache-block-size", type=int, default=16)
+    p.add_argument("--context-length", type=int, default=None)
+    p.add_argument("--worker-name", default=None, help="stamped into engine_data (default: system URL)")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    asyncio.run(run_worker(args))
+
+
+if __name__ == "__main__":
+    main()
