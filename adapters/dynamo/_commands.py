@@ -19,7 +19,7 @@ from typing import Any
 import attrs
 from rollout_backends.adapters.dynamo._services import DynamoPlanes
 
-from rollout_backends._errors import InvalidRequest, Unsupported
+from rollout_backends._errors import InvalidRequest
 from rollout_backends._fleet import HttpFleetBackend
 from rollout_backends._launch import EngineInfo, Launch, NodeContext
 from rollout_backends._supervisor import ProcessSpec, ReadyCheck
@@ -28,7 +28,7 @@ __all__ = ["DynamoFrontend", "DynamoWorkerCommand", "generate_instances"]
 
 #: Dynamo 1.4.2 parses ``DYN_SYSTEM_PORT`` as an i16.
 PORT_CEILING = 32768
-WORKER_KINDS = ("mocker", "sglang", "module")
+WORKER_KINDS = ("mocker", "reference", "sglang", "module")
 
 
 def _str_tuple(value: Sequence[Any] | None) -> tuple[str, ...]:
@@ -69,7 +69,8 @@ def generate_instances(health: Any, namespace: str | None = None) -> list[dict[s
 class DynamoWorkerCommand:
     """One Dynamo worker per engine, discovering through ``planes``.
 
-    ``kind``: ``mocker`` (``python -m dynamo.mocker --engine-type sglang``), ``sglang``
+    ``kind``: ``mocker`` (``python -m dynamo.mocker --engine-type sglang``), ``reference`` (the
+    adapter's Python worker over a ``ReferenceEngine``, CPU, deterministic), ``sglang``
     (``python -m dynamo.sglang`` with SGLang flags; ``module`` overrides the module, e.g. the
     adapter's shim), or ``module`` (``python -m <module>`` with the common Dynamo flags).
     """
@@ -83,6 +84,7 @@ class DynamoWorkerCommand:
     tp: int = 1
     kv_events: bool = True  #: sglang: publish KV events (ZMQ port per worker)
     mocker_speedup_ratio: float = 10.0
+    weight_version: str = "default"  #: reference: the version the engine starts with
     module: str | None = None
     extra_args: tuple[str, ...] = attrs.field(factory=tuple, converter=_str_tuple)
     env: Mapping[str, str] = attrs.field(factory=dict, converter=_env_map)
@@ -118,6 +120,24 @@ class DynamoWorkerCommand:
             ]  # fmt: skip
             # The mocker's system port answers /live with 503 forever: "answers at all" is its liveness.
             ready = ReadyCheck.custom(_answers(f"{ctx.url(system)}/live"))
+        elif self.kind == "reference":
+            engine_arg = {
+                "model_path": self.model_path,
+                "worker_id": ctx.url(system),
+                "weight_version": self.weight_version,
+                "page_size": self.page_size,
+                "num_threads": 1,
+            }
+            argv = [
+                py, "-m", "rollout_backends.adapters.dynamo._worker",
+                "--engine", "rollout_backends.adapters.dynamo._worker:reference_engine",
+                "--engine-arg", json.dumps(engine_arg),
+                "--model-path", self.model_path, "--served-model-name", self.model_name,
+                "--namespace", self.namespace, "--kv-cache-block-size", str(self.page_size),
+                *self.planes.args(),
+            ]  # fmt: skip
+            env["OMP_NUM_THREADS"] = "1"
+            ready = ReadyCheck.http(f"{ctx.url(system)}/health", check_timeout=5.0)
         elif self.kind == "sglang":
             sglang_port, nccl = ctx.port(), ctx.port()
             argv = [
@@ -214,13 +234,13 @@ class DynamoFrontend:
         return Launch(spec=spec, generate_url=url, control_url=url)
 
     async def connect(self, entry_url: str, engines: Sequence[EngineInfo], **kwargs: Any) -> HttpFleetBackend:
-        """The Dynamo backend (``rollout_backends.adapters.dynamo._client.connect``, when present)."""
-        try:
-            from rollout_backends.adapters.dynamo import _client  # type: ignore[attr-defined,unused-ignore]
-        except ImportError as exc:
-            raise Unsupported("dynamo.connect", "the Dynamo adapter's client is not in this build") from exc
+        """The Dynamo backend (``rollout_backends.adapters.dynamo.connect``) over the frontend and
+        every worker's system port (instance ids mapped through each worker's ``DYN_TCP_RPC_PORT``)."""
+        from rollout_backends.adapters.dynamo import _client
+
         workers = [e.control_url for e in engines]
         rpc_ports = {e.control_url: int(e.extra["rpc_port"]) for e in engines if "rpc_port" in e.extra}
         kwargs.setdefault("router_mode", self.router_mode)
+        kwargs.setdefault("namespace", self.namespace)
         backend: HttpFleetBackend = await _client.connect(entry_url, workers=workers, rpc_ports=rpc_ports, **kwargs)
         return backend

@@ -72,12 +72,15 @@ async def start_local_cluster(
     object_store_mb: int = 80,
     timeout: float = 120.0,
     connect: bool = True,
+    grace: float = 5.0,
 ) -> str:
     """Start a head and ``nodes - 1`` worker nodes on this host; return the GCS address ``ip:port``.
 
     All nodes start at once (workers retry the GCS until it is up). ``connect``: ``ray.init`` this
     process to the cluster and return when ``nodes`` nodes are alive (else return once the GCS
-    port accepts connections). Raises ``BackendUnavailable`` (with log tails) if a node exits or the timeout passes.
+    port accepts connections). ``grace``: seconds a node gets to drain on stop before SIGKILL
+    (Ray drains up to 30 s; its workers exit when their raylet goes). Raises ``BackendUnavailable``
+    (with log tails) if a node exits or the timeout passes.
     """
     if nodes < 1:
         raise ValueError("nodes must be >= 1")
@@ -91,14 +94,14 @@ async def start_local_cluster(
         ["--head", "--port", str(port), "--node-ip-address", ip, "--include-dashboard", "false"],
         num_cpus=num_cpus, num_gpus=num_gpus, object_store_mb=object_store_mb, index=0,
     )  # fmt: skip
-    await sup.start(ProcessSpec(name="ray-head", argv=head, env=_RAY_ENV, ports=[(ip, port)], grace=15.0))
+    await sup.start(ProcessSpec(name="ray-head", argv=head, env=_RAY_ENV, ports=[(ip, port)], grace=grace))
     names.append("ray-head")
     for i in range(1, nodes):
         argv = _ray_start(
             ["--address", address, "--node-ip-address", ip],
             num_cpus=num_cpus, num_gpus=num_gpus, object_store_mb=object_store_mb, index=i,
         )  # fmt: skip
-        await sup.start(ProcessSpec(name=f"ray-node-{i}", argv=argv, env=_RAY_ENV, grace=15.0))
+        await sup.start(ProcessSpec(name=f"ray-node-{i}", argv=argv, env=_RAY_ENV, grace=grace))
         names.append(f"ray-node-{i}")
     deadline = time.monotonic() + timeout
 
