@@ -106,7 +106,7 @@ class DynamoWorkerCommand:
         rpc = ctx.port(below=PORT_CEILING)
         py = self.python or sys.executable
         endpoint = f"dyn://{self.namespace}.backend.generate"
-        env: dict[str, str | None] = self.planes.env(ctx.bind_host)
+        env: dict[str, str | None] = self.planes.env(ctx.bind_host, ctx.advertise_host)
         env.update(DYN_NAMESPACE=self.namespace, DYN_SYSTEM_PORT=str(system), DYN_TCP_RPC_PORT=str(rpc))
         ports: list[tuple[str, int]] = [(ctx.bind_host, system), (ctx.bind_host, rpc)]
         extra: dict[str, Any] = {"rpc_port": rpc, "namespace": self.namespace}
@@ -210,7 +210,7 @@ class DynamoFrontend:
             *self.planes.args(),
             *self.extra_args,
         ]  # fmt: skip
-        env = self.planes.env(ctx.bind_host)
+        env = self.planes.env(ctx.bind_host, ctx.advertise_host)
         env["DYN_NAMESPACE"] = self.namespace
         env.update(self.env)
         expected = len(engines)

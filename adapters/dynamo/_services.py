@@ -89,8 +89,9 @@ class DynamoPlanes:
             "--event-plane", self.event_plane,
         ]  # fmt: skip
 
-    def env(self, bind_host: str = "127.0.0.1") -> dict[str, str | None]:
-        """Environment for a Dynamo process binding ``bind_host`` (planes, endpoints, loopback quirks)."""
+    def env(self, bind_host: str = "127.0.0.1", advertise_host: str | None = None) -> dict[str, str | None]:
+        """Environment for a Dynamo process binding ``bind_host`` and reached at ``advertise_host``
+        (planes, endpoints, the 1.4.2 loopback quirks)."""
         env: dict[str, str | None] = {
             "DYN_DISCOVERY_BACKEND": self.discovery,
             "DYN_REQUEST_PLANE": self.request_plane,
@@ -105,8 +106,12 @@ class DynamoPlanes:
         if bind_host in ("127.0.0.1", "localhost"):
             # Dynamo 1.4.2: the request plane takes an address, the response stream an interface name.
             env.update(DYN_TCP_RPC_HOST="127.0.0.1", DYN_TCP_RESPONSE_STREAM_HOST="lo", DYN_SYSTEM_HOST="127.0.0.1")
-        elif bind_host not in ("0.0.0.0", "::", ""):
-            env.update(DYN_TCP_RPC_HOST=bind_host, DYN_SYSTEM_HOST=bind_host)
+        else:
+            # The request-plane address is registered in discovery: it must be the routable one.
+            adv = advertise_host or bind_host
+            if adv not in ("0.0.0.0", "::", ""):
+                env["DYN_TCP_RPC_HOST"] = adv
+            env["DYN_SYSTEM_HOST"] = bind_host or "0.0.0.0"
         return env
 
 

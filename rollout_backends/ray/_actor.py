@@ -15,8 +15,10 @@ framework that places its own actors (Miles' ``RolloutManager``).
 
 from __future__ import annotations
 
+import importlib
 import signal
 import tempfile
+from typing import Any
 
 from rollout_backends._errors import BackendUnavailable
 from rollout_backends._launch import EngineCommand, EngineInfo, NodeContext
@@ -30,7 +32,7 @@ _START_ATTEMPTS = 3
 def _ray_node() -> tuple[str, str | None, tuple[str, ...]]:
     """(node ip, node id, gpu ids) of this process, from Ray when it runs inside a Ray worker."""
     try:
-        import ray
+        ray: Any = importlib.import_module("ray")
     except ImportError:  # pragma: no cover - used without Ray (tests, Kubernetes entry points)
         return "127.0.0.1", None, ()
     if not ray.is_initialized():

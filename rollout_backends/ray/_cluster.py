@@ -19,10 +19,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib
 import json
+import logging
 import sys
 import time
 from collections.abc import Mapping
+from typing import Any
 
 from rollout_backends._errors import BackendUnavailable
 from rollout_backends._supervisor import ProcessSpec, Supervisor, free_port
@@ -84,8 +87,8 @@ async def start_local_cluster(
     """
     if nodes < 1:
         raise ValueError("nodes must be >= 1")
-    import ray._private.services as services
-
+    # Ray's own choice of this node's address (it refuses loopback); typed loosely on purpose.
+    services: Any = importlib.import_module("ray._private.services")
     ip = str(services.get_node_ip_address())
     port = free_port(ip)
     address = f"{ip}:{port}"
@@ -118,10 +121,9 @@ async def start_local_cluster(
         await asyncio.sleep(0.2)
     if not connect:
         return address
-    import ray
-
+    ray: Any = importlib.import_module("ray")
     if not ray.is_initialized():
-        ray.init(address=address, log_to_driver=False, logging_level="WARNING")
+        ray.init(address=address, log_to_driver=False, logging_level=logging.WARNING)
     while sum(1 for n in ray.nodes() if n["Alive"]) < nodes:
         check_alive()
         await asyncio.sleep(0.3)
