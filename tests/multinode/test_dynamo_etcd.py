@@ -131,3 +131,28 @@ async def test_dynamo_mockers_on_two_nodes(
         assert await wait_until(empty, LEASE_TTL + 10), await services.keys()
         assert not any(pid_alive(p) for g in engine_pids for p in g)
         assert not fleet.supervisor.pids()
+
+
+async def test_single_host_launcher_starts_etcd(tiny_model: Path, tmp_path: Path, spawned: set[int]) -> None:
+    """``DynamoFleet(discovery="etcd", start_etcd=True)``: etcd (and NATS for a nats plane) come and go
+    with the fleet, and the workers discover through it."""
+    from rollout_backends.adapters.dynamo import DynamoFleet, launch_dynamo_fleet
+
+    cfg = DynamoFleet(
+        model_path=str(tiny_model), workers=2, worker_kind="mocker", discovery="etcd", start_etcd=True,
+        event_plane="nats", ready_timeout=60,
+    )  # fmt: skip
+    async with launch_dynamo_fleet(cfg, log_dir=tmp_path / "logs") as fleet:
+        sup = fleet.supervisor
+        assert {"etcd", "nats"} <= set(sup.names)
+        spawned.update(sup.pids().values())
+        etcd_url = fleet.config.etcd_endpoints[0]
+        assert fleet.config.nats_server is not None and fleet.config.nats_server.startswith("nats://127.0.0.1:")
+        given = await EtcdNats.start(etcd_endpoints=[etcd_url], nats=False)
+        keys = await given.keys(f"v1/instances/{fleet.namespace}/backend/generate/")
+        assert len(keys) == 2
+        backend = await fleet.connect()
+        gen = await backend.generate(GenerateRequest(input_ids=(1, 2, 3), sampling=SamplingParams(max_new_tokens=2)))
+        assert len(gen.output_ids) == 2
+        pids = list(sup.pids().values())
+    assert not any(pid_alive(p) for p in pids)
