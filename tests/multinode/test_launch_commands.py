@@ -146,3 +146,17 @@ def test_ray_fleet_spec_validation() -> None:
         RayFleetSpec(engine=cmd, num_engines=1, strategy="ANYWHERE")
     with pytest.raises(InvalidRequest, match="bundle_indices"):
         RayFleetSpec(engine=cmd, num_engines=2, bundle_indices=[0, 1])
+
+
+def test_only_the_ray_subpackage_imports_ray() -> None:
+    import subprocess
+
+    code = (
+        "import sys, rollout_backends, rollout_backends.kit, rollout_backends._launch\n"
+        "import rollout_backends.adapters.sglang, rollout_backends.adapters.reference\n"
+        "import rollout_backends.adapters.dynamo._commands, rollout_backends.adapters.dynamo._services\n"
+        "from rollout_backends.adapters.reference import ReferenceServerCommand\n"
+        "print('ray' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
+    assert out.stdout.strip() == "False"
