@@ -76,6 +76,7 @@ async def start_local_cluster(
     timeout: float = 120.0,
     connect: bool = True,
     grace: float = 5.0,
+    env: Mapping[str, str | None] | None = None,
 ) -> str:
     """Start a head and ``nodes - 1`` worker nodes on this host; return the GCS address ``ip:port``.
 
@@ -83,7 +84,8 @@ async def start_local_cluster(
     process to the cluster and return when ``nodes`` nodes are alive (else return once the GCS
     port accepts connections). ``grace``: seconds a node gets to drain on stop before SIGKILL
     (Ray drains up to 30 s; its workers exit when their raylet goes). Raises ``BackendUnavailable``
-    (with log tails) if a node exits or the timeout passes.
+    (with log tails) if a node exits or the timeout passes. ``env`` is added to every node's
+    environment (``RAY_<config>`` variables reach the raylets).
     """
     if nodes < 1:
         raise ValueError("nodes must be >= 1")
@@ -92,19 +94,20 @@ async def start_local_cluster(
     ip = str(services.get_node_ip_address())
     port = free_port(ip)
     address = f"{ip}:{port}"
+    node_env = {**_RAY_ENV, **(env or {})}
     names = []
     head = _ray_start(
         ["--head", "--port", str(port), "--node-ip-address", ip, "--include-dashboard", "false"],
         num_cpus=num_cpus, num_gpus=num_gpus, object_store_mb=object_store_mb, index=0,
     )  # fmt: skip
-    await sup.start(ProcessSpec(name="ray-head", argv=head, env=_RAY_ENV, ports=[(ip, port)], grace=grace))
+    await sup.start(ProcessSpec(name="ray-head", argv=head, env=node_env, ports=[(ip, port)], grace=grace))
     names.append("ray-head")
     for i in range(1, nodes):
         argv = _ray_start(
             ["--address", address, "--node-ip-address", ip],
             num_cpus=num_cpus, num_gpus=num_gpus, object_store_mb=object_store_mb, index=i,
         )  # fmt: skip
-        await sup.start(ProcessSpec(name=f"ray-node-{i}", argv=argv, env=_RAY_ENV, grace=grace))
+        await sup.start(ProcessSpec(name=f"ray-node-{i}", argv=argv, env=node_env, grace=grace))
         names.append(f"ray-node-{i}")
     deadline = time.monotonic() + timeout
 

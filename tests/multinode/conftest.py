@@ -47,7 +47,10 @@ def ray_cluster(tmp_path_factory: pytest.TempPathFactory, spawned: set[int]) -> 
     sup = Supervisor(tmp_path_factory.mktemp("ray-logs"), grace=5.0)
     try:
         t0 = time.monotonic()
-        address = loop.run_until_complete(start_local_cluster(sup, nodes=2, num_cpus=1, timeout=90))
+        # Ray's own clean-up of a dead worker's children is turned off, so the tests see ours
+        # (the supervisor's PDEATHSIG and watchdog) at work when an actor dies.
+        no_ray_cleanup = {"RAY_kill_child_processes_on_worker_exit": "0", "RAY_process_group_cleanup_enabled": "0"}
+        address = loop.run_until_complete(start_local_cluster(sup, nodes=2, num_cpus=1, timeout=90, env=no_ray_cleanup))
         print(f"\nlocal Ray cluster up in {time.monotonic() - t0:.1f}s at {address}")
         yield address
     finally:
