@@ -40,7 +40,7 @@ from typing import Any
 
 import attrs
 
-from rollout_backends._errors import BackendUnavailable, InvalidRequest, Unsupported
+from rollout_backends._errors import BackendUnavailable, InvalidRequest
 from rollout_backends._fleet import HttpFleetBackend
 from rollout_backends._supervisor import ProcessSpec, ReadyCheck, Supervisor
 
@@ -108,9 +108,10 @@ class DynamoFleet:
     frontend_args: tuple[str, ...] = attrs.field(factory=tuple, converter=_str_tuple)
     # -- discovery and planes
     namespace: str | None = None  #: default: a fresh ``rb<hex>`` per fleet
-    discovery: str = "file"  #: "file" (one host) or "etcd" (endpoints below; etcd is not started here)
+    discovery: str = "file"  #: "file" (one host) or "etcd" (endpoints below, or ``start_etcd``)
     etcd_endpoints: tuple[str, ...] = attrs.field(factory=tuple, converter=_str_tuple)
-    start_etcd: bool = False  #: starting etcd/NATS belongs to the cluster launcher (unsupported here)
+    #: start etcd (and NATS when a plane is nats) under the fleet's supervisor (``EtcdNats``).
+    start_etcd: bool = False
     request_plane: str = "tcp"
     event_plane: str = "zmq"
     nats_server: str | None = None  #: ``NATS_SERVER`` for a nats plane
@@ -385,19 +386,32 @@ async def launch_dynamo_fleet(
     tails) when a process exits or the fleet is not ready within ``config.ready_timeout``.
     """
     cfg = config
-    if cfg.start_etcd:
-        raise Unsupported("dynamo.start_etcd", "starting etcd/NATS is the cluster launcher's job; pass etcd_endpoints")
     namespace = cfg.namespace or f"rb{uuid.uuid4().hex[:10]}"
     run_dir = Path(tempfile.mkdtemp(prefix=f"dynamo-{namespace}-"))
     logs = Path(log_dir) if log_dir is not None else run_dir / "logs"
     kv_dir = run_dir / "kv"
     kv_dir.mkdir(parents=True)
     taken: set[int] = set()
-    http_port = cfg.http_port or low_port(cfg.host, avoid=taken)
-    common = _common_env(cfg, namespace, kv_dir)
     sup = Supervisor(logs, grace=10.0)
     fleet: RunningDynamoFleet | None = None
     try:
+        if cfg.start_etcd:
+            # etcd (and NATS for a nats plane) under this fleet's supervisor; stopped with the fleet.
+            from rollout_backends.adapters.dynamo._services import EtcdNats
+
+            services = await EtcdNats.start(
+                etcd_endpoints=cfg.etcd_endpoints or None,
+                nats_url=cfg.nats_server,
+                nats="nats" in (cfg.request_plane, cfg.event_plane),
+                host=cfg.host,
+                supervisor=sup,
+                data_dir=run_dir / "services",
+            )
+            cfg = attrs.evolve(
+                cfg, etcd_endpoints=services.etcd_endpoints, nats_server=services.nats_url, start_etcd=False
+            )
+        http_port = cfg.http_port or low_port(cfg.host, avoid=taken)
+        common = _common_env(cfg, namespace, kv_dir)
         frontend_url = f"http://{cfg.host}:{http_port}"
         fe_env = dict(common)
         fe_env["DYN_ENABLE_RL"] = "true"

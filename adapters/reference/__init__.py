@@ -14,6 +14,7 @@ __all__ = [
     "EngineHealth",
     "ReferenceBackend",
     "ReferenceEngine",
+    "ReferenceServerCommand",
     "WeightSender",
     "free_port",
     "make_tiny_model",
@@ -24,6 +25,7 @@ if TYPE_CHECKING:
     from ._backend import ReferenceBackend, open_from_url
     from ._dist import WeightSender, free_port
     from ._engine import EngineError, EngineHealth, ReferenceEngine
+    from ._launch import ReferenceServerCommand
     from ._model import make_tiny_model
 
 _WHERE = {
@@ -34,6 +36,7 @@ _WHERE = {
     "EngineError": "_engine",
     "EngineHealth": "_engine",
     "ReferenceEngine": "_engine",
+    "ReferenceServerCommand": "_launch",
     "make_tiny_model": "_model",
 }
 

@@ -6,6 +6,7 @@ reference servers) and a router and hands back the connected backend.
 """
 
 from rollout_backends.adapters.sglang._client import connect, open_from_url
+from rollout_backends.adapters.sglang._launch import SGLangServerCommand, SmgRouter, connect_engines
 from rollout_backends.adapters.sglang._launcher import (
     SGLangFleet,
     SGLangFleetConfig,
@@ -17,8 +18,11 @@ from rollout_backends.adapters.sglang._wire import SGLangWire, sampling_params_b
 __all__ = [
     "SGLangFleet",
     "SGLangFleetConfig",
+    "SGLangServerCommand",
     "SGLangWire",
+    "SmgRouter",
     "connect",
+    "connect_engines",
     "launch_sglang_fleet",
     "open_from_url",
     "sampling_params_body",

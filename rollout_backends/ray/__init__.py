@@ -1,0 +1,36 @@
+"""Ray placement for fleets: one ``EngineActor`` per engine, one placement-group bundle each.
+
+    pip install 'rollout-backends[ray]'
+
+* :class:`RayFleetSpec` / :class:`RayFleet`: place and launch a fleet, hand out the backend and the
+  per-engine actor handles (``docs/multinode.md``).
+* :class:`EngineActor`: the actor class (use ``ray.remote(EngineActor)`` to place it yourself).
+* :func:`start_local_cluster`: a multi-node Ray cluster on one host (tests, demos).
+
+This is the only part of the package that imports Ray.
+"""
+
+from __future__ import annotations
+
+try:
+    import ray as _ray  # noqa: F401
+except ImportError as exc:  # pragma: no cover - depends on the environment
+    raise ImportError("rollout_backends.ray needs Ray: pip install 'rollout-backends[ray]' (or 'ray>=2.30')") from exc
+
+from rollout_backends._launch import EngineCommand, EngineInfo, EntryCommand, Launch, NodeContext
+from rollout_backends.ray._actor import EngineActor
+from rollout_backends.ray._cluster import node_resource, start_local_cluster
+from rollout_backends.ray._fleet import RayFleet, RayFleetSpec
+
+__all__ = [
+    "EngineActor",
+    "EngineCommand",
+    "EngineInfo",
+    "EntryCommand",
+    "Launch",
+    "NodeContext",
+    "RayFleet",
+    "RayFleetSpec",
+    "node_resource",
+    "start_local_cluster",
+]
