@@ -17,12 +17,12 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import attrs
-from rollout_backends.adapters.dynamo._services import DynamoPlanes
 
 from rollout_backends._errors import InvalidRequest
 from rollout_backends._fleet import HttpFleetBackend
 from rollout_backends._launch import EngineInfo, Launch, NodeContext
 from rollout_backends._supervisor import ProcessSpec, ReadyCheck
+from rollout_backends.adapters.dynamo._services import DynamoPlanes
 
 __all__ = ["DynamoFrontend", "DynamoWorkerCommand", "generate_instances"]
 

@@ -34,8 +34,8 @@ def engine_command(args: argparse.Namespace, model_path: str) -> EngineCommand:
 
 async def run(args: argparse.Namespace) -> None:
     import ray
-    from rollout_backends.adapters.sglang import SmgRouter
 
+    from rollout_backends.adapters.sglang import SmgRouter
     from rollout_backends.ray import RayFleet, RayFleetSpec, start_local_cluster
 
     async with Supervisor(tempfile.mkdtemp(prefix="ray-fleet-demo-"), grace=5.0) as sup:

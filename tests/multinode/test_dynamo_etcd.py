@@ -10,10 +10,10 @@ from typing import Any
 import aiohttp
 import pytest
 from mnhelpers import pid_alive, require, wait_until
-from rollout_backends.adapters.dynamo._commands import DynamoFrontend, DynamoWorkerCommand, generate_instances
-from rollout_backends.adapters.dynamo._services import EtcdNats
 
 from rollout_backends import GenerateRequest, SamplingParams
+from rollout_backends.adapters.dynamo._commands import DynamoFrontend, DynamoWorkerCommand, generate_instances
+from rollout_backends.adapters.dynamo._services import EtcdNats
 
 pytestmark = pytest.mark.slow
 

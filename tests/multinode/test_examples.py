@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from mnhelpers import require
+
 from rollout_backends.adapters.dynamo._services import DynamoPlanes
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -6,13 +6,13 @@ import json
 import sys
 
 import pytest
+
+from rollout_backends import InvalidRequest
+from rollout_backends._launch import EngineCommand, EngineInfo, EntryCommand, NodeContext, pick_port
 from rollout_backends.adapters.dynamo._commands import DynamoFrontend, DynamoWorkerCommand, generate_instances
 from rollout_backends.adapters.dynamo._services import DynamoPlanes, _prefix_end, find_binary
 from rollout_backends.adapters.reference import ReferenceServerCommand
 from rollout_backends.adapters.sglang import SGLangServerCommand, SmgRouter
-
-from rollout_backends import InvalidRequest
-from rollout_backends._launch import EngineCommand, EngineInfo, EntryCommand, NodeContext, pick_port
 
 ETCD = DynamoPlanes(etcd_endpoints="http://10.0.0.2:2379,http://10.0.0.3:2379", event_plane="zmq")
 

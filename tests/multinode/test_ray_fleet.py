@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 from mnhelpers import pid_alive, require, wait_until
-from rollout_backends.adapters.reference import ReferenceServerCommand
-from rollout_backends.adapters.sglang import SmgRouter
 
 from rollout_backends import GenerateRequest, SamplingParams
+from rollout_backends.adapters.reference import ReferenceServerCommand
+from rollout_backends.adapters.sglang import SmgRouter
 
 pytestmark = pytest.mark.slow
 
