@@ -16,8 +16,9 @@ $(VENV)/.stamp-demo: pyproject.toml $(CONSTRAINTS) | $(VENV)/bin/python
 	$(PIP) install $(PIP_FLAGS) -e '.[reference]'
 	touch $@
 
-$(VENV)/.stamp-test: pyproject.toml $(CONSTRAINTS) | $(VENV)/bin/python
-	$(PIP) install $(PIP_FLAGS) -e '.[reference,sglang,dynamo,dev]'
+$(VENV)/.stamp-test: pyproject.toml $(CONSTRAINTS) tools/install-multinode-deps.sh | $(VENV)/bin/python
+	$(PIP) install $(PIP_FLAGS) -e '.[reference,sglang,dynamo,ray,dev]'
+	tools/install-multinode-deps.sh $(abspath $(VENV))/bin/python
 	touch $@ $(VENV)/.stamp-demo
 
 demo: $(VENV)/.stamp-demo
