@@ -17,12 +17,11 @@ from rollout_backends import (
     InvalidRequest,
     PauseMode,
     SamplingParams,
-    Unsupported,
     WeightGroup,
 )
 from rollout_backends._fleet import HttpFleetBackend, Op, Worker
 from rollout_backends._http import HttpClient, HttpRequest, HttpResponse, MockTransport
-from rollout_backends.adapters.dynamo import DynamoFleet, DynamoWire, launch_dynamo_fleet
+from rollout_backends.adapters.dynamo import DynamoFleet, DynamoWire
 from rollout_backends.adapters.dynamo._launcher import _WorkerPorts, frontend_argv, worker_argv, worker_env
 from rollout_backends.adapters.dynamo._wire import completion_body
 
@@ -217,10 +216,3 @@ def test_launcher_config_validation() -> None:
         DynamoFleet(model_path="/m", discovery="etcd")
     cfg = DynamoFleet(model_path="/m", discovery="etcd", etcd_endpoints=["http://10.0.0.1:2379"])
     assert "etcd" in frontend_argv(cfg, "ns", 1)
-
-
-async def test_start_etcd_is_unsupported() -> None:
-    cfg = DynamoFleet(model_path="/m", discovery="etcd", start_etcd=True)
-    with pytest.raises(Unsupported):
-        async with launch_dynamo_fleet(cfg):
-            pass

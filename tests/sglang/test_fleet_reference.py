@@ -192,8 +192,10 @@ async def test_routing_cache_aware_vs_round_robin_vs_prefix_hash(fleet: SGLangFl
         for m in results["cache_aware"]:
             # Concentrates a burst on one worker but spills part of it to the idle one (smg's
             # load gate: --balance-abs/rel-threshold); measured 11/5 in every run.
-            assert 9 <= max(m["cold"].values()) <= 14 and len(m["cold"]) == 2, m
-            assert 9 <= m["warm"][m["warm_worker"]] <= 14 and len(m["warm"]) == 2, m
+            # Follows the prefix but spills part of a burst (smg's load gate); the exact split moves
+            # with timing (measured 11/5 on an idle machine), so assert the shape, not the count.
+            assert len(m["cold"]) == 2 and max(m["cold"].values()) < BURST, m
+            assert BURST // 2 < m["warm"][m["warm_worker"]] < BURST and len(m["warm"]) == 2, m
             assert m["warm_cached_on_warm_worker"] == [FULL_HIT] * m["warm"][m["warm_worker"]]
         for m in results["prefix_hash"]:  # a pure function of the prefix: all 16 on one worker, hit
             assert len(m["cold"]) == 1 and m["cold_hits"] == BURST - 1
