@@ -1253,6 +1253,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "gpus": ",".join(gpus) if gpu else "none",
             "worker_flags": " ".join(_sglang_flags(settings)) if gpu else "(CPU workers)",
             "workloads": {k: w.describe() for k, w in workloads.items()},
+            "planned_output_tokens": {k: w.planned_output_tokens() for k, w in workloads.items()},
             "predicted_ttl_s": args.predicted_ttl_s,
             "seed": args.seed,
         }

@@ -130,7 +130,7 @@ def gpu_info() -> str:
     lines = [line.strip() for line in res.stdout.splitlines() if line.strip()]
     if res.returncode != 0 or not lines:
         return "none"
-    names = {}
+    names: dict[str, int] = {}
     for line in lines:
         parts = [p.strip() for p in line.split(",")]
         key = ", ".join(parts[1:3]) + (f", driver {parts[3]}" if len(parts) > 3 else "")
