@@ -880,8 +880,7 @@ async def run(
             started[f.key] = time.monotonic() - t0
             progress(f"{f.key} fleet ready in {started[f.key]:.1f} s")
         except BaseException as exc:
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            errors[f.key] = f"{type(exc).__name__}: {first}"[:300]
+            errors[f.key] = report.summarise_error(exc)
             progress(f"{f.key} fleet failed to start: {errors[f.key]}")
             if not isinstance(exc, Exception | asyncio.TimeoutError):
                 raise
@@ -911,9 +910,9 @@ async def run(
             try:
                 results += await _run_job(job, fleet, workloads[job.workload], n_steps, f"j{n}", budget, progress)
             except Exception as exc:  # one broken backend must not lose the others' rows
-                msg = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-                progress(f"{job.label} {job.workload}: failed: {type(exc).__name__}: {msg}")
-                results += skipped(f"failed: {type(exc).__name__}: {msg}"[:300])
+                msg = report.summarise_error(exc)
+                progress(f"{job.label} {job.workload}: failed: {msg}")
+                results += skipped(f"failed: {msg}")
     finally:
         progress("stopping the fleets")
         await asyncio.gather(*(f.aclose() for f in fleets.values()), return_exceptions=True)
@@ -1030,7 +1029,8 @@ def direct_target(results: Sequence[JobResult]) -> tuple[bool, str] | None:
     return ratio <= TARGET_DIRECT_RATIO, f"{ratio:.3f}{TIMES} ({ours.wall_s:.2f} s vs {raw.wall_s:.2f} s)"
 
 
-def plot(results: Sequence[JobResult], path: str, title: str) -> None:
+def plot(results: Sequence[JobResult], path: str, title: str) -> bool:
+    """Write the PNG; False (and no file) when nothing ran."""
     import matplotlib  # type: ignore[import-not-found,unused-ignore]
 
     matplotlib.use("Agg")
@@ -1039,7 +1039,7 @@ def plot(results: Sequence[JobResult], path: str, title: str) -> None:
     shown = [r for r in results if r.client == "adapter" and r.steps]
     wls = [w for w in WORKLOADS if any(r.workload == w for r in shown)]
     if not wls:
-        return
+        return False
     fig, axes = plt.subplots(len(wls), 3, figsize=(15, 3.2 + 2.2 * len(wls)), squeeze=False)
     for row, wl in enumerate(wls):
         rs = [r for r in shown if r.workload == wl]
@@ -1066,6 +1066,7 @@ def plot(results: Sequence[JobResult], path: str, title: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+    return True
 
 
 def markdown(
@@ -1271,9 +1272,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             out.mkdir(parents=True, exist_ok=True)
             png: str | None = report.check_name("fanout.png")
             try:
-                plot(
-                    results, str(out / "fanout.png"), f"{m['gpu'] if m['gpu'] != 'none' else m['machine']}; {m['date']}"
-                )
+                title = f"{m['gpu'] if m['gpu'] != 'none' else m['machine']}; {m['date']}"
+                if not plot(results, str(out / "fanout.png"), title):
+                    png = None
             except ImportError:
                 png = None
             report.update_markdown(out, KEY, markdown(m, s_info, results, notes, png))
@@ -1281,7 +1282,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 out, KEY, {"meta": m, "settings": s_info, "notes": notes, "results": [r.as_dict() for r in results]}
             )
             report.pack_logs(out / "fanout-logs.tar.gz", [settings.log_root])
-            progress(f"wrote {out}/{report.MARKDOWN_NAME}, {report.JSON_NAME}, fanout.png, fanout-logs.tar.gz")
+            progress(f"wrote {', '.join(sorted(x.name for x in out.iterdir()))} in {out}")
     ok = any(r.steps for r in results)
     return 0 if ok else 1
 

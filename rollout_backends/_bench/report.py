@@ -36,6 +36,7 @@ __all__ = [
     "meta",
     "pack_logs",
     "safe_multicast_env",
+    "summarise_error",
     "update_json",
     "update_markdown",
     "versions",
@@ -52,6 +53,15 @@ _NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1
 def safe_multicast_env() -> None:
     """Set the no-multicast variables in this process's environment (inherited by children)."""
     os.environ.update(_NO_MULTICAST)
+
+
+def summarise_error(exc: BaseException, limit: int = 400) -> str:
+    """``Type: first line`` of an error, plus its last line where that differs (a log tail's cause)."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    text = f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
+    if len(lines) > 1:
+        text += f" … {lines[-1]}"
+    return text[:limit]
 
 
 def check_name(name: str) -> str:
@@ -178,7 +188,7 @@ def md_table(headers: Sequence[str], rows: Sequence[Sequence[str]], align: str =
     align = align or "l" + "r" * (len(headers) - 1)
     sep = ["---" if a == "l" else "---:" for a in align]
     out = ["| " + " | ".join(headers) + " |", "|" + "|".join(sep) + "|"]
-    out += ["| " + " | ".join(r) + " |" for r in rows]
+    out += ["| " + " | ".join(c.replace("|", "/").replace("\n", " ") for c in r) + " |" for r in rows]
     return "\n".join(out)
 
 

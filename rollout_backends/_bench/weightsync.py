@@ -49,7 +49,9 @@ TRANSPORTS = ("nccl", "gloo", "tensors", "disk")
 TARGET_RATIO = 3.0
 TIMES = "\N{MULTIPLICATION SIGN}"
 PACKAGES = ("torch", "sglang", "transformers", "safetensors", "aiohttp")
-_GROUP_TIMEOUT_S = 300.0
+_GROUP_TIMEOUT_S = 120.0
+#: Table order (the run order differs: the group transport runs last).
+_ORDER = ("raw broadcast", "nccl", "gloo", "tensors", "disk")
 
 
 # -- the group and the tensors -----------------------------------------------------------------
@@ -434,7 +436,13 @@ async def _measure(r: _Run, transports: Sequence[str]) -> tuple[list[Measurement
     notes: list[str] = []
     results: list[Measurement] = []
     t0 = time.monotonic()
-    await asyncio.gather(r.start_engine(), r.thread(r.load_tensors))
+    try:
+        await asyncio.wait_for(asyncio.gather(r.start_engine(), r.thread(r.load_tensors)), max(1.0, r.left()))
+    except Exception as exc:
+        msg = report.summarise_error(exc)
+        r.progress(f"engine did not start: {msg}")
+        notes.append(f"the engine did not start: {msg}")
+        return [Measurement(t, "", 0, 0, status="failed: no engine") for t in ("raw broadcast", *transports)], notes
     notes.append(f"engine start-up (and loading the tensors) {time.monotonic() - t0:.1f} s")
     r.progress(
         f"engine ready at {r.fleet.worker_urls[0]}; {nbytes(r.named_cpu) / 1e9:.3f} GB in {len(r.named_cpu)} tensors"
@@ -442,7 +450,8 @@ async def _measure(r: _Run, transports: Sequence[str]) -> tuple[list[Measurement
     jobs: list[tuple[str, Callable[[], Awaitable[Measurement]]]] = [
         ("raw broadcast", lambda: r.raw(args.repeats, limit))
     ]
-    for t in transports:
+    # The group transport last: a collective that hangs can block the engine's other calls.
+    for t in sorted(transports, key=lambda t: t in ("nccl", "gloo")):
         if t in ("nccl", "gloo"):
             jobs.append((t, lambda: r.distributed(args.repeats, limit)))
         elif t == "tensors":
@@ -454,17 +463,18 @@ async def _measure(r: _Run, transports: Sequence[str]) -> tuple[list[Measurement
             results.append(Measurement(name, "", 0, 0, status="skipped: time budget"))
             r.progress(f"{name}: skipped (time budget)")
             continue
+        cap = min(r.left(), args.transport_timeout_s)
         try:
-            m = await asyncio.wait_for(job(), r.left())
+            m = await asyncio.wait_for(job(), cap)
         except asyncio.TimeoutError:
             r.hung = True  # a thread may still sit in a collective: the process ends with os._exit
-            results.append(Measurement(name, "", 0, 0, status="cut: time budget"))
-            r.progress(f"{name}: cut by the time budget")
-            break
+            results.append(Measurement(name, "", 0, 0, status=f"cut: no result in {cap:.0f} s"))
+            r.progress(f"{name}: cut after {cap:.0f} s")
+            continue
         except Exception as exc:
-            msg = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-            results.append(Measurement(name, "", 0, 0, status=f"failed: {type(exc).__name__}: {msg}"[:300]))
-            r.progress(f"{name}: failed: {type(exc).__name__}: {msg}")
+            msg = report.summarise_error(exc)
+            results.append(Measurement(name, "", 0, 0, status=f"failed: {msg}"))
+            r.progress(f"{name}: failed: {msg}")
             continue
         results.append(m)
         r.progress(
@@ -482,10 +492,14 @@ async def _measure(r: _Run, transports: Sequence[str]) -> tuple[list[Measurement
 # -- reporting -------------------------------------------------------------------------------------
 
 
+def _ordered(results: Sequence[Measurement]) -> list[Measurement]:
+    return sorted(results, key=lambda m: _ORDER.index(m.transport) if m.transport in _ORDER else len(_ORDER))
+
+
 def table(results: Sequence[Measurement]) -> str:
     base = next((m for m in results if m.transport == "raw broadcast" and m.rounds_s), None)
     rows = []
-    for m in results:
+    for m in _ordered(results):
         if not m.rounds_s:
             rows.append([m.transport, m.path or "—", "—", "—", "—", "—", "—", "—", m.status])
             continue
@@ -497,7 +511,7 @@ def table(results: Sequence[Measurement]) -> str:
                 f"{m.nbytes / 1e9:.3f}",
                 str(m.buckets),
                 f"{m.warmup_s:.3f}" if m.warmup_s is not None else "—",
-                f"{m.median_s:.3f} ({len(m.rounds_s)})",
+                f"{m.median_s:.4f} ({len(m.rounds_s)})",
                 f"{m.gb_per_s:.2f}",
                 ratio,
                 "" if m.status == "ok" else m.status,
@@ -515,7 +529,7 @@ def targets(results: Sequence[Measurement]) -> list[tuple[str, bool, str]]:
     out: list[tuple[str, bool, str]] = []
     if base is None:
         return out
-    for m in results:
+    for m in _ordered(results):
         if m.transport == "raw broadcast" or not m.rounds_s:
             continue
         ratio = m.median_s / base.median_s
@@ -529,15 +543,16 @@ def targets(results: Sequence[Measurement]) -> list[tuple[str, bool, str]]:
     return out
 
 
-def plot(results: Sequence[Measurement], path: str, title: str) -> None:
+def plot(results: Sequence[Measurement], path: str, title: str) -> bool:
+    """Write the PNG; False (and no file) when nothing was measured."""
     import matplotlib  # type: ignore[import-not-found,unused-ignore]
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # type: ignore[import-not-found,unused-ignore]
 
-    shown = [m for m in results if m.rounds_s]
+    shown = [m for m in _ordered(results) if m.rounds_s]
     if not shown:
-        return
+        return False
     labels = [m.transport for m in shown]
     colors = ["#777777" if m.transport == "raw broadcast" else "#3b75af" for m in shown]
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
@@ -550,6 +565,7 @@ def plot(results: Sequence[Measurement], path: str, title: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+    return True
 
 
 def markdown(
@@ -599,6 +615,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=3, help="timed rounds per transport (after one warm-up round)")
     p.add_argument("--bucket-mib", type=float, default=512.0)
     p.add_argument("--budget-s", type=float, default=150.0, help="the whole run, engine start-up included")
+    p.add_argument("--transport-timeout-s", type=float, default=90.0, help="give up on one transport after this")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", help="output folder (benchmarks.md, results.json, weightsync.png, weightsync-logs.tar.gz)")
     p.add_argument("--smoke", action="store_true", help="CPU: reference engine, gloo, tiny model, 2 rounds")
@@ -671,7 +688,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             png: str | None = report.check_name("weightsync.png")
             try:
                 title = f"{m['gpu'] if gpu else m['machine']}; {m['date']}; {info['model']}, {total / 1e9:.2f} GB"
-                plot(results, str(out / "weightsync.png"), title)
+                if not plot(results, str(out / "weightsync.png"), title):
+                    png = None
             except ImportError:
                 png = None
             report.update_markdown(out, KEY, markdown(m, info, results, notes, png))
@@ -679,7 +697,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 out, KEY, {"meta": m, "info": info, "notes": notes, "results": [x.as_dict() for x in results]}
             )
             report.pack_logs(out / "weightsync-logs.tar.gz", [run_dir / "logs"])
-            progress(f"wrote {out}/{report.MARKDOWN_NAME}, {report.JSON_NAME}, weightsync.png, weightsync-logs.tar.gz")
+            progress(f"wrote {', '.join(sorted(x.name for x in out.iterdir()))} in {out}")
         code = 0 if any(x.rounds_s for x in results if x.transport != "raw broadcast") else 1
     if r is not None and _stuck(r.pool):
         r.progress("a thread is still inside a collective: exiting without waiting for it")
