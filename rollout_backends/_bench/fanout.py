@@ -442,6 +442,15 @@ async def run_step(client: Client, workload: Workload, step: int, tag: str) -> S
     return stat
 
 
+async def warm_up(client: Client, workload: Workload, n: int, tag: str) -> None:
+    """``n`` short requests at once (not timed): first-request and first-batch costs stay out of the steps."""
+    g = workload.steps[0][0]
+    sampling = SamplingParams(max_new_tokens=16, temperature=1.0, ignore_eos=True, seed=0)
+    await asyncio.gather(
+        *(client.one(g.prompt[: 16 + i], sampling, f"{tag}-warm-{i}", f"{tag}-warm") for i in range(n))
+    )
+
+
 # -- fleets ----------------------------------------------------------------------------------------
 
 
@@ -802,6 +811,8 @@ async def _run_job(
         JobResult(job.backend, job.workload, n, job.stream_interval, reports_cached=c.reports_cached, switch_s=switch_s)
         for n, c in zip(names, clients, strict=True)
     ]
+    for k, c in enumerate(clients):
+        await asyncio.wait_for(warm_up(c, workload, 4, f"{tag}{k}"), max(1.0, budget.left()))
     if not job.paired:
         results[0].flushed = await clients[0].flush()
     try:
@@ -888,6 +899,18 @@ async def run(
     try:
         progress(f"starting {len(fleets)} fleet(s) at once: {', '.join(fleets)}")
         await asyncio.gather(*(start(f) for f in fleets.values()))
+        first = workloads[jobs[0].workload] if jobs else None
+        for f in fleets.values():
+            if f.key in errors or first is None:
+                continue
+            backend = next(j.backend for j in jobs if j.fleet == f.key)
+            try:  # a burst through each fleet: kernels and pools are ready before anything is timed
+                await asyncio.wait_for(
+                    warm_up(await f.client(backend), first, 16, f"w{f.key}"), max(1.0, budget.left())
+                )
+            except Exception as exc:
+                errors[f.key] = f"warm-up failed: {report.summarise_error(exc)}"
+                progress(f"{f.key} fleet: {errors[f.key]}")
         for n, job in enumerate(jobs):
             fleet = fleets[job.fleet]
             n_steps = direct_steps if job.paired else steps[job.workload]
