@@ -850,17 +850,20 @@ def plan(
     stream_intervals: Sequence[int | None],
     direct_steps: int,
 ) -> list[Job]:
-    """Jobs in priority order: gsm8k on every backend, the adapter-vs-direct pairs, then agentic."""
+    """Jobs in priority order (a tight budget drops the tail): every workload on every backend at
+    the default stream interval (gsm8k, then adapter vs direct, then agentic), then the Dynamo rows
+    at the other stream intervals. SGLang rows have one stream interval: a non-streamed
+    ``/generate`` ignores ``--stream-interval``."""
     jobs: list[Job] = []
-    for wl in workloads:
-        for si in stream_intervals:
+    for si in stream_intervals:
+        for wl in workloads:
             for b in backends:
                 if b.startswith("dynamo"):
                     jobs.append(Job(b, "dynamo" if si is None else f"dynamo-si{si}", wl, si))
-                elif si is None:  # SGLang's non-streamed /generate ignores --stream-interval
+                elif si is None:
                     jobs.append(Job(b, "sglang", wl))
-        if wl == "gsm8k" and direct_steps > 0 and BASELINE in backends:
-            jobs.append(Job(BASELINE, "sglang", wl, paired=True))
+            if si is None and wl == "gsm8k" and direct_steps > 0 and BASELINE in backends:
+                jobs.append(Job(BASELINE, "sglang", wl, paired=True))
     return jobs
 
 

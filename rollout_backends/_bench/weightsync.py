@@ -289,19 +289,16 @@ class _Run:
         proc = self.start_receiver(port, bucket_idx, repeats + 1)
         pg = None
         try:
-            pg = await asyncio.wait_for(
-                self.thread(
-                    open_group,
-                    "nccl" if self.gpu else "gloo",
-                    "127.0.0.1",
-                    port,
-                    0,
-                    2,
-                    "rb-bench-raw",
-                    _GROUP_TIMEOUT_S,
-                ),
-                max(1.0, self.left()),
+            joining = self.thread(
+                open_group, "nccl" if self.gpu else "gloo", "127.0.0.1", port, 0, 2, "rb-bench-raw", _GROUP_TIMEOUT_S
             )
+            while not joining.done():  # a receiver that dies would leave rank 0 waiting for it
+                if proc.poll() is not None:
+                    self.hung = True
+                    tail = (self.run_dir / "logs" / "raw-receiver.log").read_text(errors="replace")[-600:]
+                    raise RuntimeError(f"the raw receiver exited with code {proc.returncode}: {tail}")
+                await asyncio.wait([joining], timeout=0.5)
+            pg = joining.result()
             import torch
 
             flag = torch.zeros(1, dtype=torch.int32, device=self.sender_device)
@@ -447,6 +444,10 @@ async def _measure(r: _Run, transports: Sequence[str]) -> tuple[list[Measurement
     r.progress(
         f"engine ready at {r.fleet.worker_urls[0]}; {nbytes(r.named_cpu) / 1e9:.3f} GB in {len(r.named_cpu)} tensors"
     )
+    if r.gpu:
+        # Set after the engine started (it keeps its own): a collective of ours that times out
+        # must not abort this process before the report is written; a stuck thread is handled.
+        os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "0"
     jobs: list[tuple[str, Callable[[], Awaitable[Measurement]]]] = [
         ("raw broadcast", lambda: r.raw(args.repeats, limit))
     ]

@@ -8,8 +8,8 @@
 # by install-on-device.sh), run from the repository root. Time plan (seconds, --budget-s of each
 # benchmark includes its fleets' start-up and teardown):
 #   model (Qwen2.5-0.5B shapes, made once, reused by both)  ~25
-#   fanout                                                   <= FANOUT_BUDGET_S (default 350)
-#   weightsync                                               <= WEIGHTSYNC_BUDGET_S (default 120)
+#   fanout                                                   <= FANOUT_BUDGET_S (default 330)
+#   weightsync                                               <= WEIGHTSYNC_BUDGET_S (default 110)
 # Each benchmark cuts or skips what does not fit its budget and says so in its table.
 set -uo pipefail
 
@@ -50,11 +50,11 @@ nvidia-smi --query-gpu=index,name,memory.used,memory.total --format=csv,noheader
 
 rc=0
 "$PY" -m rollout_backends._bench.fanout --engine sglang --model-size qwen2.5-0.5b --model-path "$MODEL" \
-    --workers 2 --gpus 0,1 --budget-s "${FANOUT_BUDGET_S:-350}" --out "$OUT" ${FANOUT_ARGS:-} || rc=1
+    --workers 2 --gpus 0,1 --budget-s "${FANOUT_BUDGET_S:-330}" --out "$OUT" ${FANOUT_ARGS:-} || rc=1
 echo "fanout done ($(( $(date +%s) - t0 )) s), rc=$rc" >&2
 
 "$PY" -m rollout_backends._bench.weightsync --engine sglang --model-size qwen2.5-0.5b --model-path "$MODEL" \
-    --gpus 0,1 --budget-s "${WEIGHTSYNC_BUDGET_S:-120}" --out "$OUT" ${WEIGHTSYNC_ARGS:-} || rc=1
+    --gpus 0,1 --budget-s "${WEIGHTSYNC_BUDGET_S:-110}" --out "$OUT" ${WEIGHTSYNC_ARGS:-} || rc=1
 echo "weightsync done ($(( $(date +%s) - t0 )) s), rc=$rc" >&2
 
 ls -la "$OUT" >&2
