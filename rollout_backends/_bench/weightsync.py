@@ -208,13 +208,13 @@ class _Run:
             self.engine_device = torch.device("cuda", int(gpus[0]))
             self.sender_device = torch.device("cuda", int(gpus[1]))
             torch.cuda.set_device(self.sender_device)
-            try:  # the engine finds the IPC tensors' device by UUID (what Miles does as well)
+            try:  # CUDA IPC handles name their device by UUID, which SGLang's engine maps back
                 from sglang.srt.utils.patch_torch import (  # type: ignore[import-not-found,unused-ignore]
                     monkey_patch_torch_reductions,
                 )
 
                 monkey_patch_torch_reductions()
-            except ImportError:
+            except Exception:  # without SGLang here the device index travels (right when both see GPU 0 as 0)
                 pass
         else:
             self.engine_device = self.sender_device = torch.device("cpu")
