@@ -1,4 +1,4 @@
-"""The GPU tier of the conformance suite as one command (``docs/conformance.md``, "GPU tier").
+"""The GPU tier of the conformance suite as one command (``docs/gpu-tier.md``).
 
 ::
 
@@ -44,6 +44,7 @@ import contextlib
 import datetime
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -1189,16 +1190,31 @@ def result_markdown(res: TierResult) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _tail_file(path: Path, n: int = 40, width: int = 300) -> str:
+_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+_NOTEWORTHY = re.compile(r"Traceback|Error|ERROR|panic|FAIL|Killed|out of memory|CUDA", re.IGNORECASE)
+
+
+def _tail_file(path: Path, n: int = 40, width: int = 300, noteworthy: int = 30) -> str:
+    """The last ``n`` lines of a log (ANSI colours stripped), after up to ``noteworthy`` earlier lines
+    that look like errors (the last lines of a log are often the teardown, not the failure)."""
     try:
         with open(path, "rb") as f:
             f.seek(0, os.SEEK_END)
             size = f.tell()
-            f.seek(max(0, size - 256 * 1024))
+            f.seek(max(0, size - 4 * 1024 * 1024))
             data = f.read().decode("utf-8", "replace")
     except OSError as exc:
         return f"(cannot read {path}: {exc})"
-    return "\n".join(line[:width] for line in data.splitlines()[-n:])
+    lines = [_ANSI.sub("", line)[:width] for line in data.splitlines()]
+    head, tail = lines[:-n], lines[-n:]
+    picked = [line for line in head if _NOTEWORTHY.search(line)]
+    out = []
+    if picked:
+        out.append(f"(error-like lines before the tail: {min(len(picked), noteworthy)} of {len(picked)})")
+        out.extend(picked[:noteworthy])
+        out.append(f"(last {len(tail)} lines)")
+    out.extend(tail)
+    return "\n".join(out)
 
 
 def logs_tail(res: TierResult) -> str:
