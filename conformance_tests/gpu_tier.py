@@ -243,6 +243,8 @@ class NcclWeightSender:
         self._lock = threading.Lock()
 
     def connect(self) -> None:
+        for key, value in _NO_MULTICAST.items():  # shared hosts: NVLink multicast stays off
+            os.environ.setdefault(key, value)
         import torch
         import torch.distributed
         from torch.distributed import distributed_c10d
@@ -294,6 +296,9 @@ class NcclWeightSender:
         if pg is not None:
             with contextlib.suppress(Exception):  # a peer already gone: nothing left to release
                 torch.distributed.destroy_process_group(pg)
+
+
+_NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
 def _cuda_index(gpu: str) -> str:
@@ -744,8 +749,9 @@ class _Tier:
         prompts = default_parity_prompts(self.vocab, n=self.cfg.parity_prompts)
         tol = self.cfg.tol
         with contextlib.suppress(Exception):  # transformers' per-load progress bars: noise in the output
-            from transformers.utils import logging as hf_logging
+            import importlib
 
+            hf_logging: Any = importlib.import_module("transformers.utils.logging")
             hf_logging.disable_progress_bar()
         try:
             self.result.parity = await asyncio.wait_for(
@@ -887,30 +893,45 @@ class _Tier:
     async def run(self) -> TierResult:
         self.cfg.out.mkdir(parents=True, exist_ok=True)
         self.logs.mkdir(parents=True, exist_ok=True)
+        stages = asyncio.ensure_future(self.stages())
         try:
+            cancelled = False
             try:
-                await asyncio.wait_for(self.stages(), max(1.0, self.left()))
+                await asyncio.wait({stages}, timeout=max(1.0, self.left()))
             except asyncio.CancelledError:
-                # Cancelled (SIGTERM/SIGINT): wind down here, results and teardown below.
+                # SIGTERM/SIGINT: wind down here; results and teardown below.
+                cancelled = True
                 self.result.notes.append("cancelled by a signal: stopped early")
                 self.say("cancelled: stopping")
                 task: Any = asyncio.current_task()
                 if task is not None and hasattr(task, "uncancel"):
                     task.uncancel()
-            except asyncio.TimeoutError:
-                self.result.budget_exhausted = True
-                self.result.notes.append(
-                    f"the budget ({self.cfg.budget_s:.0f}s, {TEARDOWN_RESERVE_S:.0f}s kept for teardown) ran out"
-                )
-                self.say("budget exhausted: stopping")
-            except Exception as exc:
+            if not stages.done():
+                if not cancelled:
+                    self.result.budget_exhausted = True
+                    self.result.notes.append(
+                        f"the budget ({self.cfg.budget_s:.0f}s, {TEARDOWN_RESERVE_S:.0f}s kept for teardown) ran out"
+                    )
+                    self.say("budget exhausted: stopping")
+                stages.cancel()
+                # Let the checks record where they were, but never wait long: teardown comes first.
+                await asyncio.wait({stages}, timeout=10.0)
+            elif not stages.cancelled() and stages.exception() is not None:
+                exc = stages.exception()
+                assert exc is not None
                 self.result.notes.append(f"the run failed: {type(exc).__name__}: {exc}")
-                self.result.notes.append(traceback.format_exc(limit=8))
+                self.result.notes.append("".join(traceback.format_exception(exc, limit=8)))
                 self.say(f"run failed: {type(exc).__name__}: {exc}")
+            names = [c.name for c in self.checks()]
+            for run in self.result.runs.values():
+                if not run.started and not run.results and not run.not_run:
+                    run.not_run = list(names)
             self.result.wall_s = round(time.monotonic() - self.t0, 2)
             self.write()  # before teardown: a kill during teardown still leaves the results
         finally:
             await asyncio.shield(self.stop_all())
+            if not stages.done():
+                stages.cancel()  # its servers are gone: it ends with an error at once
             self.result.wall_s = round(time.monotonic() - self.t0, 2)
             self.write()
             if not self.cfg.keep_work and self.cfg.work_dir is None:
@@ -1107,7 +1128,7 @@ def result_markdown(res: TierResult) -> str:
             if found is not None:
                 cells.append(f"{_CELL[found.outcome]} {found.duration_s:.1f}s")
             elif nm == r.interrupted:
-                cells.append("**cut by budget**")
+                cells.append("**interrupted**")
             elif nm in r.not_run:
                 cells.append("not run")
             else:
