@@ -230,6 +230,7 @@ class NcclWeightSender:
         *,
         device: str = "cuda:1",
         timeout_s: float = 120.0,
+        backend: str = "nccl",
     ) -> None:
         if world_size < 2:
             raise ValueError(f"world_size must be >= 2, got {world_size}")
@@ -239,14 +240,14 @@ class NcclWeightSender:
         self.group_name = group_name
         self.device = device
         self.timeout_s = timeout_s
+        #: "nccl"; "gloo" with ``device="cpu"`` only to test the group's construction on CPU.
+        self.backend = backend
         self._pg: Any = None
         self._lock = threading.Lock()
 
     def connect(self) -> None:
         for key, value in _NO_MULTICAST.items():  # shared hosts: NVLink multicast stays off
             os.environ.setdefault(key, value)
-        import torch
-        import torch.distributed
         from torch.distributed import distributed_c10d
 
         c10d: Any = distributed_c10d  # private helpers, untyped
@@ -254,7 +255,7 @@ class NcclWeightSender:
             if self._pg is not None:
                 return
             timeout = datetime.timedelta(seconds=self.timeout_s)
-            with torch.cuda.device(self.device):
+            with self._on_device():
                 url = f"tcp://{self.master_address}:{self.master_port}"
                 store, _, _ = next(c10d.rendezvous(url, 0, self.world_size, timeout=timeout))
                 store.set_timeout(timeout)
@@ -263,7 +264,7 @@ class NcclWeightSender:
                     self.world_size,
                     0,
                     [],
-                    c10d.Backend("nccl"),
+                    c10d.Backend(self.backend),
                     store,
                     group_name=self.group_name,
                     backend_options=None,
@@ -281,12 +282,21 @@ class NcclWeightSender:
             if self._pg is None:
                 raise RuntimeError("NcclWeightSender.connect() first")
             bucket = WeightBucket.from_named_tensors(named_tensors)
-            with torch.cuda.device(self.device):
+            with self._on_device():
                 for _, t in named_tensors:
                     x = t.detach().to(self.device).contiguous()
                     torch.distributed.broadcast(x, src=0, group=self._pg)
-                torch.cuda.synchronize(self.device)
+                if self.device.startswith("cuda"):
+                    torch.cuda.synchronize(self.device)
             return bucket
+
+    def _on_device(self) -> contextlib.AbstractContextManager[Any]:
+        """The CUDA device as current device (per thread: the checks call from worker threads)."""
+        if not self.device.startswith("cuda"):
+            return contextlib.nullcontext()
+        import torch
+
+        return torch.cuda.device(self.device)
 
     def close(self) -> None:
         import torch.distributed

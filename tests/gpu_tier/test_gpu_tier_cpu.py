@@ -143,3 +143,59 @@ def test_gpu_tier_reference_end_to_end(tmp_path: Path) -> None:
     # every process is gone and the models and logs stayed in --work-dir
     assert not _leftovers(str(work)), _leftovers(str(work))
     assert (work / "model-seed0" / "model.safetensors").is_file()
+
+
+# The engine side of SGLang 0.5.16's distributed update (``init_custom_process_group`` in
+# sglang/srt/utils/common.py and ``update_weights_from_distributed`` in weight_updater.py), reduced
+# to what it does with torch.distributed, with gloo on CPU instead of NCCL.
+_ENGINE_RANK = r"""
+import sys, datetime, torch, torch.distributed
+from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world, rendezvous
+url, world, group_name = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+timeout = datetime.timedelta(seconds=60)
+store, rank, world = next(rendezvous(url, 1, world, timeout=timeout))
+store.set_timeout(timeout)
+store = PrefixStore(group_name, store)
+pg, _ = _new_process_group_helper(world, 1, [], Backend("gloo"), store, group_name=group_name,
+                                  backend_options=None, timeout=timeout, device_id=None)
+_world.pg_group_ranks[pg] = {i: i for i in range(world)}
+shapes = [(4, 3), (5,)]
+got = [torch.empty(s, dtype=torch.bfloat16) for s in shapes]
+for h in [torch.distributed.broadcast(t, src=0, group=pg, async_op=True) for t in got]:
+    h.wait()
+print(repr([t.float().sum().item() for t in got]), flush=True)
+torch.distributed.destroy_process_group(pg)
+"""
+
+
+def test_sender_group_matches_sglangs_construction() -> None:
+    """``NcclWeightSender`` builds its group as SGLang's engines build theirs (checked over gloo)."""
+    import torch
+
+    from rollout_backends.adapters.reference import free_port
+    from rollout_backends.conformance.gpu_tier import NcclWeightSender
+
+    port, name = free_port(), "rb-test-group"
+    engine = subprocess.Popen(
+        [sys.executable, "-c", _ENGINE_RANK, f"tcp://127.0.0.1:{port}", "2", name],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    sender = NcclWeightSender("127.0.0.1", port, 2, name, device="cpu", backend="gloo", timeout_s=60)
+    try:
+        sender.connect()
+        named = [
+            ("a", torch.arange(12, dtype=torch.bfloat16).reshape(4, 3)),
+            ("b", torch.ones(5, dtype=torch.bfloat16)),
+        ]
+        bucket = sender.broadcast(named)
+        assert bucket.names == ["a", "b"]
+        out, err = engine.communicate(timeout=60)
+    finally:
+        sender.close()
+        if engine.poll() is None:
+            engine.kill()
+            engine.wait()
+    assert engine.returncode == 0, err[-2000:]
+    assert out.strip() == repr([66.0, 5.0])
