@@ -1225,7 +1225,7 @@ _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 _NOTEWORTHY = re.compile(r"Traceback|Error|ERROR|panic|FAIL|Killed|out of memory|CUDA", re.IGNORECASE)
 
 
-def _tail_file(path: Path, n: int = 40, width: int = 300, noteworthy: int = 30) -> str:
+def _tail_file(path: Path, n: int = 40, width: int = 300, noteworthy: int = 30, limit: int = 16384) -> str:
     """The last ``n`` lines of a log (ANSI colours stripped), after up to ``noteworthy`` earlier lines
     that look like errors (the last lines of a log are often the teardown, not the failure)."""
     try:
@@ -1245,7 +1245,8 @@ def _tail_file(path: Path, n: int = 40, width: int = 300, noteworthy: int = 30) 
         out.extend(picked[:noteworthy])
         out.append(f"(last {len(tail)} lines)")
     out.extend(tail)
-    return "\n".join(out)
+    text = "\n".join(out)
+    return text if len(text) <= limit else "...\n" + text[-limit:]
 
 
 def logs_tail(res: TierResult) -> str:

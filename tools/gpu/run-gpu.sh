@@ -27,6 +27,7 @@ install_only=0
 if [ "${1:-}" = "--install-only" ]; then install_only=1; shift; fi
 
 mkdir -p "$SITE" "$OUT"
+OUT=$(cd "$OUT" && pwd)   # absolute: the run itself happens in another folder
 export PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
 # ninja (the JIT kernel builds call it) sits next to python3; nvcc in CUDA_HOME.
