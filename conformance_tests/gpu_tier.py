@@ -229,7 +229,7 @@ class NcclWeightSender:
         group_name: str,
         *,
         device: str = "cuda:1",
-        timeout_s: float = 120.0,
+        timeout_s: float = 60.0,
         backend: str = "nccl",
     ) -> None:
         if world_size < 2:
@@ -243,6 +243,7 @@ class NcclWeightSender:
         #: "nccl"; "gloo" with ``device="cpu"`` only to test the group's construction on CPU.
         self.backend = backend
         self._pg: Any = None
+        self._closed = False
         self._lock = threading.Lock()
 
     def connect(self) -> None:
@@ -252,6 +253,8 @@ class NcclWeightSender:
 
         c10d: Any = distributed_c10d  # private helpers, untyped
         with self._lock:
+            if self._closed:
+                raise RuntimeError("NcclWeightSender is closed")
             if self._pg is not None:
                 return
             timeout = datetime.timedelta(seconds=self.timeout_s)
@@ -272,6 +275,9 @@ class NcclWeightSender:
                     device_id=None,
                 )
                 c10d._world.pg_group_ranks[pg] = {i: i for i in range(self.world_size)}
+                if self._closed:  # closed while we waited for the peers
+                    _destroy(pg)
+                    raise RuntimeError("NcclWeightSender was closed while connecting")
                 self._pg = pg
 
     def broadcast(self, named_tensors: Sequence[tuple[str, Any]]) -> WeightBucket:
@@ -299,13 +305,20 @@ class NcclWeightSender:
         return torch.cuda.device(self.device)
 
     def close(self) -> None:
-        import torch.distributed
+        """Leave the group. Does not wait for a ``connect`` still blocked on absent peers (it
+        gives up after ``timeout_s`` and then finds the sender closed)."""
+        self._closed = True
+        pg, self._pg = self._pg, None
+        _destroy(pg)
 
-        with self._lock:
-            pg, self._pg = self._pg, None
-        if pg is not None:
-            with contextlib.suppress(Exception):  # a peer already gone: nothing left to release
-                torch.distributed.destroy_process_group(pg)
+
+def _destroy(pg: Any) -> None:
+    if pg is None:
+        return
+    import torch.distributed
+
+    with contextlib.suppress(Exception):  # a peer already gone: nothing left to release
+        torch.distributed.destroy_process_group(pg)
 
 
 _NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
@@ -738,7 +751,7 @@ class _Tier:
                     master_address="127.0.0.1", master_port=port, world_size=world_size, group_name=name, backend="nccl"
                 )
                 sender: WeightSender = NcclWeightSender(
-                    "127.0.0.1", port, world_size, name, device=_cuda_index(c.trainer_gpu)
+                    "127.0.0.1", port, world_size, name, device=_cuda_index(c.trainer_gpu), timeout_s=60.0
                 )
                 return group, sender
             group = WeightGroup(
