@@ -1,0 +1,201 @@
+"""The GPU tier command (``rollout_backends.conformance.gpu_tier``) on CPU.
+
+The end-to-end test runs the whole orchestration with ``--engine reference``: reference SGLang
+servers (one direct, two behind a real ``smg``), a Dynamo frontend with a reference worker, an
+oracle on the alt weights; parity, drift, a few checks on each, the result files, teardown.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from rollout_backends.conformance import select_checks
+from rollout_backends.conformance.gpu_tier import (
+    BACKENDS,
+    LOGS_TAIL,
+    RESULTS_JSON,
+    RESULTS_MD,
+    TierConfig,
+    _Running,
+    _Tier,
+    main,
+)
+from tests.conformance.fake_backend import fake_factory, fake_harness
+
+CHECKS = (
+    "greedy_shapes",
+    "disk_update_matches_fresh",
+    "distributed_update_matches_fresh",
+    "injected_failure_rolls_back",
+)
+
+
+def test_placement_and_sender_reasons(tmp_path: Path) -> None:
+    one = TierConfig(out=tmp_path, gpus=("0",))
+    assert one.trainer_gpu is None
+    assert one.gpus_of("smg") == ("0", "0") and one.gpus_of("direct") == ("0",)
+    for key in BACKENDS:
+        reason = one.sender_unavailable(key)
+        assert reason is not None and "NCCL needs trainer and engine on different GPUs" in reason
+    two = TierConfig(out=tmp_path, gpus=("0", "1"))
+    assert two.trainer_gpu == "1" and two.gpus_of("dynamo") == ("0",)
+    assert two.sender_unavailable("direct") is None and two.sender_unavailable("dynamo") is None
+    assert "share GPU 0" in (two.sender_unavailable("smg") or "")
+    three = TierConfig(out=tmp_path, gpus=("0", "1", "2"))
+    assert three.gpus_of("smg") == ("0", "1") and three.sender_unavailable("smg") is None
+    # reference workers broadcast over gloo: no GPU placement needed
+    assert TierConfig(out=tmp_path, engine="reference").sender_unavailable("smg") is None
+
+
+def test_cli_rejects_a_typo_before_starting_anything(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--out", str(tmp_path / "o"), "--engine", "reference", "--check", "no_such_check"]) == 2
+    assert "no check matches" in capsys.readouterr().err
+    assert main(["--out", str(tmp_path / "o"), "--backends", "direct,vllm"]) == 2
+    assert not (tmp_path / "o").exists()
+
+
+async def test_budget_stops_starting_checks(tmp_path: Path) -> None:
+    """Checks start only while ``min_check_s`` of the budget is left; the rest are "not run"."""
+    cfg = TierConfig(out=tmp_path / "out", engine="reference", backends=("direct",), min_check_s=1.0, quiet=True)
+    tier = _Tier(cfg)
+    harness = fake_harness(tmp_path)
+
+    async def close() -> None:
+        return None
+
+    tier.running["direct"] = _Running(
+        key="direct",
+        name="sglang-direct",
+        description="fake",
+        factory=fake_factory(1),
+        close=close,
+        workers=1,
+        startup_s=0,
+    )
+    tier.harness_for = lambda key: harness  # type: ignore[method-assign]
+    tier.work_deadline = time.monotonic() + 1.6
+    await tier.all_suites()  # selects every check: stops early by the budget
+    run = tier.result.runs["direct"]
+    assert run.results, "the first checks ran"
+    assert run.not_run, "later checks were not started"
+    assert len(run.results) + len(run.not_run) == len(select_checks(None))
+    assert time.monotonic() < tier.work_deadline + 30
+
+
+def _leftovers(marker: str) -> list[str]:
+    found = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if marker in cmd:
+            found.append(f"{pid}: {cmd[:200]}")
+    return found
+
+
+@pytest.mark.slow
+def test_gpu_tier_reference_end_to_end(tmp_path: Path) -> None:
+    out, work = tmp_path / "out", tmp_path / "work"
+    argv = [sys.executable, "-m", "rollout_backends.conformance.gpu_tier", "--out", str(out), "--engine", "reference",
+            "--budget-s", "85", "--work-dir", str(work)]  # fmt: skip
+    for c in CHECKS:
+        argv += ["--check", c]
+    t0 = time.monotonic()
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=90, check=False)
+    wall = time.monotonic() - t0
+    print(proc.stdout[-4000:], proc.stderr[-4000:])
+    assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-3000:])
+    assert wall < 88
+    assert "gpu-tier reference: OK" in proc.stdout
+
+    files = sorted(p.name for p in out.iterdir())
+    assert files == sorted([RESULTS_MD, RESULTS_JSON, LOGS_TAIL])
+    assert all((out / f).stat().st_size < 4 * 1024 * 1024 for f in files)
+
+    data: dict[str, Any] = json.loads((out / RESULTS_JSON).read_text())
+    assert data["engine"] == "reference" and data["ok"] is True
+    assert set(data["backends"]) == set(BACKENDS.values())
+    for name, b in data["backends"].items():
+        assert b["started"], name
+        outcomes = {r["name"]: r["outcome"] for r in b["results"]}
+        assert outcomes == dict.fromkeys(CHECKS, "pass"), (name, outcomes)
+        assert b["cache_hit_drift"]["ids_identical"] == b["cache_hit_drift"]["prompts"]
+        assert b["cache_hit_drift"]["cached_tokens_second_run"] > 0
+    assert data["oracle"]["started"]
+    parity = data["parity"]
+    assert parity["ok"] and len(parity["pairs"]) == 3 and all(p["ids_equal"] for p in parity["pairs"])
+    assert all(h["tokens"] > 0 and h["max_abs_dlogprob"] < 2e-2 for h in parity["transformers"])
+    assert data["wall_s"] < 85
+
+    md = (out / RESULTS_MD).read_text()
+    assert "# Conformance results: GPU tier" in md and "| injected_failure_rolls_back |" in md
+    # every process is gone and the models and logs stayed in --work-dir
+    assert not _leftovers(str(work)), _leftovers(str(work))
+    assert (work / "model-seed0" / "model.safetensors").is_file()
+
+
+# The engine side of SGLang 0.5.16's distributed update (``init_custom_process_group`` in
+# sglang/srt/utils/common.py and ``update_weights_from_distributed`` in weight_updater.py), reduced
+# to what it does with torch.distributed, with gloo on CPU instead of NCCL.
+_ENGINE_RANK = r"""
+import sys, datetime, torch, torch.distributed
+from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world, rendezvous
+url, world, group_name = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+timeout = datetime.timedelta(seconds=60)
+store, rank, world = next(rendezvous(url, 1, world, timeout=timeout))
+store.set_timeout(timeout)
+store = PrefixStore(group_name, store)
+pg, _ = _new_process_group_helper(world, 1, [], Backend("gloo"), store, group_name=group_name,
+                                  backend_options=None, timeout=timeout, device_id=None)
+_world.pg_group_ranks[pg] = {i: i for i in range(world)}
+shapes = [(4, 3), (5,)]
+got = [torch.empty(s, dtype=torch.bfloat16) for s in shapes]
+for h in [torch.distributed.broadcast(t, src=0, group=pg, async_op=True) for t in got]:
+    h.wait()
+print(repr([t.float().sum().item() for t in got]), flush=True)
+torch.distributed.destroy_process_group(pg)
+"""
+
+
+def test_sender_group_matches_sglangs_construction() -> None:
+    """``NcclWeightSender`` builds its group as SGLang's engines build theirs (checked over gloo)."""
+    import torch
+
+    from rollout_backends.adapters.reference import free_port
+    from rollout_backends.conformance.gpu_tier import NcclWeightSender
+
+    port, name = free_port(), "rb-test-group"
+    engine = subprocess.Popen(
+        [sys.executable, "-c", _ENGINE_RANK, f"tcp://127.0.0.1:{port}", "2", name],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    sender = NcclWeightSender("127.0.0.1", port, 2, name, device="cpu", backend="gloo", timeout_s=60)
+    try:
+        sender.connect()
+        named = [
+            ("a", torch.arange(12, dtype=torch.bfloat16).reshape(4, 3)),
+            ("b", torch.ones(5, dtype=torch.bfloat16)),
+        ]
+        bucket = sender.broadcast(named)
+        assert bucket.names == ["a", "b"]
+        out, err = engine.communicate(timeout=60)
+    finally:
+        sender.close()
+        if engine.poll() is None:
+            engine.kill()
+            engine.wait()
+    assert engine.returncode == 0, err[-2000:]
+    assert out.strip() == repr([66.0, 5.0])
