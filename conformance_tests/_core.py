@@ -291,6 +291,7 @@ def requires(
     seeded_sampling: bool | None = None,
     logprobs: bool | None = None,
     worker_pinning: bool | None = None,
+    progress_probe: bool | None = None,
     min_workers: int | None = None,
     vocab_size: bool = False,
     max_context: bool = False,
@@ -301,7 +302,8 @@ def requires(
 
     * ``pause_mode`` / ``transport``: each given one must be declared in ``Capabilities``;
       ``any_pause_mode`` / ``any_transport``: at least one;
-    * ``abort``, ``seeded_sampling``, ``logprobs``, ``worker_pinning``: boolean capabilities;
+    * ``abort``, ``seeded_sampling``, ``logprobs``, ``worker_pinning``, ``progress_probe``: boolean
+      capabilities;
     * ``min_workers``: the fleet has at least that many workers;
     * ``vocab_size`` / ``max_context``: the value is known (``Capabilities`` or ``Harness``);
     * ``hooks``: ``Harness`` attributes that must not be ``None``;
@@ -324,7 +326,13 @@ def requires(
             return None if wanted & c.weight_transports else f"none of the weight transports {names} declared"
 
         reqs.append(Requirement(f"transport in {names}", _any))
-    flags = {"abort": abort, "seeded_sampling": seeded_sampling, "logprobs": logprobs, "worker_pinning": worker_pinning}
+    flags = {
+        "abort": abort,
+        "seeded_sampling": seeded_sampling,
+        "logprobs": logprobs,
+        "worker_pinning": worker_pinning,
+        "progress_probe": progress_probe,
+    }
     reqs.extend(_flag_req(k, v) for k, v in flags.items() if v is not None)
     if min_workers is not None:
         reqs.append(_min_workers_req(min_workers))
@@ -474,7 +482,7 @@ class CheckContext:
         for p in prompts:
             req = self.request(p, sampling)
             gen = await b.generate(req)
-            validate_generation(self, req, gen)
+            validate_generation(self, req, gen, answered_by=b)
             out.append(gen)
         return out
 
@@ -507,8 +515,19 @@ class CheckContext:
         return self.capabilities.version_source is not VersionSource.NONE
 
 
-def validate_generation(ctx: CheckContext, req: GenerateRequest, gen: Generation, *, allow_abort: bool = False) -> None:
-    """Everything the protocol promises about one ``Generation``; ``CheckFailed`` names the breach."""
+def validate_generation(
+    ctx: CheckContext,
+    req: GenerateRequest,
+    gen: Generation,
+    *,
+    allow_abort: bool = False,
+    answered_by: RolloutBackend | None = None,
+) -> None:
+    """Everything the protocol promises about one ``Generation``; ``CheckFailed`` names the breach.
+
+    ``answered_by``: the backend that produced ``gen`` when it is not the one under test (an
+    oracle); its own worker ids are the valid ones.
+    """
     rid = req.request_id
     expect(isinstance(gen, Generation), f"{rid}: generate returned {type(gen).__name__}, not Generation")
     expect(gen.request_id == rid, f"{rid}: response carries request_id {gen.request_id!r}")
@@ -558,7 +577,8 @@ def validate_generation(ctx: CheckContext, req: GenerateRequest, gen: Generation
         f"{rid}: cached_tokens={gen.cached_tokens} outside [0, {len(req.input_ids)}]",
     )
     if gen.worker is not None:
-        expect(gen.worker in ctx.backend.workers, f"{rid}: served by unknown worker {gen.worker!r}")
+        known = (answered_by or ctx.backend).workers
+        expect(gen.worker in known, f"{rid}: served by unknown worker {gen.worker!r}")
     if ctx.versioned():
         expect(gen.weight_version is not None, f"{rid}: weight_version is None but version_source is not NONE")
 

@@ -39,6 +39,7 @@ async def check_health_live_ready(ctx: CheckContext) -> None:
 
 
 @check("health")
+@requires(progress_probe=True)
 async def check_health_progress_probe(ctx: CheckContext) -> None:
     """``health(probe=True)`` runs a generation on every worker: ``making_progress`` is True for each."""
     report = await ctx.backend.health(probe=True)

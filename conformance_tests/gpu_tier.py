@@ -698,16 +698,7 @@ class _Tier:
 
         async def oracle_backend() -> RolloutBackend:
             assert oracle is not None
-            backend = await oracle.factory()
-            generate = backend.generate
-
-            async def anonymous(request: GenerateRequest) -> Generation:
-                # The checks validate the oracle's answers against the tested backend's worker ids;
-                # the oracle's own (another server's host:port) mean nothing there.
-                return attrs.evolve(await generate(request), worker=None)
-
-            setattr(backend, "generate", anonymous)  # noqa: B010 - this instance only
-            return backend
+            return await oracle.factory()
 
         def fresh_factory_on(path: str) -> BackendFactory:
             if os.path.realpath(path) != os.path.realpath(alt):

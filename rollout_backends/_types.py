@@ -434,6 +434,8 @@ class Capabilities:
     version_source: VersionSource = VersionSource.RESPONSE
     cached_tokens: bool = True  #: ``Generation.cached_tokens`` is reported
     worker_pinning: bool = False  #: ``GenerateRequest.worker`` is honoured
+    #: ``health(probe=True)`` runs a generation on each worker and reports ``making_progress``.
+    progress_probe: bool = True
     max_context: int | None = None
     vocab_size: int | None = None
 

@@ -198,6 +198,8 @@ class DynamoWire:
             version_source=self.version_source,
             cached_tokens=self.flavor != "mocker",
             worker_pinning=self.pinning,
+            # The probe is a 1-token generation pinned to the worker: only where pinning works.
+            progress_probe=self.pinning,
             max_context=self.max_context,
             vocab_size=self.vocab_size,
         )
