@@ -24,6 +24,7 @@ from rollout_backends._errors import (
     ControlFailed,
     InvalidRequest,
     RolloutBackendError,
+    TransientError,
     Unsupported,
     WorkerFailure,
 )
@@ -202,6 +203,24 @@ class HttpFleetBackend(BackendBase):
     # -- data plane ---------------------------------------------------------------------------
 
     async def generate(self, request: GenerateRequest) -> Generation:
+        """Generate; with ``RetryPolicy(generate_resends=N)`` (opt-in), resend up to N times, same
+        request id, after an error that guarantees no engine started the request
+        (``TransientError.nothing_generated``). Nothing else is ever resent: tokens are never
+        counted twice."""
+        resends = self.client.retry.generate_resends
+        if not resends:
+            return await self._generate_once(request)
+        attempt = 0
+        while True:
+            try:
+                return await self._generate_once(request)
+            except TransientError as exc:
+                if not exc.nothing_generated or attempt >= resends:
+                    raise
+                attempt += 1
+                await asyncio.sleep(self.client.retry.delay(attempt))
+
+    async def _generate_once(self, request: GenerateRequest) -> Generation:
         if not isinstance(request, GenerateRequest):
             raise InvalidRequest("request", f"must be a GenerateRequest, got {type(request).__name__}")
         caps = self.capabilities

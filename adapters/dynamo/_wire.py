@@ -230,7 +230,9 @@ class DynamoWire:
             if "Failed to generate completions" in msg:
                 # The frontend could not start the stream (e.g. the routed worker is gone but still
                 # in discovery for up to its ~10 s lease): nothing was generated, resending is safe.
-                raise ConnectionFailed(f"frontend: HTTP {response.status}: {msg} (no token was generated)")
+                raise ConnectionFailed(
+                    f"frontend: HTTP {response.status}: {msg} (no token was generated)", nothing_generated=True
+                )
             raise BackendUnavailable(f"frontend: HTTP {response.status}: {msg}")
         if response.status != 200:
             raise ContractViolation(f"/v1/completions answered HTTP {response.status}: {_error_message(response)}")
