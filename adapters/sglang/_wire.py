@@ -164,6 +164,9 @@ class SGLangWire:
         if response.status == 400 or response.status == 422:
             msg = _error_message(response)
             raise InvalidRequest(_field_of(msg), msg)
+        if response.status in (401, 403):
+            msg = f"HTTP {response.status}: the server refused the API key (missing or wrong)"
+            raise InvalidRequest("api_key", msg)
         if response.status in (429, 503):
             raise Overloaded(f"HTTP {response.status}: {_error_message(response)}")
         if response.status >= 500:

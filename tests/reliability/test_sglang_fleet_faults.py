@@ -295,7 +295,7 @@ async def test_failed_weight_update_at_each_step(
         err = ei.value
         env.errors_seen.append(str(err))
         assert target in err.workers and step in err.steps, err
-        assert [f.step for f in err.failures if f.worker == target][0] == step, err
+        assert next(f.step for f in err.failures if f.worker == target) == step, err
         assert all(f.worker == target for f in err.failures if f.step == step), err
         assert err.version == new_version and err.previous == version
         report = await b.health()
