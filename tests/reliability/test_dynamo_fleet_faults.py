@@ -159,7 +159,9 @@ async def test_mocker_death_restart_and_resends(
     print(f"dynamo mocker death, generate_resends=6: {report2.summary()}; health saw it after {detect2:.2f}s")
     _check(report2)
     assert detect2 < 2.0
-    assert report2.completed >= report.completed and report2.failed <= max(2, n // 100)
+    # Every not-started failure was resent; what is left died mid-request (at most the in-flight ones).
+    assert report2.errors.get("ConnectionFailed", 0) == 0, report2.summary()
+    assert report2.errors.get("BackendUnavailable", 0) <= 8, report2.summary()
     figures["dynamo_mocker_worker_death"] = {
         "workers": 3,
         "no_resends": {

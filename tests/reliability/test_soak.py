@@ -26,7 +26,7 @@ async def test_soak(no_orphans: None, figures: dict[str, Any]) -> None:
     # Flat: no socket or fd growth while the pool is warm; sockets released on close.
     assert client["socket_growth"] <= 0 and client["fd_growth"] <= 0, client
     assert client["after_close"]["sockets"] <= client["baseline"]["sockets"] + 2, client
-    assert client["rss_growth_kib"] < 20 * 1024, client
+    assert client["rss_growth_kib"] < 8 * 1024, client
     figures["soak"] = out
 
 
