@@ -229,7 +229,12 @@ def test_control_payloads(call: str, a: Any, b: Any, workers: Any) -> None:
     for w in fleet.workers.values():
         assert isinstance(w.version, str), f"{call} stored a non-string version {w.version!r}"
         assert w.paused is None or call == "pause", f"{call} left {w.url} paused"
-    if call not in ("set_weight_version", "update_weights_from_disk", "update_weights_from_distributed"):
+    if call not in (
+        "set_weight_version",
+        "update_weights_from_disk",
+        "update_weights_from_distributed",
+        "weight_update",
+    ):
         assert {w.url: w.version for w in fleet.workers.values()} == versions
 
 

@@ -208,3 +208,19 @@ def test_policy_validates() -> None:
         RetryPolicy(generate_resends=-1)
     with pytest.raises(ValueError):
         RetryPolicy(attempts=0)
+
+
+def test_dynamo_ready_matches_a_restarted_worker_by_rpc_port() -> None:
+    """A restarted Dynamo worker registers a new instance id on its fixed request-plane port."""
+    wire = DynamoWire(frontend_url="http://fe:1", model="m", worker_rpc_ports={"127.0.0.1:21000": 21001})
+    worker = Worker(id="127.0.0.1:21000", control_url="http://127.0.0.1:21000", instance_id=111)
+    health = {"instances": [{"endpoint": "generate", "instance_id": 222, "transport": {"tcp": "127.0.0.1:21001/x"}}]}
+    assert wire.parse_control(Op.READY, worker, HttpResponse.from_json(health)) is True
+    other = {"instances": [{"endpoint": "generate", "instance_id": 333, "transport": {"tcp": "127.0.0.1:29999/x"}}]}
+    assert wire.parse_control(Op.READY, worker, HttpResponse.from_json(other)) is False
+    assert (
+        DynamoWire(frontend_url="http://fe:1", model="m").parse_control(
+            Op.READY, worker, HttpResponse.from_json(health)
+        )
+        is False
+    )
