@@ -57,7 +57,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--router-prometheus-port", type=int, default=None)
     p.add_argument("--health-check-interval", type=int, default=10, help="seconds between router health probes")
     p.add_argument("--disable-retries", action="store_true")
-    p.add_argument("--router-arg", action="append", default=[], help="extra router argument (repeatable)")
+    router_arg_help = "one extra router argument, repeatable: --router-arg=--worker-warmup-secs --router-arg=0"
+    p.add_argument("--router-arg", action="append", default=[], help=router_arg_help)
     p.add_argument("--log-dir", default=None)
     p.add_argument("--startup-timeout", type=float, default=None)
     args = p.parse_args(argv)
