@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+
 from rollout_backends.adapters.reference import make_tiny_model
 
 

@@ -12,12 +12,12 @@ import time
 from pathlib import Path
 
 import pytest
-from rollout_backends.adapters.sglang import SGLangFleetConfig, launch_sglang_fleet, start_sglang_fleet
-from rollout_backends.adapters.sglang._launcher import router_argv, worker_argv, worker_env
-from rollout_backends.adapters.sglang.launch import config_from_args, parse_args
 
 from rollout_backends import BackendUnavailable, GenerateRequest, InvalidRequest, RoutingKind, SamplingParams
 from rollout_backends._supervisor import group_members
+from rollout_backends.adapters.sglang import SGLangFleetConfig, launch_sglang_fleet, start_sglang_fleet
+from rollout_backends.adapters.sglang._launcher import router_argv, worker_argv, worker_env
+from rollout_backends.adapters.sglang.launch import config_from_args, parse_args
 
 # -- command lines (no processes) ---------------------------------------------------------------
 

@@ -19,8 +19,6 @@ import aiohttp
 import attrs
 import pytest
 import pytest_asyncio
-from rollout_backends.adapters.reference import ReferenceBackend, WeightSender, free_port
-from rollout_backends.adapters.sglang import SGLangFleet, SGLangFleetConfig, connect, launch_sglang_fleet
 
 from rollout_backends import (
     ControlFailed,
@@ -33,6 +31,8 @@ from rollout_backends import (
     SamplingParams,
     WeightGroup,
 )
+from rollout_backends.adapters.reference import ReferenceBackend, WeightSender, free_port
+from rollout_backends.adapters.sglang import SGLangFleet, SGLangFleetConfig, connect, launch_sglang_fleet
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
 
