@@ -66,18 +66,18 @@ class BackendBase:
         """Validate a worker selection; ``None`` = all."""
         if workers is None:
             return self.workers
-        if isinstance(workers, str):
-            raise InvalidRequest("workers", "must be a sequence of worker ids, not a string")
+        if isinstance(workers, (str, bytes)) or not isinstance(workers, (list, tuple)):
+            raise InvalidRequest("workers", f"must be a list of worker ids or None, got {type(workers).__name__}")
         known = set(self.workers)
         for i, w in enumerate(workers):
-            if w not in known:
+            if not isinstance(w, str) or w not in known:
                 raise InvalidRequest(f"workers[{i}]", f"unknown worker {w!r} (known: {sorted(known)})")
         return tuple(workers)
 
     def _require_pause_mode(self, mode: PauseMode | str) -> PauseMode:
         try:
             m = PauseMode(mode)
-        except ValueError:
+        except (ValueError, TypeError):
             raise InvalidRequest("mode", f"unknown pause mode {mode!r}") from None
         if m not in self.capabilities.pause_modes:
             raise Unsupported(f"pause_mode.{m.value}")

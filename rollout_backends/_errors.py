@@ -18,9 +18,11 @@ Every error this library raises derives from :class:`RolloutBackendError`. The t
 
 Rules the adapters follow:
 
-* ``TransientError`` is raised only when re-sending the *same* request is safe. A ``generate``
-  that may have produced tokens is never retried by the library (tokens would be counted twice);
-  the caller decides, see ``docs/errors.md``.
+* ``TransientError`` means the same call may succeed if sent again. A ``generate`` that may have
+  produced tokens (a timeout, a connection lost after sending) is never resent by the library;
+  only errors with ``nothing_generated=True`` (no engine started the request) may be, and only
+  where the caller opted in (``RetryPolicy(generate_resends=N)``). See ``docs/errors.md`` and
+  ``docs/reliability.md``.
 * ``ControlFailed.failures`` names each worker and step that failed; an error never names fewer
   workers than failed.
 * Secrets (API keys) never appear in messages.
@@ -62,9 +64,13 @@ class TransientError(RolloutBackendError):
 
     retryable = True
 
-    def __init__(self, message: str, *, worker: str | None = None) -> None:
+    def __init__(self, message: str, *, worker: str | None = None, nothing_generated: bool = False) -> None:
         super().__init__(message)
         self.worker = worker
+        #: True only when the failure guarantees that no engine started this request (the
+        #: connection was refused before anything was sent; a router or frontend answered that it
+        #: could not reach any worker). Such a ``generate`` can be resent without double-counting.
+        self.nothing_generated = nothing_generated
 
 
 class BackendTimeout(TransientError):

@@ -24,6 +24,7 @@ from rollout_backends._errors import (
     ControlFailed,
     InvalidRequest,
     RolloutBackendError,
+    TransientError,
     Unsupported,
     WorkerFailure,
 )
@@ -123,6 +124,11 @@ class Wire(Protocol):
         ...
 
 
+def _check_version(version: object, field: str = "version") -> None:
+    if version is not None and (not isinstance(version, str) or not version):
+        raise InvalidRequest(field, f"must be a non-empty string or None, got {version!r}"[:200])
+
+
 def _takes_keyword(func: Any, name: str) -> bool:
     try:
         param = inspect.signature(func).parameters.get(name)
@@ -202,6 +208,24 @@ class HttpFleetBackend(BackendBase):
     # -- data plane ---------------------------------------------------------------------------
 
     async def generate(self, request: GenerateRequest) -> Generation:
+        """Generate; with ``RetryPolicy(generate_resends=N)`` (opt-in), resend up to N times, same
+        request id, after an error that guarantees no engine started the request
+        (``TransientError.nothing_generated``). Nothing else is ever resent: tokens are never
+        counted twice."""
+        resends = self.client.retry.generate_resends
+        if not resends:
+            return await self._generate_once(request)
+        attempt = 0
+        while True:
+            try:
+                return await self._generate_once(request)
+            except TransientError as exc:
+                if not exc.nothing_generated or attempt >= resends:
+                    raise
+                attempt += 1
+                await asyncio.sleep(self.client.retry.delay(attempt))
+
+    async def _generate_once(self, request: GenerateRequest) -> Generation:
         if not isinstance(request, GenerateRequest):
             raise InvalidRequest("request", f"must be a GenerateRequest, got {type(request).__name__}")
         caps = self.capabilities
@@ -263,6 +287,8 @@ class HttpFleetBackend(BackendBase):
         the partial tokens); else cancel this client's in-flight HTTP call, which the server sees
         as a disconnect. A cancelled call returns ``FinishReason.ABORT`` with no tokens (what was
         generated is lost with the connection)."""
+        if not isinstance(request_id, str) or not request_id:
+            raise InvalidRequest("request_id", f"must be a non-empty string, got {type(request_id).__name__}")
         if self._abort_by_id:
             # The router does not say which worker holds a request: ask every worker.
             await self._fan(Op.ABORT, None, request_id=request_id)
@@ -311,6 +337,8 @@ class HttpFleetBackend(BackendBase):
 
     async def init_weight_group(self, group: WeightGroup, *, workers: Sequence[str] | None = None) -> None:
         self._require_transport(WeightTransport.DISTRIBUTED)
+        if not isinstance(group, WeightGroup):
+            raise InvalidRequest("group", f"must be a WeightGroup, got {type(group).__name__}")
         selected = self._select(workers)
         offsets: dict[str, int] = {}
         cursor = group.rank_offset
@@ -337,6 +365,11 @@ class HttpFleetBackend(BackendBase):
         workers: Sequence[str] | None = None,
     ) -> None:
         self._require_transport(WeightTransport.DISTRIBUTED)
+        if not isinstance(bucket, WeightBucket):
+            raise InvalidRequest("bucket", f"must be a WeightBucket, got {type(bucket).__name__}")
+        if not isinstance(group_name, str) or not group_name:
+            raise InvalidRequest("group_name", "must be a non-empty string")
+        _check_version(version)
         selected = self._select(workers)
         await self._fan(
             Op.UPDATE_DISTRIBUTED,
@@ -366,6 +399,7 @@ class HttpFleetBackend(BackendBase):
         self._require_transport(WeightTransport.TENSOR)
         from rollout_backends._tensors import serialize_named_tensors
 
+        _check_version(version)
         selected = self._select(workers)
         payload = serialize_named_tensors(named_tensors)
         await self._fan(
@@ -391,6 +425,9 @@ class HttpFleetBackend(BackendBase):
         self._require_transport(WeightTransport.DISK)
         if not isinstance(path, str) or not path:
             raise InvalidRequest("path", "must be a non-empty string")
+        _check_version(version)
+        if load_format is not None and not isinstance(load_format, str):
+            raise InvalidRequest("load_format", "must be a string or None")
         selected = self._select(workers)
         await self._fan(
             Op.UPDATE_DISK, selected, path=path, version=version, load_format=load_format, flush_cache=flush_cache
@@ -399,6 +436,8 @@ class HttpFleetBackend(BackendBase):
             self.set_installed_version(version, selected)
 
     async def begin_weight_update(self, selector: str = "all", *, workers: Sequence[str] | None = None) -> None:
+        if not isinstance(selector, str) or not selector:
+            raise InvalidRequest("selector", "must be a non-empty string")
         await self._fan(Op.BEGIN, workers, selector=selector)
 
     async def end_weight_update(self, *, workers: Sequence[str] | None = None) -> None:

@@ -51,6 +51,13 @@ __all__ = [
 
 _HAS_TIMEOUT = hasattr(asyncio, "timeout")
 _JSON_HEADERS: Mapping[str, str] = {"Content-Type": "application/json"}
+#: Header names whose values are secrets: never shown in a repr or message.
+_SECRET_HEADERS = frozenset({"authorization", "proxy-authorization", "x-api-key", "api-key", "cookie"})
+
+
+def _headers_repr(headers: Mapping[str, str]) -> str:
+    """``repr`` of a header map with secret values replaced (an ``HttpRequest`` may be logged)."""
+    return repr({k: ("***" if k.lower() in _SECRET_HEADERS else v) for k, v in headers.items()})
 
 
 @attrs.frozen(slots=True)
@@ -59,13 +66,15 @@ class HttpRequest:
 
     method: str
     url: str
-    json: Any = None
-    headers: Mapping[str, str] = attrs.field(factory=dict)
+    json: Any = attrs.field(default=None, repr=False)  # bodies may be huge (tensor payloads)
+    headers: Mapping[str, str] = attrs.field(factory=dict, repr=_headers_repr)
     #: Seconds for the whole call; ``None`` uses the client's default.
     timeout: float | None = None
     #: Safe to send twice (no side effect beyond the first). Only idempotent calls are retried
-    #: after a failure that may have reached the server.
+    #: after a failure that may have reached the server (never after a timeout).
     idempotent: bool = False
+    #: An admin (control) route: sent with the client's ``admin_api_key`` when it has one.
+    admin: bool = False
 
 
 @attrs.frozen(slots=True)
@@ -157,8 +166,9 @@ class AiohttpTransport:
         except (asyncio.TimeoutError, TimeoutError) as exc:
             raise BackendTimeout(f"{request.method} {_safe_url(request.url)}: no answer in {timeout:.1f}s") from exc
         except aiohttp.ClientConnectorError as exc:
+            # Nothing was sent: the server cannot have acted on the request.
             raise ConnectionFailed(
-                f"{request.method} {_safe_url(request.url)}: cannot connect ({exc.os_error})"
+                f"{request.method} {_safe_url(request.url)}: cannot connect ({exc.os_error})", nothing_generated=True
             ) from exc
         except (aiohttp.ClientError, ConnectionError, OSError) as exc:
             raise ConnectionFailed(f"{request.method} {_safe_url(request.url)}: {type(exc).__name__}: {exc}") from exc
@@ -198,12 +208,32 @@ class MockTransport:
 
 @attrs.frozen(slots=True, kw_only=True)
 class RetryPolicy:
-    """Retries for transient failures. Non-idempotent calls are retried only when the connection
-    was never made (the server cannot have acted on them)."""
+    """Retries for transient failures.
+
+    * ``attempts``: sends of one HTTP call. Any call is resent when the connection was never made
+      (``nothing_generated``); idempotent calls also after a dropped connection. A timeout is never
+      resent: the timeout is the budget of the whole call (a hung worker would multiply it).
+    * ``generate_resends``: **opt-in** (0 = off). How many times ``generate`` is resent, same
+      request id, after an error that guarantees no engine started it (``TransientError`` with
+      ``nothing_generated``: e.g. a router or frontend that could not reach a worker). Errors after
+      which tokens may exist (timeouts, connections lost mid-answer, a worker dying mid-request)
+      are never resent. See ``docs/reliability.md``.
+    """
 
     attempts: int = 3
     backoff_s: float = 0.05
     max_backoff_s: float = 1.0
+    generate_resends: int = 0
+
+    def __attrs_post_init__(self) -> None:
+        if isinstance(self.attempts, bool) or not isinstance(self.attempts, int) or self.attempts < 1:
+            raise ValueError(f"RetryPolicy.attempts must be an int >= 1, got {self.attempts!r}")
+        if (
+            isinstance(self.generate_resends, bool)
+            or not isinstance(self.generate_resends, int)
+            or self.generate_resends < 0
+        ):
+            raise ValueError(f"RetryPolicy.generate_resends must be an int >= 0, got {self.generate_resends!r}")
 
     def delay(self, attempt: int) -> float:
         base = min(self.max_backoff_s, self.backoff_s * (2**attempt))
@@ -221,7 +251,12 @@ def _safe_url(url: str) -> str:
 
 
 class HttpClient:
-    """Sends ``HttpRequest`` values with timeouts, retries and auth headers. One per backend."""
+    """Sends ``HttpRequest`` values with timeouts, retries and auth headers. One per backend.
+
+    ``api_key`` is sent as ``Authorization: Bearer`` on every call; ``admin_api_key`` (SGLang's
+    ``--admin-api-key``) instead of it on calls marked ``HttpRequest.admin`` (control routes).
+    Neither key appears in a repr, a message or a log line of this library.
+    """
 
     def __init__(
         self,
@@ -231,8 +266,10 @@ class HttpClient:
         control_timeout: float = 120.0,
         retry: RetryPolicy | None = None,
         api_key: str | None = None,
+        admin_api_key: str | None = None,
     ) -> None:
         self._auth = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._admin_auth = {"Authorization": f"Bearer {admin_api_key}"} if admin_api_key else {}
         # Our own transport sends the auth header as a session default: no per-request copy.
         self._auth_in_transport = transport is None
         self.transport: Transport = transport if transport is not None else AiohttpTransport(headers=self._auth)
@@ -240,13 +277,23 @@ class HttpClient:
         self.control_timeout = control_timeout
         self.retry = retry or RetryPolicy()
 
-    def __repr__(self) -> str:  # the key never appears
-        return f"<HttpClient transport={type(self.transport).__name__} auth={'yes' if self._auth else 'no'}>"
+    def set_admin_api_key(self, admin_api_key: str | None) -> None:
+        """Use ``admin_api_key`` on admin calls from now on (``None``: the ``api_key``)."""
+        self._admin_auth = {"Authorization": f"Bearer {admin_api_key}"} if admin_api_key else {}
+
+    def __repr__(self) -> str:  # the keys never appear
+        return (
+            f"<HttpClient transport={type(self.transport).__name__} auth={'yes' if self._auth else 'no'}"
+            f" admin_auth={'yes' if self._admin_auth else 'no'}>"
+        )
 
     async def send(self, request: HttpRequest, *, worker: str | None = None) -> HttpResponse:
         timeout = request.timeout if request.timeout is not None else self.timeout
-        if self._auth and not self._auth_in_transport and "Authorization" not in request.headers:
-            request = attrs.evolve(request, headers={**self._auth, **request.headers})
+        if "Authorization" not in request.headers:
+            if request.admin and self._admin_auth:
+                request = attrs.evolve(request, headers={**self._admin_auth, **request.headers})
+            elif self._auth and not self._auth_in_transport:
+                request = attrs.evolve(request, headers={**self._auth, **request.headers})
         attempt = 0
         while True:
             try:
@@ -254,8 +301,14 @@ class HttpClient:
             except TransientError as exc:
                 if exc.worker is None and worker is not None:
                     exc.worker = worker
+                if isinstance(exc, BackendTimeout):
+                    raise  # the timeout was the whole call's budget
                 # A refused connection never reached the server: safe to resend anything.
-                safe = request.idempotent or (isinstance(exc, ConnectionFailed) and "cannot connect" in str(exc))
+                safe = (
+                    exc.nothing_generated
+                    or request.idempotent
+                    or (isinstance(exc, ConnectionFailed) and "cannot connect" in str(exc))
+                )
                 attempt += 1
                 if not safe or attempt >= self.retry.attempts:
                     raise

@@ -133,6 +133,9 @@ def _input_ids(value: object) -> tuple[int, ...]:
 
 
 def _int_tuple(value: Iterable[int]) -> tuple[int, ...]:
+    # A non-sequence is kept as is, for ``__attrs_post_init__`` to reject it naming the field.
+    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+        return value  # type: ignore[return-value]
     return tuple(value)
 
 
@@ -235,6 +238,10 @@ class GenerateRequest:
             raise _fail("request_id", "must be a non-empty string")
         if not isinstance(self.return_logprobs, bool):
             raise _fail("return_logprobs", "must be a bool")
+        if self.worker is not None and not isinstance(self.worker, str):
+            raise _fail("worker", f"must be a worker id (str) or None, got {type(self.worker).__name__}")
+        if self.routing_key is not None and not isinstance(self.routing_key, str):
+            raise _fail("routing_key", f"must be a str or None, got {type(self.routing_key).__name__}")
 
 
 @attrs.frozen(slots=True, kw_only=True)
@@ -285,14 +292,18 @@ class TensorSpec:
     shape: tuple[int, ...] = attrs.field(converter=_int_tuple)
 
     def __attrs_post_init__(self) -> None:
-        if not self.name:
-            raise _fail("tensor.name", "must not be empty")
+        if not isinstance(self.name, str) or not self.name:
+            raise _fail("tensor.name", f"must be a non-empty string, got {self.name!r}")
+        if not isinstance(self.shape, tuple):
+            raise _fail(f"tensor[{self.name}].shape", f"must be a sequence of ints, got {type(self.shape).__name__}")
         for i, d in enumerate(self.shape):
             if isinstance(d, bool) or not isinstance(d, int) or d < 0:
                 raise _fail(f"tensor[{self.name}].shape[{i}]", f"must be an int >= 0, got {d!r}")
 
 
 def _spec_tuple(value: Iterable[TensorSpec]) -> tuple[TensorSpec, ...]:
+    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+        raise _fail("bucket.tensors", f"must be a sequence of TensorSpec, got {type(value).__name__}")
     return tuple(value)
 
 
@@ -306,7 +317,9 @@ class WeightBucket:
         if not self.tensors:
             raise _fail("bucket.tensors", "must not be empty")
         seen: set[str] = set()
-        for t in self.tensors:
+        for i, t in enumerate(self.tensors):
+            if not isinstance(t, TensorSpec):
+                raise _fail(f"bucket.tensors[{i}]", f"must be a TensorSpec, got {type(t).__name__}")
             if t.name in seen:
                 raise _fail("bucket.tensors", f"duplicate tensor name {t.name!r}")
             seen.add(t.name)
@@ -450,10 +463,12 @@ def ensure_tags(tags: Sequence[MemoryTag | str] | None) -> tuple[MemoryTag, ...]
     """Validate memory tags; ``None`` means all."""
     if tags is None:
         return None
+    if isinstance(tags, (str, bytes)) or not isinstance(tags, (list, tuple)):
+        raise _fail("tags", f"must be a list of memory tags or None, got {type(tags).__name__}")
     out = []
     for i, t in enumerate(tags):
         try:
             out.append(MemoryTag(t))
-        except ValueError:
+        except (ValueError, TypeError):
             raise _fail(f"tags[{i}]", f"unknown memory tag {t!r} (known: {[m.value for m in MemoryTag]})") from None
     return tuple(out)

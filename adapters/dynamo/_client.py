@@ -173,6 +173,7 @@ async def connect(
     vocab = (info0 or {}).get("vocab_size") or cfg.get("vocab_size")
     ctx = (info0 or {}).get("max_context") or cfg.get("max_position_embeddings")
     eos = tuple((info0 or {}).get("eos_token_ids") or ()) or _eos_ids(cfg)
+    ids = {w.id for w in fleet}
     wire = DynamoWire(
         frontend_url=frontend,
         model=model,
@@ -180,6 +181,9 @@ async def connect(
         router_mode=router_mode,
         instance_workers={w.instance_id: w.id for w in fleet if w.instance_id is not None},
         url_workers={w.control_url: w.id for w in fleet if w.control_url},
+        worker_rpc_ports={
+            worker_id_of(u): int(p) for u, p in (rpc_ports or {}).items() if worker_id_of(_normalise(u)) in ids
+        },
         version_source=vs,
         memory_saver=memory_saver,
         max_context=int(ctx) if isinstance(ctx, int) else None,

@@ -143,6 +143,18 @@ def _is_int(v: object) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
+def _rpc_port_of(instance: Mapping[str, Any]) -> int | None:
+    """The request-plane port of a frontend ``/health`` instance (``transport.tcp`` = ``host:port/...``)."""
+    transport = instance.get("transport")
+    tcp = transport.get("tcp") if isinstance(transport, dict) else None
+    if not isinstance(tcp, str) or ":" not in tcp:
+        return None
+    try:
+        return int(tcp.split("/", 1)[0].rsplit(":", 1)[1])
+    except ValueError:
+        return None
+
+
 @attrs.frozen(slots=True, kw_only=True)
 class DynamoWire:
     """One Dynamo fleet's wire format.
@@ -158,6 +170,9 @@ class DynamoWire:
     router_mode: str = "round-robin"
     instance_workers: Mapping[int, str] = attrs.field(factory=dict)
     url_workers: Mapping[str, str] = attrs.field(factory=dict)
+    #: Worker id -> its request-plane port (``DYN_TCP_RPC_PORT``): a restarted worker registers a new
+    #: instance id on the same port, so readiness also matches by port.
+    worker_rpc_ports: Mapping[str, int] = attrs.field(factory=dict)
     version_source: VersionSource = VersionSource.RESPONSE
     memory_saver: bool = True
     max_context: int | None = None
@@ -232,7 +247,9 @@ class DynamoWire:
             if "Failed to generate completions" in msg:
                 # The frontend could not start the stream (e.g. the routed worker is gone but still
                 # in discovery for up to its ~10 s lease): nothing was generated, resending is safe.
-                raise ConnectionFailed(f"frontend: HTTP {response.status}: {msg} (no token was generated)")
+                raise ConnectionFailed(
+                    f"frontend: HTTP {response.status}: {msg} (no token was generated)", nothing_generated=True
+                )
             raise BackendUnavailable(f"frontend: HTTP {response.status}: {msg}")
         if response.status != 200:
             raise ContractViolation(f"/v1/completions answered HTTP {response.status}: {_error_message(response)}")
@@ -477,8 +494,11 @@ class DynamoWire:
                 return False
             from rollout_backends.adapters.dynamo._launcher import generate_instances
 
-            listed = {i.get("instance_id") for i in generate_instances(response.json(), self.namespace)}
-            return worker.instance_id in listed
+            instances = generate_instances(response.json(), self.namespace)
+            if worker.instance_id in {i.get("instance_id") for i in instances}:
+                return True
+            port = self.worker_rpc_ports.get(worker.id)
+            return port is not None and port in {_rpc_port_of(i) for i in instances}
         if op is Op.PROBE:
             return response.ok
         failed = not response.ok

@@ -99,6 +99,10 @@ _FLUSH_OK = (
     "(When there are running or waiting requests, the operation will not be performed.)\n"
 )
 
+#: The test-only route that arms injected faults (served only with ``fault_injection=True``).
+FAULTS_ROUTE = "/_faults"
+_FAULT_MODES = ("error", "close", "delay")
+
 #: Routes that take the admin key when one is set (SGLang's ``ADMIN_OPTIONAL``).
 ADMIN_ROUTES = frozenset(
     {
@@ -116,6 +120,7 @@ ADMIN_ROUTES = frozenset(
         "/end_weight_update",
         "/release_memory_occupation",
         "/resume_memory_occupation",
+        FAULTS_ROUTE,
     }
 )
 #: SGLang's API-key middleware lets these through without a key.
@@ -308,6 +313,7 @@ class ReferenceServer:
         port: int = 0,
         health_generation: bool | None = None,
         health_timeout: float | None = None,
+        fault_injection: bool = False,
     ) -> None:
         self.engine = engine
         self.model_path = model_path
@@ -331,6 +337,9 @@ class ReferenceServer:
         self.startup_time = time.time()
         self._inflight: set[str] = set()
         self._session_open = False
+        #: Test-only (``--fault-injection``): armed faults by path; see :meth:`faults`.
+        self.fault_injection = fault_injection
+        self._faults: dict[str, dict[str, Any]] = {}
 
     # -- auth (SGLang: 401 {"error": "Unauthorized"}) ------------------------------------------
 
@@ -347,6 +356,10 @@ class ReferenceServer:
             if need and not self._bearer_ok(request, need):
                 return _json({"error": "Unauthorized"}, 401)
         try:
+            if self._faults and path in self._faults:
+                injected = await self._inject(request, path)
+                if injected is not None:
+                    return injected
             return await handler(request)
         except _BadRequest as e:
             if isinstance(e.body, str):
@@ -356,6 +369,52 @@ class ReferenceServer:
             return _json({"detail": "Not Found"}, 404)
         except web.HTTPMethodNotAllowed:
             return _json({"detail": "Method Not Allowed"}, 405)
+
+    # -- fault injection (test-only: served with ``--fault-injection`` alone) -----------------
+
+    async def _inject(self, request: web.Request, path: str) -> web.StreamResponse | None:
+        """Fire the fault armed for ``path`` (one shot per ``times``); ``None`` = serve normally."""
+        fault = self._faults[path]
+        fault["times"] -= 1
+        if fault["times"] <= 0:
+            del self._faults[path]
+        log.warning("injected fault on %s: %s", path, fault["mode"])
+        if fault["mode"] == "delay":
+            await asyncio.sleep(fault["delay_s"])
+            return None
+        await request.read()
+        if fault["mode"] == "close":
+            if request.transport is not None:
+                request.transport.close()
+            raise ConnectionResetError(f"injected fault: connection closed on {path}")
+        return _json({"success": False, "message": f"injected fault on {path}"}, fault["status"])
+
+    async def faults(self, request: web.Request) -> web.StreamResponse:
+        """``POST /_faults {"path", "mode": "error"|"close"|"delay", "status": 500, "times": 1,
+        "delay_s": 0}`` arms a fault on ``path``; ``DELETE`` clears all; ``GET`` lists them."""
+        if request.method == "GET":
+            return _json({"faults": self._faults})
+        if request.method == "DELETE":
+            self._faults.clear()
+            return _json({"faults": {}})
+        body = await _body(request, allow_empty=False)
+        path = _field(body, "path", str)
+        if not path.startswith("/") or path == FAULTS_ROUTE:
+            raise _err("`path`: must be a route of this server (not /_faults)")
+        mode = _field(body, "mode", str, "error")
+        if mode not in _FAULT_MODES:
+            raise _err(f"`mode`: must be one of {_FAULT_MODES}, got {mode!r}")
+        status = _field(body, "status", int, 500)
+        if not 400 <= status <= 599:
+            raise _err(f"`status`: must be in 400..599, got {status}")
+        times = _field(body, "times", int, 1)
+        if not 1 <= times <= 1_000_000:
+            raise _err(f"`times`: must be in 1..1000000, got {times}")
+        delay = _field(body, "delay_s", (int, float), 0)
+        if not 0 <= delay <= 3600:
+            raise _err(f"`delay_s`: must be in [0, 3600], got {delay}")
+        self._faults[path] = {"mode": mode, "status": status, "times": times, "delay_s": float(delay)}
+        return _json({"faults": self._faults})
 
     # -- data plane ---------------------------------------------------------------------------
 
@@ -786,6 +845,12 @@ class ReferenceServer:
             web.get("/resume_memory_occupation", self.resume_memory_occupation, allow_head=False),
             web.post("/resume_memory_occupation", self.resume_memory_occupation),
         ]
+        if self.fault_injection:
+            r += [
+                web.get(FAULTS_ROUTE, self.faults, allow_head=False),
+                web.post(FAULTS_ROUTE, self.faults),
+                web.delete(FAULTS_ROUTE, self.faults),
+            ]
         if self.with_begin_end:
             r += [
                 web.post("/begin_weight_update", self.begin_weight_update),

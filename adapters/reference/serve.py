@@ -2,11 +2,12 @@
 
     python -m rollout_backends.adapters.reference.serve --model-path DIR --host 127.0.0.1 --port P \
         [--worker-id W] [--weight-version v0] [--api-key K] [--admin-api-key K] [--page-size 16] \
-        [--with-begin-end] [--make-model SEED]
+        [--with-begin-end] [--make-model SEED] [--fault-injection]
 
 ``--make-model SEED`` first writes a tiny seeded model to ``--model-path`` (if it has no
 ``config.json``) with ``make_tiny_model``. Keys given on the command line are never printed.
-Only ``stream=false`` generation is served (see ``_server``).
+Only ``stream=false`` generation is served (see ``_server``). ``--fault-injection`` (tests only,
+never on by default) adds ``/_faults``, which arms one-shot failures on any route.
 """
 
 from __future__ import annotations
@@ -42,6 +43,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model-size", default="tiny", help="preset for --make-model")
     p.add_argument("--num-threads", type=int, default=1, help="torch threads of the engine")
     p.add_argument("--log-level", default="info")
+    p.add_argument(
+        "--fault-injection",
+        action="store_true",
+        help="TEST ONLY: serve POST /_faults, which arms one-shot failures on any route (admin key applies)",
+    )
     p.add_argument(
         "--engine-factory",
         default=None,
@@ -92,6 +98,7 @@ async def _serve(args: argparse.Namespace) -> None:
         sglang_version=args.sglang_version,
         host=args.host,
         port=args.port,
+        fault_injection=args.fault_injection,
     )
     runner = web.AppRunner(app, access_log=None, handler_cancellation=False)
     await runner.setup()

@@ -76,6 +76,8 @@ async def connect(
     """
     entry = _normalise(url)
     client = client or HttpClient(api_key=api_key)
+    if admin_api_key:
+        client.set_admin_api_key(admin_api_key)
     try:
         if workers is None:
             found = await discover_router_workers(client, entry)
@@ -112,7 +114,6 @@ async def connect(
         deterministic=bool(info.get("enable_deterministic_inference")) if isinstance(info, dict) else False,
         max_context=int(ctx) if isinstance(ctx, int) else None,
         vocab_size=vocab_size,
-        admin_api_key=admin_api_key,
     )
     fleet = [Worker(id=worker_id_of(u), control_url=u, generate_url=u) for u in worker_urls]
     return HttpFleetBackend(wire, fleet, client=client, name="sglang", on_close=on_close)

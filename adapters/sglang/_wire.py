@@ -15,6 +15,7 @@ import attrs
 
 from rollout_backends._errors import (
     BackendUnavailable,
+    ConnectionFailed,
     ContractViolation,
     ControlFailed,
     InvalidRequest,
@@ -66,6 +67,20 @@ def sampling_params_body(s: SamplingParams) -> dict[str, Any]:
 
 
 _FIELD_RE = re.compile(r"unknown field `([^`]+)`")
+#: smg error codes that guarantee the request never reached an engine (smg 1.13: the connection to
+#: the worker failed). ``call_upstream_request_error`` (the worker died mid-request) is not one.
+_NOT_STARTED_CODES = frozenset({"call_upstream_connection_failed"})
+
+
+def _error_code(resp: HttpResponse) -> str | None:
+    """smg's ``{"error": {"code": ...}}``, if the body has one."""
+    try:
+        data = resp.json()
+    except ContractViolation:
+        return None
+    err = data.get("error") if isinstance(data, dict) else None
+    code = err.get("code") if isinstance(err, dict) else None
+    return code if isinstance(code, str) else None
 
 
 def _error_message(resp: HttpResponse) -> str:
@@ -111,8 +126,6 @@ class SGLangWire:
     max_context: int | None = None
     vocab_size: int | None = None
     probe_timeout: float = 20.0
-    #: SGLang's ``--admin-api-key``: sent (as a bearer token) on the admin control routes only.
-    admin_api_key: str | None = attrs.field(default=None, repr=False)
 
     def capabilities(self) -> Capabilities:
         return Capabilities(
@@ -151,10 +164,22 @@ class SGLangWire:
         if response.status == 400 or response.status == 422:
             msg = _error_message(response)
             raise InvalidRequest(_field_of(msg), msg)
+        if response.status in (401, 403):
+            msg = f"HTTP {response.status}: the server refused the API key (missing or wrong)"
+            raise InvalidRequest("api_key", msg)
         if response.status in (429, 503):
             raise Overloaded(f"HTTP {response.status}: {_error_message(response)}")
         if response.status >= 500:
+            code = _error_code(response)
+            if code in _NOT_STARTED_CODES:
+                # The router could not connect to any worker: no engine saw the request.
+                raise ConnectionFailed(
+                    f"router: HTTP {response.status} {code}: {_error_message(response)} (no token was generated)",
+                    nothing_generated=True,
+                )
             raise BackendUnavailable(f"HTTP {response.status}: {_error_message(response)}")
+        if response.status == 404 and _error_code(response) == "model_not_found":
+            raise BackendUnavailable(f"router: {_error_message(response)}")
         if response.status != 200:
             raise ContractViolation(f"/generate answered HTTP {response.status}: {_error_message(response)}")
         data = response.json()
@@ -168,11 +193,11 @@ class SGLangWire:
 
     def control(self, op: Op, worker: Worker, **args: Any) -> HttpRequest | None:
         url = worker.control_url
-        admin = {"Authorization": f"Bearer {self.admin_api_key}"} if self.admin_api_key else {}
 
         def post(path: str, body: dict[str, Any] | None = None) -> HttpRequest:
-            # Every POST control route is one of SGLang's admin routes (ADMIN_OPTIONAL).
-            return HttpRequest("POST", f"{url}{path}", json=body if body is not None else {}, headers=admin)
+            # Every POST control route is one of SGLang's admin routes (ADMIN_OPTIONAL): the
+            # client sends its admin key (``HttpClient(admin_api_key=...)``) on them.
+            return HttpRequest("POST", f"{url}{path}", json=body if body is not None else {}, admin=True)
 
         if op is Op.ABORT:
             return post("/abort_request", {"rid": args["request_id"], "abort_all": False})

@@ -20,6 +20,7 @@ Responses are SGLang's exact shapes (sglang 0.5.x): ``[logprob, id, null]`` logp
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
 import re
@@ -87,6 +88,20 @@ _GENERATE_UNSUPPORTED = {
 }
 
 Handler = Callable[[web.Request, "tuple[str, ...] | None"], Awaitable[web.StreamResponse]]
+
+#: SGLang's admin routes (``ADMIN_OPTIONAL``): with an admin key set, they take only that key.
+ADMIN_ROUTES = frozenset(
+    {
+        "/abort_request", "/pause_generation", "/continue_generation", "/flush_cache", "/update_weight_version",
+        "/update_weights_from_disk", "/update_weights_from_tensor", "/init_weights_update_group",
+        "/update_weights_from_distributed", "/destroy_weights_update_group", "/begin_weight_update",
+        "/end_weight_update", "/release_memory_occupation", "/resume_memory_occupation", "/weights_checker",
+        "/pull_weights", "/load_lora_adapter", "/load_lora_adapter_from_tensors",
+        "/load_lora_adapter_from_distributed", "/unload_lora_adapter",
+    }
+)  # fmt: skip
+_OPEN_PREFIXES = ("/health", "/metrics")
+_WORKER_PREFIX = re.compile(r"^/w/[^/]+(?=/)")
 
 
 class _HttpError(Exception):
@@ -161,7 +176,34 @@ class MilesFacade:
     #: Chat completions without ``max_tokens`` on a backend that does not declare its context.
     default_max_new_tokens: int = 2048
     health_timeout_s: float = 20.0
+    #: SGLang's ``--api-key``: every route but ``/health*`` needs ``Authorization: Bearer <key>``.
+    api_key: str | None = attrs.field(default=None, repr=False)
+    #: SGLang's ``--admin-api-key``: the control routes need it (and only it) when set.
+    admin_api_key: str | None = attrs.field(default=None, repr=False)
     _aborts: set[asyncio.Task[None]] = attrs.field(factory=set, init=False)
+
+    # -- auth (SGLang's rules: 401 {"error": "Unauthorized"}) ---------------------------------
+
+    def _needed_key(self, path: str) -> str | None:
+        if path.startswith(_OPEN_PREFIXES):
+            return None
+        route = _WORKER_PREFIX.sub("", path)
+        if route.startswith(_OPEN_PREFIXES):
+            return None
+        if route in ADMIN_ROUTES and self.admin_api_key:
+            return self.admin_api_key
+        return self.api_key
+
+    @web.middleware
+    async def auth_middleware(
+        self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+    ) -> web.StreamResponse:
+        need = self._needed_key(request.path) if request.method != "OPTIONS" else None
+        if need:
+            got = request.headers.get("Authorization", "")
+            if not hmac.compare_digest(got.encode(), f"Bearer {need}".encode()):
+                return web.json_response({"error": "Unauthorized"}, status=401)
+        return await handler(request)
 
     # -- worker ids in URLs -------------------------------------------------------------------
 
@@ -187,7 +229,7 @@ class MilesFacade:
 
     def app(self) -> web.Application:
         """The router app: data plane, worker list, fleet-wide control, and ``/w/<worker>/...``."""
-        app = web.Application(client_max_size=1024**3)
+        app = web.Application(client_max_size=1024**3, middlewares=[self.auth_middleware])
         app.router.add_route("GET", "/workers", self.handle_workers)
         app.router.add_route("GET", "/list_workers", self.handle_list_workers)
         app.router.add_route("GET", "/v1/models", self.handle_models)
@@ -200,7 +242,7 @@ class MilesFacade:
         """One worker's SGLang server surface at the root (for a per-worker port)."""
         if worker not in self.backend.workers:
             raise InvalidRequest("worker", f"unknown worker {worker!r}")
-        app = web.Application(client_max_size=1024**3)
+        app = web.Application(client_max_size=1024**3, middlewares=[self.auth_middleware])
         app.router.add_route("POST", "/v1/chat/completions", self.handle_chat)
         app.router.add_route("GET", "/v1/models", self.handle_models)
         self._register(app, "", lambda request: (worker,))

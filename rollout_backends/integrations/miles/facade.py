@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import signal
 import sys
 from collections.abc import Sequence
@@ -50,6 +51,17 @@ def build_parser() -> argparse.ArgumentParser:
         default={},
         help="JSON object merged into /get_server_info (e.g. the fields Miles' --rollout-external check compares)",
     )
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("RB_FACADE_API_KEY"),
+        help="require this bearer key on every route but /health* (default: $RB_FACADE_API_KEY; prefer the "
+        "variable: a flag shows in process listings)",
+    )
+    p.add_argument(
+        "--admin-api-key",
+        default=os.environ.get("RB_FACADE_ADMIN_API_KEY"),
+        help="require this key (only) on control routes (default: $RB_FACADE_ADMIN_API_KEY)",
+    )
     p.add_argument("--wait-ready", type=float, default=600.0, help="seconds to wait for the fleet (0: do not)")
     p.add_argument("--log-level", default="INFO")
     return p
@@ -78,6 +90,8 @@ async def serve(
             served_model_name=ns.served_model_name,
             public_url=ns.public_url,
             server_info=ns.server_info,
+            api_key=getattr(ns, "api_key", None),
+            admin_api_key=getattr(ns, "admin_api_key", None),
         )
         ports = None
         if ns.worker_port_base is not None:
