@@ -21,6 +21,7 @@ from typing import Any
 
 from ._contract import (
     check_concurrent_equals_sequential,
+    check_concurrent_requests_complete,
     check_finish_length,
     check_finish_stop_token,
     check_generate_group,
@@ -110,6 +111,7 @@ __all__ = [
     "check_abort_all",
     "check_abort_one",
     "check_concurrent_equals_sequential",
+    "check_concurrent_requests_complete",
     "check_disk_update_matches_fresh",
     "check_distributed_update_matches_fresh",
     "check_finish_length",

@@ -19,6 +19,7 @@ from ._core import (
 
 __all__ = [
     "check_concurrent_equals_sequential",
+    "check_concurrent_requests_complete",
     "check_finish_length",
     "check_finish_stop_token",
     "check_generate_group",
@@ -167,6 +168,23 @@ async def check_generate_group(ctx: CheckContext) -> None:
 
 
 @check("contract")
+async def check_concurrent_requests_complete(ctx: CheckContext) -> None:
+    """``Harness.concurrency`` requests sent at once all complete with valid, full-length answers."""
+    n = ctx.harness.concurrency
+    prompts = ctx.prompts(n, min_len=1, max_len=48, seed=12)
+    sp = ctx.greedy(ctx.harness.max_new_tokens, ignore_eos=True)
+    reqs = [ctx.request(p, sp, "load") for p in prompts]
+    gens = await asyncio.gather(*(ctx.backend.generate(r) for r in reqs))
+    for r, g in zip(reqs, gens, strict=True):
+        validate_generation(ctx, r, g)  # finish 'length' => all max_new_tokens (or the context) produced
+        expect(
+            g.finish_reason is FinishReason.LENGTH, f"{r.request_id}: finish {g.finish_reason.value} with ignore_eos"
+        )
+    ctx.measure("requests", n)
+
+
+@check("contract")
+@requires(batch_invariant=True)
 async def check_concurrent_equals_sequential(ctx: CheckContext) -> None:
     """``Harness.concurrency`` greedy requests sent at once equal the same requests sent one by one."""
     n = ctx.harness.concurrency

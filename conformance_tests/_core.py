@@ -292,6 +292,7 @@ def requires(
     logprobs: bool | None = None,
     worker_pinning: bool | None = None,
     progress_probe: bool | None = None,
+    batch_invariant: bool | None = None,
     min_workers: int | None = None,
     vocab_size: bool = False,
     max_context: bool = False,
@@ -302,7 +303,7 @@ def requires(
 
     * ``pause_mode`` / ``transport``: each given one must be declared in ``Capabilities``;
       ``any_pause_mode`` / ``any_transport``: at least one;
-    * ``abort``, ``seeded_sampling``, ``logprobs``, ``worker_pinning``, ``progress_probe``: boolean
+    * ``abort``, ``seeded_sampling``, ``logprobs``, ``worker_pinning``, ``progress_probe``, ``batch_invariant``: boolean
       capabilities;
     * ``min_workers``: the fleet has at least that many workers;
     * ``vocab_size`` / ``max_context``: the value is known (``Capabilities`` or ``Harness``);
@@ -332,6 +333,7 @@ def requires(
         "logprobs": logprobs,
         "worker_pinning": worker_pinning,
         "progress_probe": progress_probe,
+        "batch_invariant": batch_invariant,
     }
     reqs.extend(_flag_req(k, v) for k, v in flags.items() if v is not None)
     if min_workers is not None:

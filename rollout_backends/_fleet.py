@@ -275,7 +275,7 @@ class HttpFleetBackend(BackendBase):
             return await send
         except asyncio.CancelledError:
             if rid in self._cancelled and send.cancelled() and not _cancelling():
-                return self._cancelled_generation(request, pinned, time.perf_counter() - t0)
+                return await self._cancelled_generation(request, pinned, time.perf_counter() - t0)
             raise
         finally:
             if self._inflight.get(rid) is send:
@@ -303,9 +303,17 @@ class HttpFleetBackend(BackendBase):
         """Request ids whose ``generate`` call is in flight from this client."""
         return tuple(self._inflight)
 
-    def _cancelled_generation(self, request: GenerateRequest, pinned: Worker | None, latency_s: float) -> Generation:
+    async def _cancelled_generation(
+        self, request: GenerateRequest, pinned: Worker | None, latency_s: float
+    ) -> Generation:
         worker = pinned.id if pinned is not None else (self.workers[0] if len(self._workers) == 1 else None)
         version = self._installed.get(worker) if worker is not None else None
+        if version is None and self.capabilities.version_source is not VersionSource.NONE:
+            # No answer came back to carry it: the version is what the fleet serves (if it agrees).
+            try:
+                version = await asyncio.shield(self.weight_version())
+            except RolloutBackendError:
+                version = None
         return Generation(
             request_id=request.request_id,
             output_ids=(),

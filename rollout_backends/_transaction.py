@@ -55,6 +55,9 @@ class WeightUpdateTransaction:
     version: str
     mode: PauseMode
     previous: Mapping[str, str | None]
+    #: False when the prefix cache could not be dropped (``IN_PLACE`` with frozen requests holding
+    #: KV): prefixes cached under the old weights may then still be served after the update.
+    cache_flushed: bool = True
 
     async def update_from_distributed(self, bucket: WeightBucket, *, group_name: str = "weight_update_group") -> None:
         await self.backend.update_weights_from_distributed(bucket, group_name=group_name, flush_cache=False)
@@ -121,8 +124,17 @@ async def weight_update(
     first_exc: BaseException | None = None
     try:
         ok = await step("pause", lambda: backend.pause(mode))
+        cache_flushed = True
         if ok and mode is not PauseMode.IN_PLACE:
             ok = await step("flush_cache", backend.flush_cache)
+        elif ok:
+            # IN_PLACE: an engine refuses to flush while frozen requests hold KV, and that is not a
+            # failure. When none is frozen the flush succeeds, and prefixes cached under the old
+            # weights are not served after the update (miles#2783).
+            try:
+                await backend.flush_cache()
+            except RolloutBackendError:
+                cache_flushed = False
         if ok and caps.begin_end_update:
             n_failed = len(failures)
             ok = await step("begin", lambda: backend.begin_weight_update(selector))
@@ -130,7 +142,7 @@ async def weight_update(
             failed_here = {f.worker for f in failures[n_failed:]}
             began = [w for w in workers if w not in failed_here]
         if ok:
-            tx = WeightUpdateTransaction(backend, version, mode, previous)
+            tx = WeightUpdateTransaction(backend, version, mode, previous, cache_flushed)
             try:
                 yield tx
             except Exception as exc:

@@ -449,6 +449,9 @@ class Capabilities:
     worker_pinning: bool = False  #: ``GenerateRequest.worker`` is honoured
     #: ``health(probe=True)`` runs a generation on each worker and reports ``making_progress``.
     progress_probe: bool = True
+    #: Greedy outputs do not depend on what else is batched (SGLang: deterministic inference).
+    #: Without it, concurrent traffic can flip near-tied tokens (measured on the H200: 1 of 200).
+    batch_invariant: bool = False
     max_context: int | None = None
     vocab_size: int | None = None
 

@@ -34,12 +34,19 @@ async def test_happy_path_sequence_and_version() -> None:
     assert all("weight_version" not in b and b["flush_cache"] is False for b in disk)
 
 
-async def test_in_place_mode_never_flushes() -> None:
+async def test_in_place_mode_flushes_when_it_can_and_tolerates_a_refusal() -> None:
     fleet = FakeSGLangFleet(2)
     async with fleet.backend() as backend, backend.weight_update("v1", mode=rb.PauseMode.IN_PLACE) as tx:
+        assert tx.cache_flushed  # nothing frozen: stale prefixes are dropped
         await tx.update_from_disk("/ckpt/v1")
-    assert all(w.flushed == 0 for w in fleet.workers.values())
-    assert [b["mode"] for _, p, b in fleet.calls if p == "/pause_generation"] == ["in_place", "in_place"]
+    assert all(w.flushed == 1 for w in fleet.workers.values())
+    # A worker with frozen requests refuses the flush: the update still goes through, and says so.
+    next(iter(fleet.workers.values())).fail.add("/flush_cache")
+    async with fleet.backend() as backend, backend.weight_update("v2", mode=rb.PauseMode.IN_PLACE) as tx:
+        assert not tx.cache_flushed
+        await tx.update_from_disk("/ckpt/v2")
+    assert all(w.version == "v2" and w.paused is None for w in fleet.workers.values())
+    assert {b["mode"] for _, p, b in fleet.calls if p == "/pause_generation"} == {"in_place"}
 
 
 @pytest.mark.parametrize("step", list(STEP_PATHS))

@@ -215,6 +215,7 @@ class DynamoWire:
             worker_pinning=self.pinning,
             # The probe is a 1-token generation pinned to the worker: only where pinning works.
             progress_probe=self.pinning,
+            batch_invariant=self.flavor == "rollout",  # our reference worker; SGLang is not by default
             max_context=self.max_context,
             vocab_size=self.vocab_size,
         )

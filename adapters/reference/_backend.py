@@ -98,6 +98,7 @@ class ReferenceBackend(BackendBase):
             version_source=VersionSource.RESPONSE,
             cached_tokens=True,
             worker_pinning=True,
+            batch_invariant=True,  # every request runs alone through the model (no padded batches)
             max_context=first.max_context,
             vocab_size=first.vocab_size,
         )

@@ -141,6 +141,7 @@ class SGLangWire:
             version_source=VersionSource.RESPONSE,
             cached_tokens=True,
             worker_pinning=True,
+            batch_invariant=self.deterministic,
             max_context=self.max_context,
             vocab_size=self.vocab_size,
         )

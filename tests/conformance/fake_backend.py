@@ -76,6 +76,7 @@ FULL = Capabilities(
     weight_transports=[WeightTransport.DISK, WeightTransport.TENSOR],
     seeded_sampling=True,
     abort=True,
+    batch_invariant=True,
     vocab_size=VOCAB,
     max_context=CONTEXT,
 )
@@ -349,6 +350,10 @@ class FakeBackend(BackendBase):
             busy = any(r.worker == wid for r in self._reqs.values())
             if w.paused is PauseMode.IN_PLACE and busy and "in_place_flush_ok" not in self.bugs:
                 raise RuntimeError("cannot flush: requests frozen in place hold KV")
+            if w.paused is PauseMode.IN_PLACE and "stale_prefix" in self.bugs:
+                # The bug: the engine refuses every flush while paused in place, so KV computed with
+                # the old weights survives the update and is served afterwards.
+                raise RuntimeError("cannot flush while paused in place")
             w.cache.clear()
 
         await fan_out("flush_cache", self._select(workers), one)

@@ -86,8 +86,9 @@ async def test_backend_declaring_nothing_is_skipped_not_failed(tmp_path: Path) -
     unknown = await run_checks(fake_factory(declare=nothing), Harness(), select=["reject_out_of_vocab"])
     assert "vocab size unknown" in unknown["reject_out_of_vocab"].message
     # the data-plane contract still ran
-    for name in ("greedy_shapes", "finish_stop_token", "concurrent_equals_sequential", "generate_group"):
+    for name in ("greedy_shapes", "finish_stop_token", "concurrent_requests_complete", "generate_group"):
         assert report[name].outcome is Outcome.PASS, report[name].line()
+    assert skipped["concurrent_equals_sequential"] == "capability batch_invariant=True not declared"
 
 
 async def test_missing_harness_hooks_skip_with_the_hook_named() -> None:
