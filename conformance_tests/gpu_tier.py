@@ -1390,6 +1390,25 @@ async def _main_async(config: TierConfig) -> TierResult:
         return tier.result
 
 
+def _run_without_waiting_for_stuck_threads(coro: Any) -> Any:
+    """``asyncio.run`` without its final wait on the default executor.
+
+    A collective that never returns (a hung NCCL broadcast in a sender thread) would otherwise hold
+    the process for 300 s after the results are written (seen on the H200). The results and the
+    teardown are done by then; a thread still blocked in a collective is abandoned.
+    """
+    loop = asyncio.new_event_loop()
+    try:
+        return loop.run_until_complete(coro)
+    finally:
+        with contextlib.suppress(Exception):
+            loop.run_until_complete(loop.shutdown_asyncgens())
+        executor = getattr(loop, "_default_executor", None)
+        if executor is not None:
+            executor.shutdown(wait=False, cancel_futures=True)
+        loop.close()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     try:
         config = config_from_args(argv)
@@ -1397,10 +1416,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as exc:
         print(f"gpu_tier: {exc}", file=sys.stderr)
         return 2
-    res = asyncio.run(_main_async(config))
+    res = _run_without_waiting_for_stuck_threads(_main_async(config))
     print(summary(res), flush=True)
     print(f"results: {config.out / RESULTS_MD}, {config.out / RESULTS_JSON}, {config.out / LOGS_TAIL}", flush=True)
-    return 0 if res.ok else 1
+    rc = 0 if res.ok else 1
+    stuck = [t for t in threading.enumerate() if t is not threading.main_thread() and t.is_alive() and not t.daemon]
+    if stuck and __name__ == "__main__":
+        # Interpreter exit would join them (concurrent.futures' atexit hook): leave now instead.
+        print(f"gpu_tier: abandoning {len(stuck)} stuck thread(s) at exit", file=sys.stderr, flush=True)
+        os._exit(rc)
+    return rc
 
 
 if __name__ == "__main__":
