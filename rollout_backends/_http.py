@@ -19,7 +19,13 @@ from typing import Any, Protocol, runtime_checkable
 
 import attrs
 
-from rollout_backends._errors import BackendTimeout, ConnectionFailed, ContractViolation, TransientError
+from rollout_backends._errors import (
+    BackendTimeout,
+    ConnectionFailed,
+    ContractViolation,
+    RolloutBackendError,
+    TransientError,
+)
 
 try:  # orjson is optional: faster, same output for the JSON we send
     import orjson as _orjson
@@ -47,6 +53,9 @@ __all__ = [
     "MockTransport",
     "RetryPolicy",
     "Transport",
+    "get_json",
+    "normalise_url",
+    "worker_id_of",
 ]
 
 _HAS_TIMEOUT = hasattr(asyncio, "timeout")
@@ -316,3 +325,40 @@ class HttpClient:
 
     async def aclose(self) -> None:
         await self.transport.aclose()
+
+
+async def get_json(url: str, *, client: HttpClient | None = None, timeout: float = 10.0) -> tuple[int, Any]:
+    """``GET url`` (idempotent): the status and the body as JSON (``None`` when empty or not JSON).
+
+    Through ``client`` (its retries and auth), or a one-shot client without retries (readiness
+    checks, which are retried by their caller). Connection errors raise (``ConnectionFailed``...).
+    """
+    own = client is None
+    c = client if client is not None else HttpClient(retry=RetryPolicy(attempts=1))
+    try:
+        resp = await c.send(HttpRequest("GET", url, timeout=timeout, idempotent=True))
+    finally:
+        if own:
+            await c.aclose()
+    try:
+        return resp.status, resp.json()
+    except RolloutBackendError:
+        return resp.status, None
+
+
+def normalise_url(url: str, scheme: str | None = None) -> str:
+    """``http://host:port`` from ``host:port``, ``http://host:port/`` or ``<scheme>://host:port``."""
+    url = url.rstrip("/")
+    if scheme and url.startswith(f"{scheme}://"):
+        url = "http://" + url[len(scheme) + 3 :]
+    if "://" not in url:
+        url = "http://" + url
+    return url
+
+
+def worker_id_of(url: str) -> str:
+    """A worker's id: its URL's ``host:port`` (stable; what routers list)."""
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url if "://" in url else f"http://{url}")
+    return f"{parts.hostname}:{parts.port}"

@@ -16,10 +16,13 @@ attrs values, so they pickle (Ray ships them to the actor). Nothing here imports
 
 from __future__ import annotations
 
+import asyncio
 import random
+import signal
 import socket
-from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+import sys
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
 
 import attrs
 
@@ -35,7 +38,12 @@ __all__ = [
     "EntryCommand",
     "Launch",
     "NodeContext",
+    "carry",
+    "env_map",
     "pick_port",
+    "run_launcher_cli",
+    "split_passthrough",
+    "str_tuple",
 ]
 
 #: Lowest port ``pick_port(below=...)`` picks (above the usual ephemeral range's start on most hosts).
@@ -67,8 +75,35 @@ def pick_port(host: str = "127.0.0.1", *, below: int | None = None, avoid: set[i
     raise BackendUnavailable(f"no free port in [{_LOW_FLOOR}, {below}) on {host}")
 
 
-def _str_tuple(value: Sequence[Any] | None) -> tuple[str, ...]:
+def str_tuple(value: Sequence[Any] | None) -> tuple[str, ...]:
+    """attrs converter of argument lists: ``None`` -> ``()``; a bare string is refused (not split)."""
+    if isinstance(value, (str, bytes)):
+        raise TypeError("expected a sequence of arguments, not a string")
     return tuple(str(v) for v in (value or ()))
+
+
+def env_map(value: Mapping[str, str] | None) -> Mapping[str, str]:
+    """attrs converter of environment overrides: a private copy (``None`` -> ``{}``)."""
+    return dict(value or {})
+
+
+_T = TypeVar("_T")
+
+
+def carry(cls: type[_T], source: object, **overrides: Any) -> _T:
+    """An attrs ``cls`` (a command) from the same-named attributes of ``source`` (a launcher's
+    config), then ``overrides``: how a local launcher turns its config into launch commands."""
+    names = [a.name for a in attrs.fields(cls) if a.init]  # type: ignore[arg-type]
+    kwargs = {n: getattr(source, n) for n in names if hasattr(source, n)}
+    kwargs.update(overrides)
+    return cls(**kwargs)
+
+
+_WILDCARDS = ("0.0.0.0", "::", "")
+
+
+def _ports(value: Mapping[str, int] | None) -> Mapping[str, int]:
+    return {str(k): int(v) for k, v in (value or {}).items()}
 
 
 @attrs.define(kw_only=True)
@@ -79,15 +114,46 @@ class NodeContext:
     bind_host: str  #: the address servers bind (``0.0.0.0`` for all interfaces)
     advertise_host: str  #: the address others reach them at (never ``0.0.0.0``)
     log_dir: str
-    gpu_ids: tuple[str, ...] = attrs.field(factory=tuple, converter=_str_tuple)
+    gpu_ids: tuple[str, ...] = attrs.field(factory=tuple, converter=str_tuple)
     node_id: str | None = None
-    #: Ports picked so far on this node by this context (``port`` never returns one twice).
+    #: Ports picked so far on this node (``port`` never returns one twice); launchers starting
+    #: several processes on one host share one set between their contexts.
     picked: set[int] = attrs.field(factory=set)
+    #: Ports the launcher fixed, by role (``"http"``, ``"prometheus"``, ``"system"``...): ``port(role)``
+    #: returns these instead of picking one.
+    fixed: Mapping[str, int] = attrs.field(factory=dict, converter=_ports)
 
-    def port(self, *, below: int | None = None) -> int:
-        """A free port on ``bind_host`` (see :func:`pick_port`)."""
-        probe = "0.0.0.0" if self.bind_host in ("0.0.0.0", "") else self.bind_host
-        return pick_port(probe, below=below, avoid=self.picked)
+    @classmethod
+    def on(
+        cls,
+        index: int,
+        bind_host: str,
+        log_dir: str,
+        *,
+        node_ip: str | None = None,
+        gpu_ids: Sequence[str] = (),
+        node_id: str | None = None,
+        picked: set[int] | None = None,
+        fixed: Mapping[str, int] | None = None,
+    ) -> NodeContext:
+        """A context binding ``bind_host``, advertised at it, or at ``node_ip`` (default 127.0.0.1)
+        when it binds every interface."""
+        advertise = (node_ip or "127.0.0.1") if bind_host in _WILDCARDS else bind_host
+        return cls(index=index, bind_host=bind_host, advertise_host=advertise, log_dir=str(log_dir),
+                   gpu_ids=tuple(gpu_ids), node_id=node_id, picked=picked if picked is not None else set(),
+                   fixed=fixed)  # fmt: skip
+
+    def port(self, role: str | None = None, *, below: int | None = None, any_interface: bool = False) -> int:
+        """The port fixed for ``role``, else a free port on ``bind_host`` (every interface with
+        ``any_interface``, for servers binding ``*``; see :func:`pick_port`)."""
+        if role is not None and role in self.fixed:
+            port = self.fixed[role]
+            self.picked.add(port)
+            return port
+        for p in self.fixed.values():  # never hand out a port fixed for another role
+            self.picked.add(p)
+        wildcard = any_interface or self.bind_host in _WILDCARDS
+        return pick_port("0.0.0.0" if wildcard else self.bind_host, below=below, avoid=self.picked)
 
     def url(self, port: int) -> str:
         return f"http://{self.advertise_host}:{port}"
@@ -104,6 +170,25 @@ class Launch:
     control_url: str
     #: Anything else the entry or ``connect`` needs (Dynamo: ``rpc_port``).
     extra: Mapping[str, Any] = attrs.field(factory=dict)
+
+    def named(self, name: str) -> Launch:
+        """The same launch under another process name (a launcher's own naming scheme)."""
+        return attrs.evolve(self, spec=attrs.evolve(self.spec, name=name))
+
+    def info(self, ctx: NodeContext, pid: int, *, node_ip: str | None = None) -> EngineInfo:
+        """The ``EngineInfo`` of this launch, started as ``pid`` in ``ctx``."""
+        return EngineInfo(
+            index=ctx.index,
+            name=self.spec.name,
+            host=ctx.advertise_host,
+            node_id=ctx.node_id,
+            node_ip=node_ip,
+            pid=pid,
+            generate_url=self.generate_url,
+            control_url=self.control_url,
+            gpu_ids=ctx.gpu_ids,
+            extra=dict(self.extra),
+        )
 
 
 @attrs.frozen(kw_only=True)
@@ -145,8 +230,10 @@ def _port_of(url: str | None) -> int | None:
 class EngineCommand(Protocol):
     """An adapter's engine process. ``build`` runs on the engine's node."""
 
-    #: Default grace (s) between SIGTERM and SIGKILL when stopping it.
-    grace: float
+    @property
+    def grace(self) -> float:
+        """Default grace (s) between SIGTERM and SIGKILL when stopping it (commands are frozen)."""
+        ...
 
     def build(self, ctx: NodeContext) -> Launch: ...
 
@@ -155,10 +242,60 @@ class EngineCommand(Protocol):
 class EntryCommand(Protocol):
     """An adapter's fleet entry point (router, frontend), started by the fleet after its engines."""
 
-    grace: float
+    @property
+    def grace(self) -> float: ...
 
     def build(self, ctx: NodeContext, engines: Sequence[EngineInfo]) -> Launch: ...
 
     async def connect(self, entry_url: str, engines: Sequence[EngineInfo], **kwargs: Any) -> HttpFleetBackend:
         """The ``RolloutBackend`` over the entry and the engines' control URLs."""
         ...
+
+
+# -- a launcher's command line ------------------------------------------------------------------
+
+
+def split_passthrough(argv: Sequence[str] | None) -> tuple[list[str], list[str]]:
+    """A launcher's own arguments and those after ``--`` (passed through to every worker);
+    ``None``: ``sys.argv[1:]``."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if "--" not in args:
+        return args, []
+    i = args.index("--")
+    return args[:i], args[i + 1 :]
+
+
+def run_launcher_cli(
+    make_config: Callable[[], _T], serve: Callable[[_T, Callable[[], Awaitable[None]]], Awaitable[Any]]
+) -> int:
+    """``main`` of a fleet launcher's command line. ``serve(config, until_signalled)`` starts the
+    fleet, prints where it is, then awaits ``until_signalled()``: it says the fleet is ready, waits
+    for SIGINT/SIGTERM (one sent during start-up counts) and returns, so the fleet's context stops
+    everything. Exit status: 0, 1 on an error, 2 on a bad configuration, 130 on an interrupt."""
+    try:
+        config = make_config()
+    except Exception as exc:  # InvalidRequest from the config's checks
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+    async def run() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+
+        async def until_signalled() -> None:
+            print("ready; Ctrl-C stops everything", flush=True)
+            await stop.wait()
+            print("stopping...", file=sys.stderr, flush=True)
+
+        await serve(config, until_signalled)
+
+    try:
+        asyncio.run(run())
+    except KeyboardInterrupt:  # pragma: no cover - the signal handler normally catches it
+        return 130
+    except Exception as exc:
+        print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    return 0

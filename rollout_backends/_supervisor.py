@@ -159,14 +159,15 @@ ReadyFn = Callable[[], Awaitable[bool]]
 class ReadyCheck:
     """How to tell that a process is ready.
 
-    * ``ReadyCheck.http(url)``: a GET answers ``status`` (200). Headers (e.g. an API key) are sent
-      but never shown.
+    * ``ReadyCheck.http(url)``: a GET answers ``status`` (200; ``None``: any HTTP answer at all,
+      e.g. a Dynamo mocker's system port, which answers 503 forever). Headers (e.g. an API key)
+      are sent but never shown.
     * ``ReadyCheck.custom(fn)``: ``await fn()`` returns True. Returning False or raising means "not yet".
     """
 
     kind: str  #: "http" or "custom"
     url: str | None = None
-    status: int = 200
+    status: int | None = 200
     headers: Mapping[str, str] = attrs.field(factory=dict, repr=False)
     fn: ReadyFn | None = attrs.field(default=None, repr=False)
     #: Seconds one check may take.
@@ -184,7 +185,12 @@ class ReadyCheck:
 
     @classmethod
     def http(
-        cls, url: str, *, status: int = 200, headers: Mapping[str, str] | None = None, check_timeout: float = 2.0
+        cls,
+        url: str,
+        *,
+        status: int | None = 200,
+        headers: Mapping[str, str] | None = None,
+        check_timeout: float = 2.0,
     ) -> ReadyCheck:
         return cls("http", url=url, status=status, headers=dict(headers or {}), check_timeout=check_timeout)
 
@@ -193,7 +199,9 @@ class ReadyCheck:
         return cls("custom", fn=fn, check_timeout=check_timeout)
 
     def describe(self) -> str:
-        return f"GET {self.url} -> {self.status}" if self.kind == "http" else "custom check"
+        if self.kind != "http":
+            return "custom check"
+        return f"GET {self.url} -> {'any answer' if self.status is None else self.status}"
 
 
 def _to_ready(value: ReadyCheck | str | ReadyFn | None) -> ReadyCheck | None:
@@ -575,7 +583,7 @@ class Supervisor:
                 assert check.url is not None
                 async with session.get(check.url, headers=dict(check.headers), timeout=timeout) as resp:
                     await resp.read()
-                    if resp.status == check.status:
+                    if check.status is None or resp.status == check.status:
                         return True
                     proc.last_check_error = f"HTTP {resp.status}"
                     return False

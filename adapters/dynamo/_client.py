@@ -11,39 +11,19 @@ from urllib.parse import parse_qs, urlsplit
 
 from rollout_backends._errors import BackendUnavailable, InvalidRequest, RolloutBackendError
 from rollout_backends._fleet import HttpFleetBackend, Worker
-from rollout_backends._http import HttpClient, HttpRequest, HttpResponse
+from rollout_backends._http import HttpClient, HttpRequest, HttpResponse, get_json, normalise_url, worker_id_of
 from rollout_backends._types import VersionSource
-from rollout_backends.adapters.dynamo._launcher import generate_instances
-from rollout_backends.adapters.dynamo._wire import FLAVORS, DynamoWire
+from rollout_backends.adapters.dynamo._wire import FLAVORS, DynamoWire, generate_instances
 
 __all__ = ["connect", "detect_flavor", "open_from_url", "worker_id_of"]
 
 
-def worker_id_of(url: str) -> str:
-    """A worker's id is its system port's ``host:port``."""
-    parts = urlsplit(url if "://" in url else f"http://{url}")
-    return f"{parts.hostname}:{parts.port}"
-
-
 def _normalise(url: str) -> str:
-    url = url.rstrip("/")
-    if url.startswith("dynamo://"):
-        url = "http://" + url[len("dynamo://") :]
-    if "://" not in url:
-        url = "http://" + url
-    return url
+    return normalise_url(url, "dynamo")
 
 
 async def _send(client: HttpClient, req: HttpRequest) -> HttpResponse:
     return await client.send(req)
-
-
-async def _get_json(client: HttpClient, url: str) -> tuple[int, Any]:
-    resp = await client.send(HttpRequest("GET", url, timeout=10.0, idempotent=True))
-    try:
-        return resp.status, resp.json()
-    except RolloutBackendError:
-        return resp.status, None
 
 
 def _route_missing(resp: HttpResponse) -> bool:
@@ -119,7 +99,7 @@ async def connect(
     frontend = _normalise(url)
     client = client or HttpClient(api_key=api_key)
     try:
-        status, models = await _get_json(client, f"{frontend}/v1/models")
+        status, models = await get_json(f"{frontend}/v1/models", client=client)
         if status != 200 or not isinstance(models, dict):
             raise BackendUnavailable(f"{frontend}: /v1/models answered HTTP {status}")
         names = [m.get("id") for m in models.get("data") or [] if isinstance(m, dict)]
@@ -127,7 +107,7 @@ async def connect(
             if len(names) != 1:
                 raise BackendUnavailable(f"{frontend}: expected one model, the frontend lists {names}")
             model = str(names[0])
-        _, health = await _get_json(client, f"{frontend}/health")
+        _, health = await get_json(f"{frontend}/health", client=client)
         instances = generate_instances(health, namespace)
         by_rpc_port: dict[int, int] = {}
         for inst in instances:

@@ -20,49 +20,19 @@ import attrs
 
 from rollout_backends._errors import InvalidRequest
 from rollout_backends._fleet import HttpFleetBackend
-from rollout_backends._launch import EngineInfo, Launch, NodeContext
+from rollout_backends._http import get_json
+from rollout_backends._launch import EngineInfo, Launch, NodeContext, env_map, str_tuple
 from rollout_backends._supervisor import ProcessSpec, ReadyCheck
 from rollout_backends.adapters.dynamo._services import DynamoPlanes
+from rollout_backends.adapters.dynamo._wire import generate_instances
 
 __all__ = ["DynamoFrontend", "DynamoWorkerCommand", "generate_instances"]
 
 #: Dynamo 1.4.2 parses ``DYN_SYSTEM_PORT`` as an i16.
 PORT_CEILING = 32768
 WORKER_KINDS = ("mocker", "reference", "sglang", "module")
-
-
-def _str_tuple(value: Sequence[Any] | None) -> tuple[str, ...]:
-    return tuple(str(v) for v in (value or ()))
-
-
-def _env_map(value: Mapping[str, str] | None) -> Mapping[str, str]:
-    return dict(value or {})
-
-
-async def _get_json(url: str, timeout: float = 2.0) -> tuple[int, Any]:
-    import aiohttp
-
-    async with (
-        aiohttp.ClientSession() as session,
-        session.get(url, timeout=aiohttp.ClientTimeout(total=timeout)) as resp,
-    ):
-        body = await resp.read()
-        try:
-            return resp.status, json.loads(body) if body else None
-        except ValueError:
-            return resp.status, None
-
-
-def generate_instances(health: Any, namespace: str | None = None) -> list[dict[str, Any]]:
-    """The ``generate`` instances a frontend's ``GET /health`` lists (optionally of one namespace)."""
-    if not isinstance(health, dict):
-        return []
-    out = []
-    for inst in health.get("instances") or []:
-        ok = isinstance(inst, dict) and inst.get("endpoint") == "generate"
-        if ok and (namespace is None or inst.get("namespace") == namespace):
-            out.append(inst)
-    return out
+#: ``dynamo.sglang`` through the adapter's shim (per-chunk logprob fix + ``engine_data``).
+SGLANG_SHIM = "rollout_backends.adapters.dynamo._sglang_shim"
 
 
 @attrs.frozen(kw_only=True)
@@ -71,8 +41,12 @@ class DynamoWorkerCommand:
 
     ``kind``: ``mocker`` (``python -m dynamo.mocker --engine-type sglang``), ``reference`` (the
     adapter's Python worker over a ``ReferenceEngine``, CPU, deterministic), ``sglang``
-    (``python -m dynamo.sglang`` with SGLang flags; ``module`` overrides the module, e.g. the
-    adapter's shim), or ``module`` (``python -m <module>`` with the common Dynamo flags).
+    (``python -m dynamo.sglang`` with SGLang flags, through the adapter's shim unless
+    ``sglang_shim=False``; ``module`` overrides the module), or ``module`` (``python -m <module>``
+    with the common Dynamo flags). ``extra_args`` go last (mocker / SGLang flags).
+
+    Ports (all below 32768) by role, for ``NodeContext.fixed``: ``system``, ``rpc``, and for
+    ``sglang`` also ``sglang``, ``nccl``, ``kv_events``.
     """
 
     kind: str
@@ -83,11 +57,14 @@ class DynamoWorkerCommand:
     page_size: int = 16
     tp: int = 1
     kv_events: bool = True  #: sglang: publish KV events (ZMQ port per worker)
+    stream_interval: int | None = None  #: sglang: ``--stream-interval``
+    sglang_shim: bool = True  #: sglang: run the adapter's shim (False: stock ``dynamo.sglang``)
     mocker_speedup_ratio: float = 10.0
     weight_version: str = "default"  #: reference: the version the engine starts with
+    reference_threads: int = 1  #: reference: torch threads (``OMP_NUM_THREADS``)
     module: str | None = None
-    extra_args: tuple[str, ...] = attrs.field(factory=tuple, converter=_str_tuple)
-    env: Mapping[str, str] = attrs.field(factory=dict, converter=_env_map)
+    extra_args: tuple[str, ...] = attrs.field(factory=tuple, converter=str_tuple)
+    env: Mapping[str, str] = attrs.field(factory=dict, converter=env_map)
     python: str | None = None
     grace: float = 10.0
 
@@ -102,14 +79,20 @@ class DynamoWorkerCommand:
         return self.served_model_name or self.model_path.rstrip("/").rsplit("/", 1)[-1]
 
     def build(self, ctx: NodeContext) -> Launch:
-        system = ctx.port(below=PORT_CEILING)
-        rpc = ctx.port(below=PORT_CEILING)
+        system = ctx.port("system", below=PORT_CEILING)
+        rpc = ctx.port("rpc", below=PORT_CEILING)
         py = self.python or sys.executable
         endpoint = f"dyn://{self.namespace}.backend.generate"
-        env: dict[str, str | None] = self.planes.env(ctx.bind_host, ctx.advertise_host)
-        env.update(DYN_NAMESPACE=self.namespace, DYN_SYSTEM_PORT=str(system), DYN_TCP_RPC_PORT=str(rpc))
+        env = self.planes.env(ctx.bind_host, ctx.advertise_host, namespace=self.namespace)
+        # A fixed request-plane port shows up in the frontend's /health transport: instance id -> worker.
+        env.update(DYN_SYSTEM_PORT=str(system), DYN_TCP_RPC_PORT=str(rpc))
+        env["DYN_SYSTEM_USE_ENDPOINT_HEALTH_STATUS"] = None  # deprecated on 1.4.2 (warns)
         ports: list[tuple[str, int]] = [(ctx.bind_host, system), (ctx.bind_host, rpc)]
         extra: dict[str, Any] = {"rpc_port": rpc, "namespace": self.namespace}
+        system_url = ctx.url(system)
+        # Every kind: liveness of the system server (answers at all; the mocker's and a worker's
+        # whose endpoint health is not reported answer 503); routability is the frontend's check.
+        ready = ReadyCheck.http(f"{system_url}/live", status=None)
         if self.kind == "mocker":
             argv = [
                 py, "-m", "dynamo.mocker", "--engine-type", "sglang",
@@ -118,15 +101,13 @@ class DynamoWorkerCommand:
                 "--speedup-ratio", str(self.mocker_speedup_ratio),
                 *self.planes.args(),
             ]  # fmt: skip
-            # The mocker's system port answers /live with 503 forever: "answers at all" is its liveness.
-            ready = ReadyCheck.custom(_answers(f"{ctx.url(system)}/live"))
         elif self.kind == "reference":
             engine_arg = {
                 "model_path": self.model_path,
-                "worker_id": ctx.url(system),
+                "worker_id": f"{ctx.advertise_host}:{system}",  # = worker_id_of(control_url)
                 "weight_version": self.weight_version,
                 "page_size": self.page_size,
-                "num_threads": 1,
+                "num_threads": self.reference_threads,
             }
             argv = [
                 py, "-m", "rollout_backends.adapters.dynamo._worker",
@@ -136,33 +117,34 @@ class DynamoWorkerCommand:
                 "--namespace", self.namespace, "--kv-cache-block-size", str(self.page_size),
                 *self.planes.args(),
             ]  # fmt: skip
-            env["OMP_NUM_THREADS"] = "1"
-            ready = ReadyCheck.http(f"{ctx.url(system)}/health", check_timeout=5.0)
+            env["OMP_NUM_THREADS"] = str(self.reference_threads)
         elif self.kind == "sglang":
-            sglang_port, nccl = ctx.port(), ctx.port()
+            sglang_port, nccl = ctx.port("sglang"), ctx.port("nccl")
             argv = [
-                py, "-m", self.module or "dynamo.sglang",
+                py, "-m", self.module or (SGLANG_SHIM if self.sglang_shim else "dynamo.sglang"),
                 "--model-path", self.model_path, "--served-model-name", self.model_name,
-                "--page-size", str(self.page_size), "--tp", str(self.tp),
+                "--page-size", str(self.page_size),
                 "--host", ctx.bind_host, "--port", str(sglang_port), "--nccl-port", str(nccl),
                 "--namespace", self.namespace, "--endpoint", endpoint, "--enable-rl",
                 *self.planes.args(),
             ]  # fmt: skip
+            if self.tp != 1:
+                argv += ["--tp", str(self.tp)]
             ports += [(ctx.bind_host, sglang_port), (ctx.bind_host, nccl)]
             if self.kv_events:
-                kv = ctx.port(below=PORT_CEILING)
+                kv = ctx.port("kv_events", below=PORT_CEILING, any_interface=True)  # tcp://*
                 cfg = {"publisher": "zmq", "topic": "kv-events", "endpoint": f"tcp://*:{kv}"}
                 argv += ["--kv-events-config", json.dumps(cfg, separators=(",", ":"))]
                 extra["kv_events_port"] = kv
+            if self.stream_interval is not None:
+                argv += ["--stream-interval", str(self.stream_interval)]
             env["PYTHONHASHSEED"] = "0"  # block hashes must agree between workers and the router
             if ctx.gpu_ids:
                 env["CUDA_VISIBLE_DEVICES"] = ",".join(ctx.gpu_ids)
-            ready = ReadyCheck.http(f"{ctx.url(system)}/health", check_timeout=5.0)
         else:
             assert self.module is not None
             argv = [py, "-m", self.module, "--model-path", self.model_path, "--served-model-name", self.model_name,
                     "--namespace", self.namespace, *self.planes.args()]  # fmt: skip
-            ready = ReadyCheck.http(f"{ctx.url(system)}/health", check_timeout=5.0)
         env.update(self.env)
         spec = ProcessSpec(
             name=f"dynamo-{self.kind}-{ctx.index}",
@@ -172,15 +154,7 @@ class DynamoWorkerCommand:
             ports=ports,
             grace=self.grace,
         )
-        return Launch(spec=spec, generate_url=None, control_url=ctx.url(system), extra=extra)
-
-
-def _answers(url: str) -> Any:
-    async def check() -> bool:
-        status, _ = await _get_json(url)
-        return status > 0
-
-    return check
+        return Launch(spec=spec, generate_url=None, control_url=system_url, extra=extra)
 
 
 @attrs.frozen(kw_only=True)
@@ -192,35 +166,52 @@ class DynamoFrontend:
     router_mode: str = "round-robin"
     page_size: int = 16
     migration_limit: int = 0  #: keep 0 for RL: a migrated request splices two workers' tokens
-    http_port: int | None = None
-    extra_args: tuple[str, ...] = attrs.field(factory=tuple, converter=_str_tuple)
-    env: Mapping[str, str] = attrs.field(factory=dict, converter=_env_map)
+    # -- KV router (``router_mode="kv"`` only)
+    kv_events: bool = True  #: ``--no-router-kv-events`` when False (approximate KV routing)
+    router_predicted_ttl_secs: float | None = None  #: predict-on-route (needs KV events)
+    overlap_score_credit: float | None = None  #: ``--router-kv-overlap-score-credit``
+    router_temperature: float | None = None  #: ``--router-temperature`` (0 = argmin)
+    http_port: int | None = None  #: default: ``ctx.fixed["http"]`` or a free port
+    extra_args: tuple[str, ...] = attrs.field(factory=tuple, converter=str_tuple)
+    env: Mapping[str, str] = attrs.field(factory=dict, converter=env_map)
     python: str | None = None
     grace: float = 5.0
 
     def build(self, ctx: NodeContext, engines: Sequence[EngineInfo]) -> Launch:
-        port = self.http_port or ctx.port(below=PORT_CEILING)
+        """The frontend, ready once its ``/health`` lists every engine (``len(engines)``)."""
+        port = self.http_port or ctx.port("http", below=PORT_CEILING)
         url = ctx.url(port)
         argv = [
             self.python or sys.executable, "-m", "dynamo.frontend",
             "--http-host", ctx.bind_host, "--http-port", str(port),
             "--namespace", self.namespace, "--router-mode", self.router_mode,
+            *self.planes.args(),
             "--kv-cache-block-size", str(self.page_size),
             "--migration-limit", str(self.migration_limit),
-            *self.planes.args(),
-            *self.extra_args,
         ]  # fmt: skip
-        env = self.planes.env(ctx.bind_host, ctx.advertise_host)
-        env["DYN_NAMESPACE"] = self.namespace
+        if self.router_mode == "kv":
+            if not self.kv_events:
+                argv.append("--no-router-kv-events")
+            if self.router_predicted_ttl_secs is not None:
+                argv += ["--router-predicted-ttl-secs", str(self.router_predicted_ttl_secs)]
+            if self.overlap_score_credit is not None:
+                argv += ["--router-kv-overlap-score-credit", str(self.overlap_score_credit)]
+            if self.router_temperature is not None:
+                argv += ["--router-temperature", str(self.router_temperature)]
+        argv += self.extra_args
+        env = self.planes.env(ctx.bind_host, ctx.advertise_host, namespace=self.namespace)
+        env["DYN_ENABLE_RL"] = "true"
+        # DYN_ENABLE_RL opens an admin listener (default 127.0.0.1:8001): one port per fleet.
+        env["DYN_RL_PORT"] = str(ctx.port("rl", below=PORT_CEILING))
         env.update(self.env)
         expected = len(engines)
         namespace = self.namespace
 
         async def ready() -> bool:
-            status, health = await _get_json(f"{url}/health")
+            status, health = await get_json(f"{url}/health", timeout=2.0)
             if status != 200 or len(generate_instances(health, namespace)) < expected:
                 return False
-            status, models = await _get_json(f"{url}/v1/models")
+            status, models = await get_json(f"{url}/v1/models", timeout=2.0)
             return status == 200 and isinstance(models, dict) and bool(models.get("data"))
 
         spec = ProcessSpec(

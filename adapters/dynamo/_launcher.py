@@ -25,66 +25,42 @@ Worker kinds:
 from __future__ import annotations
 
 import asyncio
-import json
 import os
-import random
 import shutil
-import socket
 import sys
 import tempfile
 import uuid
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
 import attrs
 
-from rollout_backends._errors import BackendUnavailable, InvalidRequest
+from rollout_backends._errors import InvalidRequest
 from rollout_backends._fleet import HttpFleetBackend
-from rollout_backends._supervisor import ProcessSpec, ReadyCheck, Supervisor
+from rollout_backends._http import get_json
+from rollout_backends._launch import EngineInfo, Launch, NodeContext, carry, env_map, str_tuple
+from rollout_backends._supervisor import Supervisor
+from rollout_backends.adapters.dynamo._commands import DynamoFrontend, DynamoWorkerCommand
+from rollout_backends.adapters.dynamo._services import DynamoPlanes
+from rollout_backends.adapters.dynamo._wire import generate_instances
 
 __all__ = [
     "DynamoFleet",
     "RunningDynamoFleet",
     "WORKER_KINDS",
+    "fleet_planes",
     "frontend_argv",
+    "frontend_command",
+    "generate_instances",
     "launch_dynamo_fleet",
-    "low_port",
     "worker_argv",
+    "worker_command",
 ]
 
 WORKER_KINDS = ("reference", "mocker", "sglang")
 ROUTER_MODES = ("round-robin", "random", "kv", "direct", "power-of-two", "least-loaded")
-
-#: Dynamo 1.4.2 parses ``DYN_SYSTEM_PORT`` as an i16: every port we pick is below this.
-_PORT_CEILING = 32768
-_PORT_FLOOR = 20000
-
-
-def low_port(host: str = "127.0.0.1", *, avoid: set[int] | None = None) -> int:
-    """A free TCP port in [20000, 32768): below the i16 limit of ``DYN_SYSTEM_PORT`` on 1.4.2."""
-    avoid = avoid or set()
-    for _ in range(500):
-        port = random.randrange(_PORT_FLOOR, _PORT_CEILING)
-        if port in avoid:
-            continue
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            try:
-                s.bind((host, port))
-            except OSError:
-                continue
-        avoid.add(port)
-        return port
-    raise BackendUnavailable(f"no free port in [{_PORT_FLOOR}, {_PORT_CEILING}) on {host}")
-
-
-def _str_tuple(value: Sequence[str] | None) -> tuple[str, ...]:
-    return tuple(str(v) for v in (value or ()))
-
-
-def _env_map(value: Mapping[str, str] | None) -> Mapping[str, str]:
-    return dict(value or {})
 
 
 @attrs.frozen(kw_only=True)
@@ -105,11 +81,11 @@ class DynamoFleet:
     overlap_score_credit: float | None = None  #: ``--router-kv-overlap-score-credit``
     router_temperature: float | None = None  #: ``--router-temperature`` (0 = argmin)
     migration_limit: int = 0  #: keep 0 for RL: a migrated request splices two workers' tokens
-    frontend_args: tuple[str, ...] = attrs.field(factory=tuple, converter=_str_tuple)
+    frontend_args: tuple[str, ...] = attrs.field(factory=tuple, converter=str_tuple)
     # -- discovery and planes
     namespace: str | None = None  #: default: a fresh ``rb<hex>`` per fleet
     discovery: str = "file"  #: "file" (one host) or "etcd" (endpoints below, or ``start_etcd``)
-    etcd_endpoints: tuple[str, ...] = attrs.field(factory=tuple, converter=_str_tuple)
+    etcd_endpoints: tuple[str, ...] = attrs.field(factory=tuple, converter=str_tuple)
     #: start etcd (and NATS when a plane is nats) under the fleet's supervisor (``EtcdNats``).
     start_etcd: bool = False
     request_plane: str = "tcp"
@@ -121,14 +97,14 @@ class DynamoFleet:
     weight_version: str = "default"  #: the version reference workers start with (and stamped ones)
     reference_threads: int = 1
     mocker_speedup_ratio: float = 10.0
-    mocker_args: tuple[str, ...] = attrs.field(factory=tuple, converter=_str_tuple)
+    mocker_args: tuple[str, ...] = attrs.field(factory=tuple, converter=str_tuple)
     #: sglang: one CUDA_VISIBLE_DEVICES value per worker (default "0", "1", ...).
-    gpus: tuple[str, ...] = attrs.field(factory=tuple, converter=_str_tuple)
+    gpus: tuple[str, ...] = attrs.field(factory=tuple, converter=str_tuple)
     stream_interval: int | None = None
-    sglang_args: tuple[str, ...] = attrs.field(factory=tuple, converter=_str_tuple)
+    sglang_args: tuple[str, ...] = attrs.field(factory=tuple, converter=str_tuple)
     #: the shim (logprob fix + engine_data); False runs stock ``python -m dynamo.sglang``.
     sglang_shim: bool = True
-    worker_env: Mapping[str, str] = attrs.field(factory=dict, converter=_env_map)
+    worker_env: Mapping[str, str] = attrs.field(factory=dict, converter=env_map)
     python: str = sys.executable
     ready_timeout: float = 180.0
 
@@ -157,6 +133,42 @@ class DynamoFleet:
         return self.served_model_name or Path(self.model_path).name
 
 
+# -- the fleet as launch commands (the one place its command lines come from) -------------------
+
+
+def fleet_planes(cfg: DynamoFleet, kv_dir: str | os.PathLike[str] | None = None) -> DynamoPlanes:
+    """The fleet's discovery and planes (``kv_dir``: its ``DYN_FILE_KV`` for file discovery)."""
+    file_kv = str(kv_dir) if kv_dir is not None and cfg.discovery == "file" else None
+    return carry(DynamoPlanes, cfg, nats_url=cfg.nats_server, file_kv=file_kv)
+
+
+def worker_command(cfg: DynamoFleet, namespace: str, planes: DynamoPlanes) -> DynamoWorkerCommand:
+    """Every worker of the fleet (one ``build`` per worker); same-named config fields carry over."""
+    extra = {"mocker": cfg.mocker_args, "sglang": cfg.sglang_args}.get(cfg.worker_kind, ())
+    return carry(DynamoWorkerCommand, cfg, kind=cfg.worker_kind, namespace=namespace, planes=planes,
+                 served_model_name=cfg.model_name, extra_args=extra, env=cfg.worker_env,
+                 grace=10.0 if cfg.worker_kind == "sglang" else 5.0)  # fmt: skip
+
+
+def frontend_command(cfg: DynamoFleet, namespace: str, planes: DynamoPlanes) -> DynamoFrontend:
+    """The fleet's frontend; same-named config fields carry over."""
+    return carry(DynamoFrontend, cfg, namespace=namespace, planes=planes, extra_args=cfg.frontend_args, grace=5.0)
+
+
+def _node(
+    cfg: DynamoFleet,
+    index: int,
+    log_dir: str | os.PathLike[str],
+    picked: set[int],
+    fixed: Mapping[str, int] | None = None,
+) -> NodeContext:
+    """This host as the node of worker ``index`` (-1: the frontend). sglang workers get a GPU each."""
+    gpus: tuple[str, ...] = ()
+    if cfg.worker_kind == "sglang" and index >= 0:
+        gpus = tuple((cfg.gpus[index] if cfg.gpus else str(index)).split(","))
+    return NodeContext.on(index, cfg.host, str(log_dir), gpu_ids=gpus, picked=picked, fixed=fixed)
+
+
 @attrs.frozen(slots=True)
 class _WorkerPorts:
     system: int
@@ -166,155 +178,33 @@ class _WorkerPorts:
     nccl: int | None = None
 
 
-def _common_env(cfg: DynamoFleet, namespace: str, kv_dir: Path) -> dict[str, str | None]:
-    env: dict[str, str | None] = {
-        "DYN_NAMESPACE": namespace,
-        "DYN_DISCOVERY_BACKEND": cfg.discovery,
-        "DYN_REQUEST_PLANE": cfg.request_plane,
-        "DYN_EVENT_PLANE": cfg.event_plane,
-        "DYN_FILE_KV": str(kv_dir),
-        "DYN_SYSTEM_PORT": None,  # never inherited: the frontend warns, workers would collide
-        "HF_HUB_OFFLINE": "1",
-        "PYTHONUNBUFFERED": "1",
-    }
-    if cfg.host in ("127.0.0.1", "localhost"):
-        # Loopback only: the request plane takes an address, the response stream an interface name.
-        env["DYN_TCP_RPC_HOST"] = "127.0.0.1"
-        env["DYN_TCP_RESPONSE_STREAM_HOST"] = "lo"
-        env["DYN_SYSTEM_HOST"] = "127.0.0.1"
-    else:
-        env["DYN_TCP_RPC_HOST"] = cfg.host
-        env["DYN_SYSTEM_HOST"] = cfg.host
-    if cfg.discovery == "etcd":
-        env["ETCD_ENDPOINTS"] = ",".join(cfg.etcd_endpoints)
-    if cfg.nats_server:
-        env["NATS_SERVER"] = cfg.nats_server
-    return env
+def _worker_launch(cfg: DynamoFleet, index: int, namespace: str, ports: _WorkerPorts) -> Launch:
+    fixed = {k: v for k, v in attrs.asdict(ports).items() if v is not None}
+    return worker_command(cfg, namespace, fleet_planes(cfg)).build(_node(cfg, index, "", set(), fixed))
 
 
 def frontend_argv(cfg: DynamoFleet, namespace: str, http_port: int) -> list[str]:
-    """``python -m dynamo.frontend ...`` for ``cfg`` (every plane explicit)."""
-    argv = [
-        cfg.python, "-m", "dynamo.frontend",
-        "--http-host", cfg.host, "--http-port", str(http_port),
-        "--namespace", namespace,
-        "--router-mode", cfg.router_mode,
-        "--discovery-backend", cfg.discovery,
-        "--request-plane", cfg.request_plane,
-        "--event-plane", cfg.event_plane,
-        "--kv-cache-block-size", str(cfg.page_size),
-        "--migration-limit", str(cfg.migration_limit),
-    ]  # fmt: skip
-    if cfg.router_mode == "kv":
-        if not cfg.kv_events:
-            argv.append("--no-router-kv-events")
-        if cfg.router_predicted_ttl_secs is not None:
-            argv += ["--router-predicted-ttl-secs", str(cfg.router_predicted_ttl_secs)]
-        if cfg.overlap_score_credit is not None:
-            argv += ["--router-kv-overlap-score-credit", str(cfg.overlap_score_credit)]
-        if cfg.router_temperature is not None:
-            argv += ["--router-temperature", str(cfg.router_temperature)]
-    return argv + list(cfg.frontend_args)
+    """The frontend's command line (a view of :func:`frontend_command`; every plane explicit)."""
+    cmd = attrs.evolve(frontend_command(cfg, namespace, fleet_planes(cfg)), http_port=http_port)
+    return list(cmd.build(_node(cfg, -1, "", set()), []).spec.argv)
 
 
 def worker_argv(cfg: DynamoFleet, index: int, namespace: str, ports: _WorkerPorts) -> list[str]:
-    """The command line of worker ``index`` (its env comes from :func:`worker_env`)."""
-    planes = [
-        "--discovery-backend", cfg.discovery,
-        "--request-plane", cfg.request_plane,
-        "--event-plane", cfg.event_plane,
-    ]  # fmt: skip
-    if cfg.worker_kind == "reference":
-        engine_arg = {
-            "model_path": cfg.model_path,
-            "worker_id": f"{cfg.host}:{ports.system}",
-            "weight_version": cfg.weight_version,
-            "page_size": cfg.page_size,
-            "num_threads": cfg.reference_threads,
-        }
-        return [
-            cfg.python, "-m", "rollout_backends.adapters.dynamo._worker",
-            "--engine", "rollout_backends.adapters.dynamo._worker:reference_engine",
-            "--engine-arg", json.dumps(engine_arg),
-            "--model-path", cfg.model_path,
-            "--served-model-name", cfg.model_name,
-            "--namespace", namespace,
-            "--kv-cache-block-size", str(cfg.page_size),
-            *planes,
-        ]  # fmt: skip
-    if cfg.worker_kind == "mocker":
-        argv = [
-            cfg.python, "-m", "dynamo.mocker", "--engine-type", "sglang",
-            "--model-path", cfg.model_path,
-            "--model-name", cfg.model_name,
-            "--endpoint", f"dyn://{namespace}.backend.generate",
-            "--block-size", str(cfg.page_size),
-            "--speedup-ratio", str(cfg.mocker_speedup_ratio),
-            *planes,
-        ]  # fmt: skip
-        return argv + list(cfg.mocker_args)
-    # sglang (GPU)
-    module = "rollout_backends.adapters.dynamo._sglang_shim" if cfg.sglang_shim else "dynamo.sglang"
-    assert ports.kv_events is not None and ports.sglang is not None and ports.nccl is not None
-    kv_events = {"publisher": "zmq", "topic": "kv-events", "endpoint": f"tcp://*:{ports.kv_events}"}
-    argv = [
-        cfg.python, "-m", module,
-        "--model-path", cfg.model_path,
-        "--served-model-name", cfg.model_name,
-        "--page-size", str(cfg.page_size),
-        "--host", "127.0.0.1", "--port", str(ports.sglang), "--nccl-port", str(ports.nccl),
-        "--namespace", namespace,
-        "--endpoint", f"dyn://{namespace}.backend.generate",
-        "--enable-rl",
-        *planes,
-    ]  # fmt: skip
-    if cfg.kv_events:
-        argv += ["--kv-events-config", json.dumps(kv_events, separators=(",", ":"))]
-    if cfg.stream_interval is not None:
-        argv += ["--stream-interval", str(cfg.stream_interval)]
-    return argv + list(cfg.sglang_args)
+    """Worker ``index``'s command line on ``ports`` (a view of :func:`worker_command`)."""
+    return list(_worker_launch(cfg, index, namespace, ports).spec.argv)
 
 
 def worker_env(
     cfg: DynamoFleet, index: int, common: Mapping[str, str | None], ports: _WorkerPorts
 ) -> dict[str, str | None]:
-    env = dict(common)
-    env["DYN_SYSTEM_PORT"] = str(ports.system)
-    # A fixed request-plane port shows up in the frontend's /health transport: instance id -> worker.
-    env["DYN_TCP_RPC_PORT"] = str(ports.rpc)
-    env["DYN_SYSTEM_USE_ENDPOINT_HEALTH_STATUS"] = None  # deprecated on 1.4.2 (warns)
-    if cfg.worker_kind == "sglang":
-        env["PYTHONHASHSEED"] = "0"  # block hashes must agree between workers and the router
-        env["CUDA_VISIBLE_DEVICES"] = cfg.gpus[index] if cfg.gpus else str(index)
-    elif cfg.worker_kind == "reference":
-        env["OMP_NUM_THREADS"] = str(cfg.reference_threads)
-    env.update(cfg.worker_env)
-    return env
+    """Worker ``index``'s environment on ``ports`` over ``common`` (a view of :func:`worker_command`)."""
+    return {**common, **_worker_launch(cfg, index, "ns", ports).spec.env}
 
 
-async def _get_json(session: Any, url: str, timeout: float = 2.0) -> tuple[int, Any]:
-    import aiohttp
-
-    async with session.get(url, timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
-        body = await resp.read()
-        try:
-            return resp.status, json.loads(body) if body else None
-        except ValueError:
-            return resp.status, None
-
-
-def generate_instances(health: Any, namespace: str | None = None) -> list[dict[str, Any]]:
-    """The ``generate`` instances listed by a frontend's ``GET /health`` body."""
-    if not isinstance(health, dict):
-        return []
-    out = []
-    for inst in health.get("instances") or []:
-        if not isinstance(inst, dict) or inst.get("endpoint") != "generate":
-            continue
-        if namespace is not None and inst.get("namespace") != namespace:
-            continue
-        out.append(inst)
-    return out
+def _common_env(cfg: DynamoFleet, namespace: str, kv_dir: Path) -> dict[str, str | None]:
+    """What every process of the fleet gets (a view of :meth:`DynamoPlanes.env`)."""
+    ctx = _node(cfg, -1, "", set())
+    return fleet_planes(cfg, kv_dir).env(ctx.bind_host, ctx.advertise_host, namespace=namespace)
 
 
 @attrs.define(eq=False)
@@ -361,10 +251,7 @@ class RunningDynamoFleet:
         self.supervisor.kill(self.worker_name(worker))
 
     async def frontend_health(self) -> Any:
-        import aiohttp
-
-        async with aiohttp.ClientSession() as session:
-            return (await _get_json(session, f"{self.frontend_url}/health"))[1]
+        return (await get_json(f"{self.frontend_url}/health", timeout=2.0))[1]
 
     async def aclose(self) -> None:
         for b in self._backends:
@@ -410,71 +297,24 @@ async def launch_dynamo_fleet(
             cfg = attrs.evolve(
                 cfg, etcd_endpoints=services.etcd_endpoints, nats_server=services.nats_url, start_etcd=False
             )
-        http_port = cfg.http_port or low_port(cfg.host, avoid=taken)
-        common = _common_env(cfg, namespace, kv_dir)
-        frontend_url = f"http://{cfg.host}:{http_port}"
-        fe_env = dict(common)
-        fe_env["DYN_ENABLE_RL"] = "true"
-        # DYN_ENABLE_RL opens an admin listener (default 127.0.0.1:8001): one per fleet.
-        fe_env["DYN_RL_PORT"] = str(low_port(cfg.host, avoid=taken))
-
-        n_expected = cfg.workers
-
-        async def frontend_ready() -> bool:
-            import aiohttp
-
-            async with aiohttp.ClientSession() as session:
-                status, health = await _get_json(session, f"{frontend_url}/health")
-                if status != 200 or len(generate_instances(health, namespace)) < n_expected:
-                    return False
-                status, models = await _get_json(session, f"{frontend_url}/v1/models")
-                return status == 200 and isinstance(models, dict) and bool(models.get("data"))
-
-        await sup.start(
-            ProcessSpec(
-                name="frontend",
-                argv=frontend_argv(cfg, namespace, http_port),
-                env=fe_env,
-                ready=ReadyCheck.custom(frontend_ready, check_timeout=5.0),
-                ports=[(cfg.host, http_port)],
-                grace=5.0,
-            )
-        )
-        worker_urls: list[str] = []
-        rpc_ports: dict[str, int] = {}
-        names: list[str] = []
+        planes = fleet_planes(cfg, kv_dir)
+        workers = worker_command(cfg, namespace, planes)
+        engines: list[EngineInfo] = []
         for i in range(cfg.workers):
-            ports = _WorkerPorts(
-                system=low_port(cfg.host, avoid=taken),
-                rpc=low_port(cfg.host, avoid=taken),
-                kv_events=low_port("0.0.0.0", avoid=taken) if cfg.worker_kind == "sglang" else None,
-                sglang=low_port(cfg.host, avoid=taken) if cfg.worker_kind == "sglang" else None,
-                nccl=low_port(cfg.host, avoid=taken) if cfg.worker_kind == "sglang" else None,
-            )
-            url = f"http://{cfg.host}:{ports.system}"
-            name = f"worker-{i}"
-            await sup.start(
-                ProcessSpec(
-                    name=name,
-                    argv=worker_argv(cfg, i, namespace, ports),
-                    env=worker_env(cfg, i, common, ports),
-                    # Liveness of the system server; routability is the frontend's check.
-                    ready=ReadyCheck.custom(_answers(f"{url}/live")),
-                    ports=[(cfg.host, ports.system), (cfg.host, ports.rpc)],
-                    grace=10.0 if cfg.worker_kind == "sglang" else 5.0,
-                )
-            )
-            worker_urls.append(url)
-            rpc_ports[url] = ports.rpc
-            names.append(name)
+            ctx = _node(cfg, i, logs, taken)
+            launch = workers.build(ctx).named(f"worker-{i}")
+            engines.append(launch.info(ctx, (await sup.start(launch.spec)).pid))
+        # Ready once its /health lists every worker's generate instance and /v1/models is not empty.
+        frontend = frontend_command(cfg, namespace, planes).build(_node(cfg, -1, logs, taken), engines)
+        await sup.start(frontend.named("frontend").spec)
         await sup.wait_ready(timeout=cfg.ready_timeout, progress=progress)
         fleet = RunningDynamoFleet(
             config=cfg,
             namespace=namespace,
-            frontend_url=frontend_url,
-            worker_urls=tuple(worker_urls),
-            rpc_ports=rpc_ports,
-            worker_names=tuple(names),
+            frontend_url=frontend.control_url,
+            worker_urls=tuple(e.control_url for e in engines),
+            rpc_ports={e.control_url: int(e.extra["rpc_port"]) for e in engines},
+            worker_names=tuple(e.name for e in engines),
             supervisor=sup,
             run_dir=run_dir,
         )
@@ -486,16 +326,3 @@ async def launch_dynamo_fleet(
             await sup.aclose()
         # A crash may leave the kv dir behind; logs stay (they may be in log_dir).
         await asyncio.to_thread(shutil.rmtree, kv_dir, True)
-
-
-def _answers(url: str) -> Any:
-    """A ready check that passes once ``url`` answers at all (mocker system ports answer 503)."""
-
-    async def check() -> bool:
-        import aiohttp
-
-        async with aiohttp.ClientSession() as session:
-            status, _ = await _get_json(session, url)
-            return status > 0
-
-    return check

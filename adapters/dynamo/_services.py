@@ -89,9 +89,11 @@ class DynamoPlanes:
             "--event-plane", self.event_plane,
         ]  # fmt: skip
 
-    def env(self, bind_host: str = "127.0.0.1", advertise_host: str | None = None) -> dict[str, str | None]:
+    def env(
+        self, bind_host: str = "127.0.0.1", advertise_host: str | None = None, *, namespace: str | None = None
+    ) -> dict[str, str | None]:
         """Environment for a Dynamo process binding ``bind_host`` and reached at ``advertise_host``
-        (planes, endpoints, the 1.4.2 loopback quirks)."""
+        (planes, endpoints, the 1.4.2 loopback quirks) in ``namespace`` (``DYN_NAMESPACE``)."""
         env: dict[str, str | None] = {
             "DYN_DISCOVERY_BACKEND": self.discovery,
             "DYN_REQUEST_PLANE": self.request_plane,
@@ -100,9 +102,12 @@ class DynamoPlanes:
             "NATS_SERVER": self.nats_url,
             "ETCD_LEASE_TTL": str(self.lease_ttl) if self.lease_ttl is not None else None,
             "DYN_FILE_KV": self.file_kv,
-            "DYN_SYSTEM_PORT": None,  # never inherited
+            "DYN_SYSTEM_PORT": None,  # never inherited: the frontend warns, workers would collide
             "HF_HUB_OFFLINE": "1",
+            "PYTHONUNBUFFERED": "1",
         }
+        if namespace is not None:
+            env["DYN_NAMESPACE"] = namespace
         if bind_host in ("127.0.0.1", "localhost"):
             # Dynamo 1.4.2: the request plane takes an address, the response stream an interface name.
             env.update(DYN_TCP_RPC_HOST="127.0.0.1", DYN_TCP_RESPONSE_STREAM_HOST="lo", DYN_SYSTEM_HOST="127.0.0.1")

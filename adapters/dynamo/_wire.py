@@ -47,7 +47,7 @@ from rollout_backends._types import (
     WeightTransport,
 )
 
-__all__ = ["FLAVORS", "DynamoWire", "completion_body", "is_uuid"]
+__all__ = ["FLAVORS", "DynamoWire", "completion_body", "generate_instances", "is_uuid"]
 
 FLAVORS = ("rollout", "sglang14", "sglang14-shim", "sglang16", "mocker", "none")
 #: Router modes that honour ``nvext.backend_instance_id`` (measured on 1.4.2: round-robin ignores it).
@@ -63,6 +63,18 @@ _ROUTING = {
     "random": RoutingKind.RANDOM,
     "kv": RoutingKind.KV,
 }
+
+
+def generate_instances(health: Any, namespace: str | None = None) -> list[dict[str, Any]]:
+    """The ``generate`` instances a frontend's ``GET /health`` lists (optionally of one namespace)."""
+    if not isinstance(health, dict):
+        return []
+    out = []
+    for inst in health.get("instances") or []:
+        ok = isinstance(inst, dict) and inst.get("endpoint") == "generate"
+        if ok and (namespace is None or inst.get("namespace") == namespace):
+            out.append(inst)
+    return out
 
 
 def is_uuid(value: str) -> bool:
@@ -493,8 +505,6 @@ class DynamoWire:
         if op is Op.READY:
             if not response.ok:
                 return False
-            from rollout_backends.adapters.dynamo._launcher import generate_instances
-
             instances = generate_instances(response.json(), self.namespace)
             if worker.instance_id in {i.get("instance_id") for i in instances}:
                 return True

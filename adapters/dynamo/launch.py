@@ -10,11 +10,10 @@ passed verbatim to every ``dynamo.sglang`` worker.
 from __future__ import annotations
 
 import argparse
-import asyncio
-import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 
+from rollout_backends._launch import run_launcher_cli, split_passthrough
 from rollout_backends._supervisor import stderr_progress
 from rollout_backends.adapters.dynamo._launcher import ROUTER_MODES, WORKER_KINDS, DynamoFleet, launch_dynamo_fleet
 
@@ -22,11 +21,7 @@ __all__ = ["config_from_args", "main", "parse_args"]
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    extra: list[str] = []
-    if "--" in argv:
-        i = argv.index("--")
-        argv, extra = argv[:i], argv[i + 1 :]
+    argv, extra = split_passthrough(argv)
     p = argparse.ArgumentParser(
         prog="rollout-backends launch dynamo", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -70,11 +65,7 @@ def config_from_args(args: argparse.Namespace) -> DynamoFleet:
     )
 
 
-async def _run(config: DynamoFleet, log_dir: str | None) -> None:
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+async def _run(config: DynamoFleet, log_dir: str | None, until_signalled: Callable[[], Awaitable[None]]) -> None:
     async with launch_dynamo_fleet(config, log_dir=log_dir, progress=stderr_progress) as fleet:
         print(f"frontend: {fleet.frontend_url}  (namespace {fleet.namespace})", flush=True)
         for name, url in zip(fleet.worker_names, fleet.worker_urls, strict=True):
@@ -83,26 +74,12 @@ async def _run(config: DynamoFleet, log_dir: str | None) -> None:
         hostport = fleet.frontend_url.split("://", 1)[1]
         workers = ",".join(u.split("://", 1)[1] for u in fleet.worker_urls)
         print(f"connect:  dynamo://{hostport}?workers={workers}", flush=True)
-        print("ready; Ctrl-C stops everything", flush=True)
-        await stop.wait()
-        print("stopping...", file=sys.stderr, flush=True)
+        await until_signalled()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    try:
-        config = config_from_args(args)
-    except Exception as exc:  # InvalidRequest from the config's checks
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    try:
-        asyncio.run(_run(config, args.log_dir))
-    except KeyboardInterrupt:  # pragma: no cover
-        return 130
-    except Exception as exc:
-        print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return 1
-    return 0
+    return run_launcher_cli(lambda: config_from_args(args), lambda config, until: _run(config, args.log_dir, until))
 
 
 if __name__ == "__main__":

@@ -8,35 +8,25 @@ from urllib.parse import parse_qs, urlsplit
 
 from rollout_backends._errors import BackendUnavailable, InvalidRequest, RolloutBackendError
 from rollout_backends._fleet import HttpFleetBackend, Worker
-from rollout_backends._http import HttpClient, HttpRequest
+from rollout_backends._http import HttpClient, get_json, normalise_url, worker_id_of
 from rollout_backends._types import RoutingKind
 from rollout_backends.adapters.sglang._wire import SGLangWire
 
 __all__ = ["connect", "open_from_url", "worker_id_of"]
 
 
-def worker_id_of(url: str) -> str:
-    """A worker's id is its ``host:port``: stable, and what routers list."""
-    parts = urlsplit(url if "://" in url else f"http://{url}")
-    return f"{parts.hostname}:{parts.port}"
-
-
 def _normalise(url: str) -> str:
-    url = url.rstrip("/")
-    if url.startswith("sglang://"):
-        url = "http://" + url[len("sglang://") :]
-    if "://" not in url:
-        url = "http://" + url
-    return url
+    return normalise_url(url, "sglang")
 
 
 async def _get_json(client: HttpClient, url: str) -> Any:
-    resp = await client.send(HttpRequest("GET", url, timeout=10.0, idempotent=True))
-    if resp.status == 404:
+    """The JSON body; ``None`` for a missing route (404); other errors raise."""
+    status, data = await get_json(url, client=client)
+    if status == 404:
         return None
-    if not resp.ok:
-        raise BackendUnavailable(f"GET {url}: HTTP {resp.status}")
-    return resp.json()
+    if not 200 <= status < 300:
+        raise BackendUnavailable(f"GET {url}: HTTP {status}")
+    return data
 
 
 async def discover_router_workers(client: HttpClient, router_url: str) -> list[str] | None:

@@ -18,18 +18,47 @@ import attrs
 
 from rollout_backends._errors import InvalidRequest
 from rollout_backends._fleet import HttpFleetBackend
-from rollout_backends._launch import EngineInfo, Launch, NodeContext
+from rollout_backends._launch import EngineInfo, Launch, NodeContext, env_map, str_tuple
 from rollout_backends._supervisor import ProcessSpec, ReadyCheck
 
-__all__ = ["SGLangServerCommand", "SmgRouter", "connect_engines"]
+__all__ = ["NativeServerCommand", "SGLangServerCommand", "SmgRouter", "connect_engines", "key_args", "server_env"]
+
+#: The router modules: ``smg`` (``smg.launch_router``) and ``sglang-router`` (``sglang_router.launch_router``).
+ROUTER_MODULES: Mapping[str, str] = {"smg": "smg.launch_router", "sglang-router": "sglang_router.launch_router"}
 
 
-def _str_tuple(value: Sequence[Any] | None) -> tuple[str, ...]:
-    return tuple(str(v) for v in (value or ()))
+def key_args(api_key: str | None, admin_api_key: str | None = None) -> list[str]:
+    """``--api-key`` / ``--admin-api-key`` of an SGLang-native server or router (redacted in logs)."""
+    out: list[str] = []
+    if api_key:
+        out += ["--api-key", api_key]
+    if admin_api_key:
+        out += ["--admin-api-key", admin_api_key]
+    return out
 
 
-def _env_map(value: Mapping[str, str] | None) -> Mapping[str, str]:
-    return dict(value or {})
+def auth_headers(api_key: str | None) -> dict[str, str]:
+    """The header a ready check sends to a server started with ``--api-key``."""
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+def server_env(
+    ctx: NodeContext, env: Mapping[str, str], *, health_endpoint_generation: bool = False, **more: str
+) -> dict[str, str | None]:
+    """Environment of an SGLang-native server (SGLang or the reference server) in ``ctx``: offline
+    model loading, ``/health`` without a generation (router probes), the context's GPUs, ``more``,
+    then the command's own ``env``."""
+    out: dict[str, str | None] = {
+        # Off: /health answers without running a generation (routers probe it every few seconds).
+        "SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION": "1" if health_endpoint_generation else "0",
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+    }
+    if ctx.gpu_ids:
+        out["CUDA_VISIBLE_DEVICES"] = ",".join(ctx.gpu_ids)
+    out.update(more)
+    out.update(env)
+    return out
 
 
 async def connect_engines(entry_url: str | None, engines: Sequence[EngineInfo], **kwargs: Any) -> HttpFleetBackend:
@@ -45,91 +74,176 @@ async def connect_engines(entry_url: str | None, engines: Sequence[EngineInfo], 
 
 
 @attrs.frozen(kw_only=True)
-class SGLangServerCommand:
-    """``python -m sglang.launch_server`` for one engine (TP over the GPUs the launcher assigned).
-
-    ``CUDA_VISIBLE_DEVICES`` is set to the context's ``gpu_ids`` (Ray's assignment), so
-    ``--base-gpu-id`` stays 0. ``extra_args`` are passed as they are (``--mem-fraction-static``...).
-    """
+class NativeServerCommand:
+    """What every SGLang-native server command shares (``SGLangServerCommand``, the reference
+    server's): keys, environment, the ready check, ``connect``."""
 
     model_path: str
-    tp: int = 1
     served_model_name: str | None = None
-    page_size: int | None = None
-    extra_args: tuple[str, ...] = attrs.field(factory=tuple, converter=_str_tuple)
-    env: Mapping[str, str] = attrs.field(factory=dict, converter=_env_map)
+    api_key: str | None = attrs.field(default=None, repr=False)
+    admin_api_key: str | None = attrs.field(default=None, repr=False)
+    #: ``SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION``: off, so router health probes never generate.
+    health_endpoint_generation: bool = False
+    extra_args: tuple[str, ...] = attrs.field(factory=tuple, converter=str_tuple)
+    env: Mapping[str, str] = attrs.field(factory=dict, converter=env_map)
     python: str | None = None
-    grace: float = 30.0
-    ready_path: str = "/health"
 
-    def build(self, ctx: NodeContext) -> Launch:
-        port = ctx.port()
-        nccl = ctx.port()
-        argv = [
-            self.python or sys.executable, "-m", "sglang.launch_server",
-            "--model-path", self.model_path,
-            "--host", ctx.bind_host, "--port", str(port), "--nccl-port", str(nccl),
-            "--tp-size", str(self.tp), "--base-gpu-id", "0",
-        ]  # fmt: skip
-        if self.served_model_name:
-            argv += ["--served-model-name", self.served_model_name]
-        if self.page_size is not None:
-            argv += ["--page-size", str(self.page_size)]
-        env: dict[str, str | None] = dict(self.env)
-        if ctx.gpu_ids:
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(ctx.gpu_ids)
-        url = ctx.url(port)
-        spec = ProcessSpec(
-            name=f"sglang-{ctx.index}",
-            argv=[*argv, *self.extra_args],
-            env=env,
-            ready=ReadyCheck.http(f"{url}{self.ready_path}", check_timeout=10.0),
-            ports=[(ctx.bind_host, port), (ctx.bind_host, nccl)],
-            grace=self.grace,
-        )
-        return Launch(spec=spec, generate_url=url, control_url=url, extra={"nccl_port": nccl})
+    def _common_args(self) -> list[str]:
+        """``--served-model-name`` and the keys."""
+        names = ["--served-model-name", self.served_model_name] if self.served_model_name else []
+        return names + key_args(self.api_key, self.admin_api_key)
+
+    def _env(self, ctx: NodeContext, **more: str) -> dict[str, str | None]:
+        return server_env(ctx, self.env, health_endpoint_generation=self.health_endpoint_generation, **more)
+
+    def _ready(self, url: str) -> ReadyCheck:
+        return ReadyCheck.http(url, headers=auth_headers(self.api_key), check_timeout=30.0)
 
     async def connect(self, entry_url: str | None, engines: Sequence[EngineInfo], **kwargs: Any) -> HttpFleetBackend:
         return await connect_engines(entry_url, engines, **kwargs)
 
 
 @attrs.frozen(kw_only=True)
+class SGLangServerCommand(NativeServerCommand):
+    """``python -m sglang.launch_server`` for one engine (TP over the GPUs the launcher assigned).
+
+    ``CUDA_VISIBLE_DEVICES`` is set to the context's ``gpu_ids`` (Ray's assignment), so
+    ``--base-gpu-id`` stays 0. Defaults are the recipe proven on the H200 (``docs/``, ``/work/shared/gpu``):
+    ``--attention-backend triton --sampling-backend pytorch --disable-cuda-graph --page-size 16``;
+    ``None`` / ``False`` leaves a flag out (SGLang's default). ``extra_args`` are passed last, as they are.
+
+    Ready once ``ready_path`` answers 200: ``/health_generate`` runs one forward pass (plain
+    ``/health`` answers before the first one). Ports by role (``NodeContext.fixed``): ``http``, ``nccl``.
+    """
+
+    tp: int = 1
+    page_size: int | None = 16
+    attention_backend: str | None = "triton"
+    sampling_backend: str | None = "pytorch"
+    disable_cuda_graph: bool = True
+    #: ``--mem-fraction-static`` (several engines sharing a GPU must split it).
+    mem_fraction_static: float | None = None
+    disable_radix_cache: bool = False
+    enable_memory_saver: bool = False
+    deterministic_inference: bool = False
+    skip_tokenizer_init: bool = False
+    random_seed: int | None = None
+    weight_version: str | None = None
+    grace: float = 30.0
+    ready_path: str = "/health_generate"
+
+    def build(self, ctx: NodeContext) -> Launch:
+        port = ctx.port("http")
+        nccl = ctx.port("nccl")
+        argv = [
+            self.python or sys.executable, "-m", "sglang.launch_server",
+            "--model-path", self.model_path,
+            "--host", ctx.bind_host, "--port", str(port), "--nccl-port", str(nccl),
+            "--tp-size", str(self.tp), "--base-gpu-id", "0",
+        ]  # fmt: skip
+        if self.page_size is not None:
+            argv += ["--page-size", str(self.page_size)]
+        if self.weight_version is not None:
+            argv += ["--weight-version", self.weight_version]
+        argv += self._common_args()
+        if self.attention_backend:
+            argv += ["--attention-backend", self.attention_backend]
+        if self.sampling_backend:
+            argv += ["--sampling-backend", self.sampling_backend]
+        if self.disable_cuda_graph:
+            argv.append("--disable-cuda-graph")
+        if self.mem_fraction_static is not None:
+            argv += ["--mem-fraction-static", str(self.mem_fraction_static)]
+        if self.disable_radix_cache:
+            argv.append("--disable-radix-cache")
+        if self.enable_memory_saver:
+            argv.append("--enable-memory-saver")
+        if self.deterministic_inference:
+            argv.append("--enable-deterministic-inference")
+        if self.skip_tokenizer_init:
+            argv.append("--skip-tokenizer-init")
+        if self.random_seed is not None:
+            argv += ["--random-seed", str(self.random_seed)]
+        url = ctx.url(port)
+        spec = ProcessSpec(
+            name=f"sglang-{ctx.index}",
+            argv=[*argv, *self.extra_args],
+            env=self._env(ctx),
+            ready=self._ready(f"{url}{self.ready_path}"),
+            ports=[(ctx.bind_host, port), (ctx.bind_host, nccl)],
+            grace=self.grace,
+        )
+        return Launch(spec=spec, generate_url=url, control_url=url, extra={"nccl_port": nccl})
+
+
+@attrs.frozen(kw_only=True)
 class SmgRouter:
-    """``python -m smg.launch_router`` with the engines as static workers (``docs/smg-notes.md``)."""
+    """A router in front of the engines (``docs/smg-notes.md``): ``python -m smg.launch_router``, or
+    ``sglang_router.launch_router`` with ``router="sglang-router"``.
+
+    ``register_workers``: pass the engines as ``--worker-urls`` (ready = smg ``/readiness``, i.e. it
+    can route); False starts it without workers, to be given them through ``POST /workers`` (ready =
+    smg ``/liveness``). ``None`` leaves a flag out. Ports by role: ``http``, ``prometheus``
+    (``Launch.extra["prometheus_port"]``).
+    """
 
     policy: str = "round_robin"
-    extra_args: tuple[str, ...] = attrs.field(factory=tuple, converter=_str_tuple)
+    router: str = "smg"
+    register_workers: bool = True
+    health_check_interval_s: int = 1
+    health_failure_threshold: int | None = 1  #: smg only
+    log_level: str | None = "warn"  #: smg only
+    #: smg only: also write log files under ``<log_dir>/smg`` (the supervisor keeps its console log).
+    file_logs: bool = True
+    retries: bool = True  #: ``--disable-retries`` when False
+    api_key: str | None = attrs.field(default=None, repr=False)
+    extra_args: tuple[str, ...] = attrs.field(factory=tuple, converter=str_tuple)
     python: str | None = None
     #: smg keeps its listener open ~5 s after SIGTERM (load-balancer settle window).
     grace: float = 8.0
 
+    def __attrs_post_init__(self) -> None:
+        if self.router not in ROUTER_MODULES:
+            raise InvalidRequest("router", f"must be one of {tuple(ROUTER_MODULES)}, got {self.router!r}")
+
     def build(self, ctx: NodeContext, engines: Sequence[EngineInfo]) -> Launch:
-        port = ctx.port()
-        prom = ctx.port()
-        workers = [e.generate_url for e in engines if e.generate_url]
+        port = ctx.port("http")
+        prom = ctx.port("prometheus")
+        smg = self.router == "smg"
         argv = [
-            self.python or sys.executable, "-m", "smg.launch_router",
-            "--host", ctx.bind_host, "--port", str(port),
+            self.python or sys.executable, "-m", ROUTER_MODULES[self.router],
+            "--host", ctx.bind_host, "--port", str(port), "--policy", self.policy,
             "--prometheus-host", ctx.bind_host, "--prometheus-port", str(prom),
-            "--policy", self.policy,
-            "--log-dir", f"{ctx.log_dir}/smg", "--log-level", "warn",
-            "--disable-tokenizer-autoload",
-            "--health-check-interval-secs", "1", "--health-failure-threshold", "1",
-            "--worker-startup-check-interval", "1",
-            "--worker-urls", *workers,
-            *self.extra_args,
+            "--health-check-interval-secs", str(self.health_check_interval_s),
         ]  # fmt: skip
+        if smg:
+            # No tokenizer is needed for token-id traffic; re-probe a registering worker every second.
+            argv += ["--disable-tokenizer-autoload", "--worker-startup-check-interval", "1"]
+            if self.file_logs:
+                argv += ["--log-dir", f"{ctx.log_dir}/smg"]
+            if self.log_level:
+                argv += ["--log-level", self.log_level]
+            if self.health_failure_threshold is not None:
+                argv += ["--health-failure-threshold", str(self.health_failure_threshold)]
+        workers = [e.generate_url for e in engines if e.generate_url]
+        if self.register_workers and workers:
+            argv += ["--worker-urls", *workers]
+        if not self.retries:
+            argv.append("--disable-retries")
+        argv += key_args(self.api_key)
         url = ctx.url(port)
+        route = ("/readiness" if self.register_workers and workers else "/liveness") if smg else "/health"
         spec = ProcessSpec(
             name="router",
-            argv=argv,
-            ready=ReadyCheck.http(f"{url}/readiness"),
+            argv=[*argv, *self.extra_args],
+            ready=ReadyCheck.http(f"{url}{route}", headers=auth_headers(self.api_key)),
             ports=[(ctx.bind_host, port), (ctx.bind_host, prom)],
             grace=self.grace,
         )
-        return Launch(spec=spec, generate_url=url, control_url=url)
+        return Launch(spec=spec, generate_url=url, control_url=url, extra={"prometheus_port": prom})
 
     async def connect(self, entry_url: str, engines: Sequence[EngineInfo], **kwargs: Any) -> HttpFleetBackend:
         known = ("round_robin", "random", "cache_aware")
         kwargs.setdefault("routing", self.policy if self.policy in known else "other")
+        kwargs.setdefault("api_key", self.api_key)
         return await connect_engines(entry_url, engines, **kwargs)

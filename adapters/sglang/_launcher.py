@@ -33,23 +33,20 @@ import attrs
 from rollout_backends._errors import BackendUnavailable, InvalidRequest, RolloutBackendError
 from rollout_backends._fleet import HttpFleetBackend
 from rollout_backends._http import HttpClient, HttpRequest
-from rollout_backends._supervisor import (
-    ProcessSpec,
-    ReadyCheck,
-    ReadyProgress,
-    Supervisor,
-    free_port,
-    port_in_use,
-)
+from rollout_backends._launch import EngineCommand, EngineInfo, Launch, NodeContext, carry, str_tuple
+from rollout_backends._supervisor import ReadyProgress, Supervisor, port_in_use
 from rollout_backends._types import RoutingKind
 from rollout_backends.adapters.sglang._client import connect, worker_id_of
+from rollout_backends.adapters.sglang._launch import SGLangServerCommand, SmgRouter
 
 __all__ = [
     "ROUTER_POLICIES",
     "SGLangFleet",
     "SGLangFleetConfig",
+    "engine_command",
     "launch_sglang_fleet",
     "router_argv",
+    "router_command",
     "start_sglang_fleet",
     "worker_argv",
 ]
@@ -83,12 +80,6 @@ _SHARED_GPU_BUDGET = 0.8
 
 def _opt_tuple(value: Sequence[Any] | None) -> tuple[str, ...] | None:
     return None if value is None else tuple(str(v) for v in value)
-
-
-def _str_tuple(value: Sequence[Any]) -> tuple[str, ...]:
-    if isinstance(value, str):
-        raise TypeError("expected a sequence of arguments, not a string")
-    return tuple(str(v) for v in value)
 
 
 def _opt_int_tuple(value: Sequence[int] | None) -> tuple[int, ...] | None:
@@ -134,7 +125,7 @@ class SGLangFleetConfig:
     api_key: str | None = attrs.field(default=None, repr=False)
     admin_api_key: str | None = attrs.field(default=None, repr=False)
     #: Appended verbatim to every worker's command line.
-    extra_server_args: tuple[str, ...] = attrs.field(default=(), converter=_str_tuple)
+    extra_server_args: tuple[str, ...] = attrs.field(default=(), converter=str_tuple)
     #: Extra environment of every worker (on top of the defaults below).
     env: Mapping[str, str] = attrs.field(factory=dict, converter=dict)
     #: ``SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION``: off, so router health probes never generate.
@@ -154,7 +145,7 @@ class SGLangFleetConfig:
     #: ``api`` on smg except for ``power_of_two`` (smg refuses to start it with < 2 workers), else ``cli``.
     router_registration: str = "auto"
     #: Appended verbatim to the router's command line.
-    extra_router_args: tuple[str, ...] = attrs.field(default=(), converter=_str_tuple)
+    extra_router_args: tuple[str, ...] = attrs.field(default=(), converter=str_tuple)
     #: Logs of every process (``<name>.log``); ``None``: a fresh temporary directory.
     log_dir: str | None = attrs.field(default=None, converter=attrs.converters.optional(str))
     #: Seconds to wait for the workers; ``None``: 900 for SGLang (first-run kernel JIT), 180 for reference.
@@ -231,95 +222,73 @@ class SGLangFleetConfig:
         return None if sharing <= 1 else round(_SHARED_GPU_BUDGET / sharing, 3)
 
 
-# -- command lines ------------------------------------------------------------------------------
+# -- the fleet as launch commands (the one place its command lines come from) -------------------
+
+
+def engine_command(config: SGLangFleetConfig, index: int) -> EngineCommand:
+    """Worker ``index``'s engine command (same-named config fields carry over; SGLang-only flags
+    never reach ``reference`` workers, whose command has no such fields)."""
+    c = config
+    common: dict[str, Any] = {"extra_args": c.extra_server_args, "grace": c.worker_grace_s}
+    if c.worker_kind == "reference":
+        from rollout_backends.adapters.reference._launch import ReferenceServerCommand
+
+        return carry(ReferenceServerCommand, c, num_threads=c.reference_threads, **common)
+    return carry(SGLangServerCommand, c, mem_fraction_static=c.worker_mem_fraction(index), **common)
+
+
+def router_command(config: SGLangFleetConfig, policy: str | None = None) -> SmgRouter:
+    """The fleet's router (``policy`` overrides the configured one). Workers are passed as
+    ``--worker-urls`` only with ``cli`` registration (``api``: ``POST /workers`` once it is up)."""
+    c = config if policy is None else attrs.evolve(config, router_policy=policy)
+    return carry(
+        SmgRouter,
+        c,
+        policy=c.router_policy,
+        register_workers=c.registration == "cli",
+        health_failure_threshold=None,  # smg's default (3)
+        log_level=None,  # smg's default (info): its log tail explains a failed start
+        file_logs=False,  # one log per process in the fleet's log_dir
+        retries=c.router_retries,
+        extra_args=c.extra_router_args,
+        grace=c.router_grace_s,
+    )
+
+
+def _node(
+    config: SGLangFleetConfig, index: int, log_dir: str, picked: set[int], fixed: Mapping[str, int] | None = None
+) -> NodeContext:
+    """This host as the node of worker ``index`` (-1: a router), with its ``cuda_visible_devices``."""
+    devices = config.cuda_visible_devices
+    gpus = tuple(devices[index].split(",")) if devices is not None and index >= 0 else ()
+    return NodeContext.on(index, config.host, log_dir, gpu_ids=gpus, picked=picked, fixed=fixed)
+
+
+def _engine_info(url: str, index: int) -> EngineInfo:
+    return EngineInfo(index=index, name=f"worker-{index}", host="", node_id=None, node_ip=None, pid=0,
+                      generate_url=url, control_url=url)  # fmt: skip
 
 
 def worker_argv(config: SGLangFleetConfig, index: int, port: int) -> list[str]:
-    """The command line of worker ``index`` listening on ``port``."""
-    c = config
-    if c.worker_kind == "reference":
-        argv = [c.python, "-m", "rollout_backends.adapters.reference.serve", "--model-path", c.model_path,
-                "--host", c.host, "--port", str(port), "--weight-version", c.weight_version,
-                "--page-size", str(c.page_size), "--num-threads", str(c.reference_threads)]  # fmt: skip
-        if c.served_model_name:
-            argv += ["--served-model-name", c.served_model_name]
-    else:
-        argv = [c.python, "-m", "sglang.launch_server", "--model-path", c.model_path, "--host", c.host,
-                "--port", str(port), "--page-size", str(c.page_size), "--weight-version", c.weight_version]  # fmt: skip
-        if c.served_model_name:
-            argv += ["--served-model-name", c.served_model_name]
-        if c.attention_backend:
-            argv += ["--attention-backend", c.attention_backend]
-        if c.sampling_backend:
-            argv += ["--sampling-backend", c.sampling_backend]
-        if c.disable_cuda_graph:
-            argv.append("--disable-cuda-graph")
-        frac = c.worker_mem_fraction(index)
-        if frac is not None:
-            argv += ["--mem-fraction-static", str(frac)]
-        if c.disable_radix_cache:
-            argv.append("--disable-radix-cache")
-        if c.enable_memory_saver:
-            argv.append("--enable-memory-saver")
-        if c.deterministic_inference:
-            argv.append("--enable-deterministic-inference")
-        if c.skip_tokenizer_init:
-            argv.append("--skip-tokenizer-init")
-        if c.random_seed is not None:
-            argv += ["--random-seed", str(c.random_seed)]
-    if c.api_key:
-        argv += ["--api-key", c.api_key]
-    if c.admin_api_key:
-        argv += ["--admin-api-key", c.admin_api_key]
-    return argv + list(c.extra_server_args)
+    """Worker ``index``'s command line on ``port`` (a view of :func:`engine_command`)."""
+    ctx = _node(config, index, config.log_dir or "", set(), {"http": port})
+    return list(engine_command(config, index).build(ctx).spec.argv)
 
 
 def worker_env(config: SGLangFleetConfig, index: int) -> dict[str, str | None]:
-    env: dict[str, str | None] = {
-        "SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION": "1" if config.health_endpoint_generation else "0",
-        "HF_HUB_OFFLINE": "1",
-        "TRANSFORMERS_OFFLINE": "1",
-    }
-    if config.cuda_visible_devices is not None:
-        env["CUDA_VISIBLE_DEVICES"] = config.cuda_visible_devices[index]
-    env.update(config.env)
-    return env
+    """Worker ``index``'s environment (a view of :func:`engine_command`)."""
+    return dict(engine_command(config, index).build(_node(config, index, config.log_dir or "", set())).spec.env)
 
 
 def router_argv(config: SGLangFleetConfig, port: int, prometheus_port: int, worker_urls: Sequence[str]) -> list[str]:
-    """The router's command line. ``worker_urls`` are passed as ``--worker-urls`` unless the
-    workers register through ``POST /workers`` (``config.registration == "api"``)."""
-    c = config
-    module = "smg.launch_router" if c.router == "smg" else "sglang_router.launch_router"
-    argv = [c.python, "-m", module, "--host", c.host, "--port", str(port), "--policy", c.router_policy,
-            "--prometheus-host", c.host, "--prometheus-port", str(prometheus_port),
-            "--health-check-interval-secs", str(c.health_check_interval_s)]  # fmt: skip
-    if c.router == "smg":
-        # No tokenizer is needed for token-id traffic; re-probe a registering worker every second.
-        argv += ["--disable-tokenizer-autoload", "--worker-startup-check-interval", "1"]
-    if c.registration == "cli" and worker_urls:
-        argv += ["--worker-urls", *worker_urls]
-    if not c.router_retries:
-        argv.append("--disable-retries")
-    if c.api_key:
-        argv += ["--api-key", c.api_key]
-    return argv + list(c.extra_router_args)
+    """The router's command line (a view of :func:`router_command`). ``worker_urls`` are passed as
+    ``--worker-urls`` unless the workers register through ``POST /workers`` (``registration == "api"``)."""
+    ctx = _node(config, -1, config.log_dir or "", set(), {"http": port, "prometheus": prometheus_port})
+    engines = [_engine_info(u, i) for i, u in enumerate(worker_urls)]
+    return list(router_command(config).build(ctx, engines).spec.argv)
 
 
 # -- the fleet ----------------------------------------------------------------------------------
-
-
-def _distinct_free_ports(host: str, n: int, taken: set[int]) -> list[int]:
-    out: list[int] = []
-    for _ in range(100 * n + 100):
-        if len(out) == n:
-            break
-        p = free_port(host)
-        if p not in taken and p not in out:
-            out.append(p)
-    if len(out) != n:  # pragma: no cover - the OS keeps handing out the same ports
-        raise BackendUnavailable(f"could not find {n} distinct free ports on {host}")
-    return out
 
 
 def _vocab_size_of(model_path: str) -> int | None:
@@ -353,6 +322,9 @@ class SGLangFleet:
         self.worker_urls: tuple[str, ...] = ()
         self.router_url: str | None = None
         self.router_prometheus_port: int | None = None
+        self._engines: list[EngineInfo] = []
+        #: Every port handed out on this host by this fleet (auto picks never repeat one).
+        self._picked: set[int] = set()
         self._backend: HttpFleetBackend | None = None
         self._started = False
         self._closed = False
@@ -389,10 +361,8 @@ class SGLangFleet:
 
     # -- start ----------------------------------------------------------------------------------
 
-    def _headers(self) -> dict[str, str]:
-        return {"Authorization": f"Bearer {self.config.api_key}"} if self.config.api_key else {}
-
-    def _plan_ports(self) -> tuple[list[int], int | None, int | None]:
+    def _fixed_ports(self) -> tuple[list[dict[str, int]], dict[str, int]]:
+        """The ports the config fixes (per worker, the router's by role); fails if one is bound."""
         c = self.config
         if c.worker_ports is not None:
             workers = list(c.worker_ports)
@@ -400,48 +370,21 @@ class SGLangFleet:
             workers = [c.worker_base_port + i for i in range(c.workers)]
         else:
             workers = []
-        fixed = [*workers, c.router_port, c.router_prometheus_port]
-        busy = [p for p in fixed if p is not None and port_in_use(c.host, p)]
+        router = {k: p for k, p in (("http", c.router_port), ("prometheus", c.router_prometheus_port)) if p}
+        fixed = [*workers, *router.values()]
+        busy = [p for p in fixed if port_in_use(c.host, p)]
         if busy:
             raise BackendUnavailable(f"port(s) {busy} on {c.host} are already in use; nothing was started")
-        taken = {p for p in fixed if p is not None}
-        need = (0 if workers else c.workers) + (
-            0 if c.router == "none" else (c.router_port is None) + (c.router_prometheus_port is None)
-        )
-        auto = _distinct_free_ports(c.host, need, taken)
-        if not workers:
-            workers, auto = auto[: c.workers], auto[c.workers :]
-        router_port = prom_port = None
-        if c.router != "none":
-            router_port = c.router_port if c.router_port is not None else auto.pop(0)
-            prom_port = c.router_prometheus_port if c.router_prometheus_port is not None else auto.pop(0)
-        return workers, router_port, prom_port
+        self._picked.update(fixed)
+        return [{"http": p} for p in workers] or [{} for _ in range(c.workers)], router
 
-    def _worker_spec(self, index: int, port: int) -> ProcessSpec:
-        c = self.config
-        # Real SGLang answers /health before its first forward pass; /health_generate runs one.
-        route = "/health_generate" if c.worker_kind == "sglang" else "/health"
-        return ProcessSpec(
-            name=self.worker_name(index),
-            argv=worker_argv(c, index, port),
-            env=worker_env(c, index),
-            ready=ReadyCheck.http(f"http://{c.host}:{port}{route}", headers=self._headers(), check_timeout=30.0),
-            ports=[(c.host, port)],
-            grace=c.worker_grace_s,
-        )
-
-    def _router_spec(
-        self, port: int, prom_port: int, *, name: str | None = None, policy: str | None = None
-    ) -> ProcessSpec:
-        c = self.config if policy is None else attrs.evolve(self.config, router_policy=policy)
-        route = "/liveness" if c.router == "smg" else "/health"
-        return ProcessSpec(
-            name=name or self.router_name,
-            argv=router_argv(c, port, prom_port, self.worker_urls),
-            ready=ReadyCheck.http(f"http://{c.host}:{port}{route}", headers=self._headers()),
-            ports=[(c.host, port), (c.host, prom_port)],
-            grace=c.router_grace_s,
-        )
+    async def _start_router(
+        self, name: str, policy: str | None = None, fixed: Mapping[str, int] | None = None
+    ) -> Launch:
+        ctx = _node(self.config, -1, str(self.log_dir), self._picked, fixed)
+        launch = router_command(self.config, policy).build(ctx, self._engines).named(name)
+        await self.supervisor.start(launch.spec)
+        return launch
 
     async def start(self) -> SGLangFleet:
         """Start everything and connect the backend; on any failure stop what started and raise."""
@@ -450,24 +393,25 @@ class SGLangFleet:
         self._started = True
         c = self.config
         try:
-            worker_ports, router_port, prom_port = self._plan_ports()
-            self.worker_urls = tuple(f"http://{c.host}:{p}" for p in worker_ports)
+            worker_fixed, router_fixed = self._fixed_ports()
             names = []
-            for i, port in enumerate(worker_ports):
-                await self.supervisor.start(self._worker_spec(i, port))
-                names.append(self.worker_name(i))
+            for i in range(c.workers):
+                ctx = _node(c, i, str(self.log_dir), self._picked, worker_fixed[i])
+                launch = engine_command(c, i).build(ctx).named(self.worker_name(i))
+                self._engines.append(launch.info(ctx, (await self.supervisor.start(launch.spec)).pid))
+                names.append(launch.spec.name)
+            self.worker_urls = tuple(e.control_url for e in self._engines)
+            router: Launch | None = None
             if c.registration == "api":  # the router needs no workers to start: start it now
-                assert router_port is not None and prom_port is not None
-                await self.supervisor.start(self._router_spec(router_port, prom_port))
+                router = await self._start_router(self.router_name, fixed=router_fixed)
                 names.append(self.router_name)
             await self.supervisor.wait_ready(names, timeout=c.default_startup_timeout(), progress=self.progress)
             if c.registration == "cli":
-                assert router_port is not None and prom_port is not None
-                await self.supervisor.start(self._router_spec(router_port, prom_port))
+                router = await self._start_router(self.router_name, fixed=router_fixed)
                 await self.supervisor.wait_ready([self.router_name], timeout=c.router_timeout_s, progress=self.progress)
-            if router_port is not None:
-                self.router_url = f"http://{c.host}:{router_port}"
-                self.router_prometheus_port = prom_port
+            if router is not None:
+                self.router_url = router.control_url
+                self.router_prometheus_port = int(router.extra["prometheus_port"])
                 await self._register_and_wait(self.router_url, self.router_name, c.registration)
             self._backend = await connect(
                 self.entry_url,
@@ -496,12 +440,10 @@ class SGLangFleet:
         if self._backend is None or self._closed:
             raise RuntimeError("the fleet is not running")
         name = name or f"router-{policy}-{len(self.supervisor.names)}"
-        port, prom = _distinct_free_ports(c.host, 2, set())
-        await self.supervisor.start(self._router_spec(port, prom, name=name, policy=policy))
+        launch = await self._start_router(name, policy)
         await self.supervisor.wait_ready([name], timeout=c.router_timeout_s, progress=self.progress)
-        url = f"http://{c.host}:{port}"
-        await self._register_and_wait(url, name, attrs.evolve(c, router_policy=policy).registration)
-        return url
+        await self._register_and_wait(launch.control_url, name, attrs.evolve(c, router_policy=policy).registration)
+        return launch.control_url
 
     async def _register_and_wait(self, router_url: str, router_name: str, registration: str) -> None:
         """Register every worker (smg: ``POST /workers``) and wait until the router lists each healthy."""

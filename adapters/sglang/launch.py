@@ -10,12 +10,11 @@ after the grace). ``--`` ends our flags; what follows is passed verbatim to ever
 from __future__ import annotations
 
 import argparse
-import asyncio
-import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
+from rollout_backends._launch import run_launcher_cli, split_passthrough
 from rollout_backends._supervisor import stderr_progress
 from rollout_backends.adapters.sglang._launcher import ROUTERS, WORKER_KINDS, SGLangFleetConfig, launch_sglang_fleet
 
@@ -23,11 +22,7 @@ __all__ = ["config_from_args", "main", "parse_args"]
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    extra: list[str] = []
-    if "--" in argv:
-        i = argv.index("--")
-        argv, extra = argv[:i], argv[i + 1 :]
+    argv, extra = split_passthrough(argv)
     p = argparse.ArgumentParser(prog="python -m rollout_backends.adapters.sglang.launch", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     p.add_argument("--model-path", required=True)
@@ -103,11 +98,7 @@ def config_from_args(args: argparse.Namespace) -> SGLangFleetConfig:
     return SGLangFleetConfig(**kw)
 
 
-async def _run(config: SGLangFleetConfig) -> None:
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+async def _run(config: SGLangFleetConfig, until_signalled: Callable[[], Awaitable[None]]) -> None:
     async with launch_sglang_fleet(config, progress=stderr_progress) as fleet:
         print(f"router:  {fleet.router_url or '(none)'}", flush=True)
         for wid, url in zip(fleet.worker_ids, fleet.worker_urls, strict=True):
@@ -115,26 +106,12 @@ async def _run(config: SGLangFleetConfig) -> None:
         print(f"logs:    {fleet.log_dir}", flush=True)
         entry = fleet.entry_url.split("://", 1)[1]
         print(f"connect: sglang://{entry}?workers={','.join(fleet.worker_ids)}", flush=True)
-        print("ready; Ctrl-C stops everything", flush=True)
-        await stop.wait()
-        print("stopping...", file=sys.stderr, flush=True)
+        await until_signalled()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    try:
-        config = config_from_args(args)
-    except Exception as exc:  # InvalidRequest from the config's checks
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    try:
-        asyncio.run(_run(config))
-    except KeyboardInterrupt:  # pragma: no cover - the signal handler normally catches it
-        return 130
-    except Exception as exc:
-        print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return 1
-    return 0
+    return run_launcher_cli(lambda: config_from_args(args), _run)
 
 
 if __name__ == "__main__":

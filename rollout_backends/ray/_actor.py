@@ -76,20 +76,12 @@ class EngineActor:
             return self._info
         node_ip, node_id, gpu_ids = _ray_node()
         bind = self._bind_host or node_ip
-        advertise = node_ip if bind in ("0.0.0.0", "::", "") else bind
         log_dir = self._log_dir or tempfile.mkdtemp(prefix=f"rollout-engine-{self._index}-")
         if self._sup is None:
             self._sup = Supervisor(log_dir, grace=self._command.grace)
         last: BackendUnavailable | None = None
         for _ in range(_START_ATTEMPTS):
-            ctx = NodeContext(
-                index=self._index,
-                bind_host=bind,
-                advertise_host=advertise,
-                log_dir=log_dir,
-                gpu_ids=gpu_ids,
-                node_id=node_id,
-            )
+            ctx = NodeContext.on(self._index, bind, log_dir, node_ip=node_ip, gpu_ids=gpu_ids, node_id=node_id)
             launch = self._command.build(ctx)
             name = launch.spec.name
             try:
@@ -104,18 +96,7 @@ class EngineActor:
             except BaseException:
                 await self._sup.stop(name)
                 raise
-            self._info = EngineInfo(
-                index=self._index,
-                name=name,
-                host=advertise,
-                node_id=node_id,
-                node_ip=node_ip,
-                pid=proc.pid,
-                generate_url=launch.generate_url,
-                control_url=launch.control_url,
-                gpu_ids=gpu_ids,
-                extra=dict(launch.extra),
-            )
+            self._info = launch.info(ctx, proc.pid, node_ip=node_ip)
             return self._info
         assert last is not None
         raise last

@@ -274,13 +274,8 @@ async def _start_entry(spec: RayFleetSpec, sup: Supervisor, engines: Sequence[En
     assert spec.entry is not None
     node_ip = str(ray.util.get_node_ip_address())
     bind = spec.bind_host or node_ip
-    ctx = NodeContext(
-        index=-1,
-        bind_host=bind,
-        advertise_host=node_ip if bind in ("0.0.0.0", "::", "") else bind,
-        log_dir=str(sup.log_dir),
-        node_id=str(ray.get_runtime_context().get_node_id()),
-    )
+    node_id = str(ray.get_runtime_context().get_node_id())
+    ctx = NodeContext.on(-1, bind, str(sup.log_dir), node_ip=node_ip, node_id=node_id)
     launch = spec.entry.build(ctx, engines)
     await sup.start(launch.spec)
     await sup.wait_ready([launch.spec.name], timeout=spec.ready_timeout)

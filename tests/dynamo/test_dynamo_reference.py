@@ -262,6 +262,7 @@ async def test_memory_release(fleet: tuple[RunningDynamoFleet, HttpFleetBackend]
             await task
 
 
+@pytest.mark.timeout(180)  # seen hanging (a pinned request never answered) only inside full-suite runs
 async def test_registry_url(fleet: tuple[RunningDynamoFleet, HttpFleetBackend]) -> None:
     from rollout_backends import open_backend
 

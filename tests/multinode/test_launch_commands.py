@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import sys
 
+import attrs
 import pytest
 
 from rollout_backends import InvalidRequest
@@ -160,3 +161,43 @@ def test_only_the_ray_subpackage_imports_ray() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
     assert out.stdout.strip() == "False"
+
+
+def test_local_launchers_build_through_the_same_commands() -> None:
+    """One mechanism: the local launchers' processes are these commands on a local NodeContext."""
+    from rollout_backends.adapters.dynamo._launcher import DynamoFleet, fleet_planes, frontend_command, worker_command
+    from rollout_backends.adapters.sglang import SGLangFleetConfig
+    from rollout_backends.adapters.sglang._launcher import engine_command, router_command
+
+    cfg = SGLangFleetConfig(model_path="/m", workers=2, api_key="K", router_policy="round_robin")
+    eng = engine_command(cfg, 1)
+    assert isinstance(eng, SGLangServerCommand) and eng.mem_fraction_static == 0.4 and eng.api_key == "K"
+    assert isinstance(engine_command(attrs.evolve(cfg, worker_kind="reference"), 0), ReferenceServerCommand)
+    router = router_command(cfg)
+    assert router.register_workers is False and router.policy == "round_robin"  # smg: POST /workers
+    launch = router.build(NodeContext.on(-1, "127.0.0.1", "/tmp/x", fixed={"http": 9000, "prometheus": 9001}), [])
+    assert "--worker-urls" not in launch.spec.argv and launch.spec.ready is not None
+    assert launch.spec.ready.url == "http://127.0.0.1:9000/liveness" and launch.extra["prometheus_port"] == 9001
+
+    dyn = DynamoFleet(model_path="/m/tiny", worker_kind="reference", router_mode="kv", kv_events=False)
+    planes = fleet_planes(dyn, "/tmp/kv")
+    assert planes.file_kv == "/tmp/kv" and planes.discovery == "file"
+    worker = worker_command(dyn, "ns", planes).build(NodeContext.on(0, "127.0.0.1", "/tmp/x", fixed={"system": 21000}))
+    arg = json.loads(flag(worker.spec.argv, "--engine-arg"))
+    assert arg["worker_id"] == "127.0.0.1:21000" and worker.control_url == "http://127.0.0.1:21000"
+    assert worker.spec.ready is not None and worker.spec.ready.status is None  # /live answers at all
+    fe = frontend_command(dyn, "ns", planes).build(NodeContext.on(-1, "127.0.0.1", "/tmp/x"), [])
+    assert "--no-router-kv-events" in fe.spec.argv and fe.spec.env["DYN_ENABLE_RL"] == "true"
+    assert int(fe.spec.env["DYN_RL_PORT"] or 0) < 32768 and fe.spec.env["DYN_NAMESPACE"] == "ns"
+
+
+def test_node_context_fixed_ports_and_wildcards() -> None:
+    ctx = NodeContext.on(2, "0.0.0.0", "/tmp/x", node_ip="10.0.0.7", fixed={"http": 25000})
+    assert ctx.advertise_host == "10.0.0.7" and NodeContext.on(0, "0.0.0.0", "/x").advertise_host == "127.0.0.1"
+    assert ctx.port("http") == 25000 and ctx.port("other") not in (25000,) and 25000 in ctx.picked
+    from rollout_backends._launch import carry, str_tuple
+
+    with pytest.raises(TypeError):
+        str_tuple("--flag")
+    cmd = carry(ReferenceServerCommand, ctx, model_path="/m")  # nothing same-named: defaults
+    assert cmd.page_size == 16 and cmd.model_path == "/m"
