@@ -160,6 +160,7 @@ async def weight_update(
             for worker, old in previous.items():
                 if old is not None:
                     await step("rollback_version", functools.partial(backend.set_weight_version, old, workers=[worker]))
+            backend.expect_version(prev_common)  # the fleet is expected to serve the old version again
     except BaseException as exc:  # cancellation or an error thrown into the body's frame
         first_exc = first_exc or exc
         failures.extend(_failures("update", exc, workers))
