@@ -260,6 +260,12 @@ async def test_memory_release(fleet: tuple[RunningDynamoFleet, HttpFleetBackend]
         finally:
             await b.abort_all()
             await task
+            # The refusal is per worker: an idle worker did release. Take its memory back, or the
+            # next request pinned to it waits forever (what made test_registry_url hang).
+            await b.resume_memory()
+    assert (
+        await b.generate(GenerateRequest(input_ids=PROMPTS[0], sampling=SAMPLINGS[0], worker=b.workers[1]))
+    ).output_ids
 
 
 @pytest.mark.timeout(180)  # seen hanging (a pinned request never answered) only inside full-suite runs

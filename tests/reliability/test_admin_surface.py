@@ -62,9 +62,9 @@ def test_dynamo_launcher_binds_loopback_by_default(kind: str) -> None:
     argv = worker_argv(cfg, 0, "ns", _WorkerPorts(system=1, rpc=2, kv_events=3, sglang=4, nccl=5))
     if kind == "sglang":
         assert _flag(argv, "--host") == "127.0.0.1"
-    explicit = DynamoFleet(model_path="/m", worker_kind=kind, host="10.1.2.3")
-    assert _flag(frontend_argv(explicit, "ns", 20000), "--http-host") == "10.1.2.3"
-    assert _common_env(explicit, "ns", Path("/tmp/kv"))["DYN_SYSTEM_HOST"] == "10.1.2.3"
+    explicit = DynamoFleet(model_path="/m", worker_kind=kind, host="0.0.0.0")
+    assert _flag(frontend_argv(explicit, "ns", 20000), "--http-host") == "0.0.0.0"
+    assert _common_env(explicit, "ns", Path("/tmp/kv"))["DYN_SYSTEM_HOST"] == "0.0.0.0"
 
 
 def test_facade_cli_binds_loopback_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
