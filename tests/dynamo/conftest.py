@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+from tests.procs import descendants
 
 
 def _has_dynamo() -> bool:
@@ -20,28 +21,7 @@ def _has_dynamo() -> bool:
 HAS_DYNAMO = _has_dynamo()
 
 
-def _children() -> set[int]:
-    """Every descendant of this process (from /proc)."""
-    me = os.getpid()
-    parent: dict[int, int] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as f:
-                stat = f.read().decode(errors="replace")
-        except OSError:
-            continue
-        fields = stat[stat.rfind(")") + 2 :].split()
-        if fields and fields[0] not in ("Z", "X"):
-            parent[int(entry)] = int(fields[1])
-    out: set[int] = set()
-    frontier = {me}
-    while frontier:
-        nxt = {p for p, pp in parent.items() if pp in frontier and p not in out}
-        out |= nxt
-        frontier = nxt
-    return out
+_children = descendants  # kept under this module's name for its importers
 
 
 @pytest.fixture(scope="session")

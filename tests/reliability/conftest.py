@@ -15,6 +15,8 @@ from typing import Any
 
 import pytest
 
+from tests.procs import descendants
+
 #: ``RB_RELIABILITY_FULL=1``: the full sizes (1,000 requests per death test, 10,000 fuzz cases, ...).
 FULL = os.environ.get("RB_RELIABILITY_FULL", "") == "1"
 
@@ -64,28 +66,7 @@ def tiny_model_b() -> Path:
     return cached_tiny_model(1)
 
 
-def children() -> set[int]:
-    """Every live descendant of this process (from /proc)."""
-    me = os.getpid()
-    parent: dict[int, int] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as f:
-                stat = f.read().decode(errors="replace")
-        except OSError:
-            continue
-        fields = stat[stat.rfind(")") + 2 :].split()
-        if fields and fields[0] not in ("Z", "X"):
-            parent[int(entry)] = int(fields[1])
-    out: set[int] = set()
-    frontier = {me}
-    while frontier:
-        nxt = {p for p, pp in parent.items() if pp in frontier and p not in out}
-        out |= nxt
-        frontier = nxt
-    return out
+children = descendants  # kept under this module's name for its importers
 
 
 @pytest.fixture(scope="module")
