@@ -1294,20 +1294,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"\n- {verdict}: adapter ≤ {TARGET_DIRECT_RATIO}{TIMES} raw aiohttp wall-clock: {target[1]}")
         print(f"\n({m['duration_s']} s)")
         if args.out:
-            out = Path(args.out)
-            out.mkdir(parents=True, exist_ok=True)
-            png: str | None = report.check_name("fanout.png")
-            try:
-                title = f"{m['gpu'] if m['gpu'] != 'none' else m['machine']}; {m['date']}"
-                if not plot(results, str(out / "fanout.png"), title):
-                    png = None
-            except ImportError:
-                png = None
-            report.update_markdown(out, KEY, markdown(m, s_info, results, notes, png))
-            report.update_json(
-                out, KEY, {"meta": m, "settings": s_info, "notes": notes, "results": [r.as_dict() for r in results]}
+            title = f"{m['gpu'] if m['gpu'] != 'none' else m['machine']}; {m['date']}"
+            report.write_outputs(
+                args.out,
+                KEY,
+                plot=lambda path: plot(results, path, title),
+                markdown=lambda png: markdown(m, s_info, results, notes, png),
+                data={"meta": m, "settings": s_info, "notes": notes, "results": [r.as_dict() for r in results]},
+                log_dirs=[settings.log_root],
             )
-            report.pack_logs(out / "fanout-logs.tar.gz", [settings.log_root])
+            out = Path(args.out)
             progress(f"wrote {', '.join(sorted(x.name for x in out.iterdir()))} in {out}")
     ok = any(r.steps for r in results)
     return 0 if ok else 1

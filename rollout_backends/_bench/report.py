@@ -18,7 +18,7 @@ import subprocess
 import sys
 import tarfile
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +27,7 @@ from rollout_backends._bench.overhead import machine
 __all__ = [
     "MARKDOWN_NAME",
     "JSON_NAME",
+    "write_outputs",
     "Progress",
     "check_name",
     "command_line",
@@ -253,3 +254,29 @@ def pack_logs(
                 tar.addfile(info, io.BytesIO(data))
                 count += 1
     return count
+
+
+def write_outputs(
+    out_dir: str | os.PathLike[str],
+    key: str,
+    *,
+    plot: Callable[[str], bool],
+    markdown: Callable[[str | None], str],
+    data: Any,
+    log_dirs: Sequence[str | os.PathLike[str]],
+) -> None:
+    """One benchmark's outputs in ``out_dir``: ``<key>.png`` (if ``plot(path)`` made it; matplotlib
+    is optional), its section of ``benchmarks.md`` (``markdown(png_name or None)``), its key of
+    ``results.json`` and ``<key>-logs.tar.gz``."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    name = check_name(f"{key}.png")
+    png: str | None = name
+    try:
+        if not plot(str(out / name)):
+            png = None
+    except ImportError:
+        png = None
+    update_markdown(out, key, markdown(png))
+    update_json(out, key, data)
+    pack_logs(out / f"{key}-logs.tar.gz", list(log_dirs))

@@ -684,20 +684,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("; ".join(notes))
         print(f"\n({m['duration_s']} s)")
         if args.out:
-            out = Path(args.out)
-            out.mkdir(parents=True, exist_ok=True)
-            png: str | None = report.check_name("weightsync.png")
-            try:
-                title = f"{m['gpu'] if gpu else m['machine']}; {m['date']}; {info['model']}, {total / 1e9:.2f} GB"
-                if not plot(results, str(out / "weightsync.png"), title):
-                    png = None
-            except ImportError:
-                png = None
-            report.update_markdown(out, KEY, markdown(m, info, results, notes, png))
-            report.update_json(
-                out, KEY, {"meta": m, "info": info, "notes": notes, "results": [x.as_dict() for x in results]}
+            title = f"{m['gpu'] if gpu else m['machine']}; {m['date']}; {info['model']}, {total / 1e9:.2f} GB"
+            report.write_outputs(
+                args.out,
+                KEY,
+                plot=lambda path: plot(results, path, title),
+                markdown=lambda png: markdown(m, info, results, notes, png),
+                data={"meta": m, "info": info, "notes": notes, "results": [x.as_dict() for x in results]},
+                log_dirs=[run_dir / "logs"],
             )
-            report.pack_logs(out / "weightsync-logs.tar.gz", [run_dir / "logs"])
+            out = Path(args.out)
             progress(f"wrote {', '.join(sorted(x.name for x in out.iterdir()))} in {out}")
         code = 0 if any(x.rounds_s for x in results if x.transport != "raw broadcast") else 1
     if r is not None and _stuck(r.pool):
