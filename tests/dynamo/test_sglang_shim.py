@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
 import types
 from typing import Any
 
@@ -40,15 +41,27 @@ def _run_cursor_loop(fn: Any) -> list[float]:
     return out
 
 
-def test_unpatched_1_4_2_loses_logprobs_after_first_chunk() -> None:
-    got = _run_cursor_loop(logprobs.extract_from_sglang_meta)
-    if len(got) == 4:
-        pytest.skip("installed Dynamo already treats SGLang logprobs as deltas")
-    assert got == [-0.1, -0.3]  # the bug seen on the H200: ids are fine, logprobs are not
+def _takes_cursor(fn: Any) -> bool:
+    """1.4.x: ``extract_from_sglang_meta(meta_info, n_so_far)``; 1.6.x dropped the cursor."""
+    params = list(inspect.signature(fn).parameters.values())
+    return len(params) >= 2 and params[1].kind in (params[1].POSITIONAL_ONLY, params[1].POSITIONAL_OR_KEYWORD)
+
+
+def test_installed_extractor_on_incremental_chunks() -> None:
+    fn = logprobs.extract_from_sglang_meta
+    if _takes_cursor(fn):  # ai-dynamo 1.4.x
+        # The bug seen on the H200: ids are fine, logprobs after the first chunk are not.
+        assert _run_cursor_loop(fn) == [-0.1, -0.3]
+    else:  # ai-dynamo 1.6.x: fixed upstream, each chunk's logprobs are taken as its own
+        assert [lp for c in CHUNKS for lp in fn(c["meta_info"])[0] or []] == [-0.1, -0.2, -0.3, -0.4]
 
 
 def test_patched_extracts_every_token() -> None:
     mod = types.SimpleNamespace(extract_from_sglang_meta=logprobs.extract_from_sglang_meta)
+    if not _takes_cursor(mod.extract_from_sglang_meta):
+        # 1.6.x: nothing to fix; the shim leaves the function alone.
+        assert patch_logprobs(mod) is False and mod.extract_from_sglang_meta is logprobs.extract_from_sglang_meta
+        return
     assert patch_logprobs(mod) is True
     assert _run_cursor_loop(mod.extract_from_sglang_meta) == [-0.1, -0.2, -0.3, -0.4]
     assert patch_logprobs(mod) is True  # idempotent
