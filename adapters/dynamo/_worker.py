@@ -11,6 +11,15 @@ the *preprocessed* request (``token_ids``, ``stop_conditions``, ``sampling_optio
 One chunk is yielded per generated token, with that token's logprob, so per-token logprobs are
 exact whatever the frontend does with chunk boundaries.
 
+**Native ``/generate`` (ai-dynamo 1.6.x).** The worker also publishes the ``sglang_generate``
+capability on its model card, like ``dynamo.sglang`` 1.6.x. A 1.6.x frontend started with
+``DYN_SGLANG_ENABLE_GENERATE=1`` then routes ``POST /generate`` (SGLang's native body) here: the
+request carries SGLang's body under ``extra_args.sglang_tito`` and the worker answers with native
+SGLang response objects under ``engine_data.sglang_response``, which the frontend forwards
+verbatim as SSE events. Nothing on that path is f32 (values stay JSON numbers end to end), and
+``meta_info`` carries the served ``weight_version``, the raw finish reason (``abort`` included) and
+this worker's name. A 1.4.x frontend ignores the capability.
+
 Control goes through *engine routes* on the worker's system port (``DYN_SYSTEM_PORT``):
 ``POST http://127.0.0.1:$DYN_SYSTEM_PORT/engine/<route>``. The paths and bodies are the ones
 ``dynamo.sglang`` 1.4.2 registers (``control/update_weights_from_disk``, ...,
@@ -54,12 +63,25 @@ from rollout_backends._types import (
     SamplingParams,
 )
 
-__all__ = ["DynamoWorker", "build_generate_request", "main", "run_worker"]
+__all__ = [
+    "DynamoWorker",
+    "build_generate_request",
+    "build_native_request",
+    "main",
+    "native_chunk",
+    "native_payload",
+    "run_worker",
+]
 
 logger = logging.getLogger("rollout_backends.dynamo_worker")
 #: ``nvext.annotations`` entry that carries the client's request id to the worker.
 RID_ANNOTATION = "rid:"
 _LOG_REQUESTS = os.environ.get("ROLLOUT_DYN_LOG_REQUESTS", "") not in ("", "0")
+
+#: Model-card key (``runtime_config`` engine-specific) a 1.6.x frontend routes ``/generate`` by.
+SGLANG_GENERATE_CAPABILITY = "sglang_generate"
+#: ``extra_args`` key under which a 1.6.x frontend passes the native ``/generate`` body.
+NATIVE_PAYLOAD_KEY = "sglang_tito"
 
 #: Dynamo's finish-reason strings (``FinishReason`` in dynamo-llm). ``dynamo.sglang`` maps SGLang's
 #: ``abort`` to ``cancelled``; the frontend then reports it to the client.
@@ -152,6 +174,82 @@ def build_generate_request(request: Mapping[str, Any], request_id: str) -> Gener
     )
 
 
+def native_payload(request: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The native SGLang ``/generate`` body a 1.6.x frontend forwarded (``extra_args.sglang_tito``), if any."""
+    extra = request.get("extra_args")
+    payload = extra.get(NATIVE_PAYLOAD_KEY) if isinstance(extra, dict) else None
+    return payload if isinstance(payload, dict) else None
+
+
+#: SGLang ``sampling_params`` key -> ``SamplingParams`` field (floats pass as sent: no f32 on this path).
+_NATIVE_SAMPLING = {
+    "max_new_tokens": "max_new_tokens",
+    "min_new_tokens": "min_new_tokens",
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+    "frequency_penalty": "frequency_penalty",
+    "presence_penalty": "presence_penalty",
+    "ignore_eos": "ignore_eos",
+    "stop_token_ids": "stop_token_ids",
+    "sampling_seed": "seed",
+}
+
+
+def build_native_request(request: Mapping[str, Any], payload: Mapping[str, Any], request_id: str) -> GenerateRequest:
+    """Map a native ``/generate`` request (SGLang's ``sampling_params``) onto ``GenerateRequest``.
+
+    The engine applies the model's EOS itself (as SGLang does); the frontend sends none on this path.
+    Keys SGLang has and the reference engine does not need (``skip_special_tokens``, ``no_stop_trim``)
+    are ignored; values are validated by ``SamplingParams`` (an error fails the stream).
+    """
+    sp = payload.get("sampling_params") or {}
+    kwargs: dict[str, Any] = {}
+    for src, dst in _NATIVE_SAMPLING.items():
+        if isinstance(sp, dict) and sp.get(src) is not None:
+            kwargs[dst] = sp[src]
+    return GenerateRequest(
+        input_ids=tuple(request["token_ids"]),
+        sampling=SamplingParams(**kwargs),
+        request_id=request_id,
+        return_logprobs=True,
+    )
+
+
+def native_finish(gen: Generation) -> dict[str, Any]:
+    """SGLang's ``meta_info.finish_reason`` for ``gen``."""
+    if gen.finish_reason is FinishReason.LENGTH:
+        return {"type": "length", "length": len(gen.output_ids)}
+    if gen.finish_reason is FinishReason.STOP:
+        return {"type": "stop", "matched": gen.matched_stop}
+    return {"type": "abort", "message": "request aborted"}
+
+
+def native_chunk(gen: Generation, payload: Mapping[str, Any], worker_name: str | None) -> dict[str, Any]:
+    """The whole generation as one SGLang incremental response, wrapped the way ``dynamo.sglang``
+    1.6.x wraps it (``engine_data.sglang_response``; the frontend forwards it as one SSE event).
+
+    ``output_ids`` holds every new token (SGLang's incremental mode allows several per event; the
+    engine produced them all before the first chunk anyway). ``meta_info.worker`` is not SGLang's:
+    it names this worker, which the frontend does not report on this path.
+    """
+    ids = list(gen.output_ids)
+    meta: dict[str, Any] = {
+        "id": gen.request_id,
+        "finish_reason": native_finish(gen),
+        "prompt_tokens": gen.prompt_tokens,
+        "completion_tokens": len(ids),
+        "cached_tokens": gen.cached_tokens,
+        "weight_version": gen.weight_version,
+        "worker": worker_name,
+    }
+    if payload.get("return_logprob") and gen.logprobs is not None:
+        meta["output_token_logprobs"] = [[float(lp), t, None] for lp, t in zip(gen.logprobs, ids, strict=True)]
+    return {"token_ids": [], "index": 0, "engine_data": {"sglang_response": {"output_ids": ids, "meta_info": meta}}}
+
+
 class DynamoWorker:
     """Serves one engine as a Dynamo worker. ``engine`` has the reference engine's interface."""
 
@@ -202,7 +300,8 @@ class DynamoWorker:
         rid = _rid_from_annotations(request) or (context.id() if context is not None else os.urandom(8).hex())
         if _LOG_REQUESTS:
             logger.info("generate rid=%s trace_id=%s request=%s", rid, getattr(context, "trace_id", None), request)
-        greq = build_generate_request(request, rid)
+        native = native_payload(request)
+        greq = build_generate_request(request, rid) if native is None else build_native_request(request, native, rid)
         task = asyncio.ensure_future(self.engine.generate(greq))
         self._inflight[rid] = task
         stopped = asyncio.ensure_future(context.async_killed_or_stopped()) if context is not None else None
@@ -220,6 +319,9 @@ class DynamoWorker:
             self._inflight.pop(rid, None)
             if stopped is not None and not stopped.done():
                 stopped.cancel()
+        if native is not None:
+            yield native_chunk(gen, native, self.worker_name)
+            return
         for chunk in self._chunks(gen):
             yield chunk
 
@@ -437,6 +539,7 @@ class DynamoWorker:
             "max_context": getattr(self.engine, "max_context", None),
             "eos_token_ids": list(getattr(self.engine, "eos_token_ids", ()) or ()),
             "served_model_name": self.served_model_name,
+            "native_generate": True,  # the model card advertises sglang_generate (see run())
         }
 
     async def _abort(self, body: dict[str, Any]) -> dict[str, Any]:
@@ -489,6 +592,8 @@ class DynamoWorker:
         rc = ModelRuntimeConfig()
         if self.context_length is not None:
             rc.context_length = self.context_length
+        # Native /generate on 1.6.x frontends (DYN_SGLANG_ENABLE_GENERATE=1); older ones ignore the key.
+        rc.set_engine_specific(SGLANG_GENERATE_CAPABILITY, json.dumps(True))
 
         async def _register() -> None:
             await register_model(
