@@ -9,13 +9,13 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
-from rollout_backends._errors import BackendUnavailable, InvalidRequest, RolloutBackendError
+from rollout_backends._errors import BackendUnavailable, InvalidRequest, RolloutBackendError, Unsupported
 from rollout_backends._fleet import HttpFleetBackend, Worker
 from rollout_backends._http import HttpClient, HttpRequest, HttpResponse, get_json, normalise_url, worker_id_of
 from rollout_backends._types import VersionSource
 from rollout_backends.adapters.dynamo._wire import FLAVORS, DynamoWire, generate_instances
 
-__all__ = ["connect", "detect_flavor", "open_from_url", "worker_id_of"]
+__all__ = ["connect", "detect_flavor", "detect_native_generate", "open_from_url", "worker_id_of"]
 
 
 def _normalise(url: str) -> str:
@@ -47,6 +47,17 @@ async def detect_flavor(client: HttpClient, worker_url: str) -> tuple[str, dict[
     if _route_missing(tm):
         return "sglang16", None
     return "sglang14", None
+
+
+async def detect_native_generate(client: HttpClient, frontend: str) -> bool:
+    """Whether the frontend serves SGLang's native ``POST /generate`` (ai-dynamo 1.6.x with
+    ``DYN_SGLANG_ENABLE_GENERATE=1``), probed once without generating: an empty ``input_ids`` is
+    refused by the route's own validation (400 "input_ids cannot be empty"); without the route the
+    frontend answers 404 "Route not found" (1.4.x, or 1.6.x without the variable)."""
+    resp = await _send(
+        client, HttpRequest("POST", f"{frontend}/generate", json={"input_ids": [], "stream": True}, timeout=10.0)
+    )
+    return resp.status == 400 and "input_ids" in resp.text
 
 
 def _model_config(model_path: str | None) -> dict[str, Any]:
@@ -81,6 +92,7 @@ async def connect(
     version_source: VersionSource | str | None = None,
     memory_saver: bool = True,
     namespace: str | None = None,
+    native_generate: bool | None = None,
     api_key: str | None = None,
     client: HttpClient | None = None,
     on_close: Any = None,
@@ -95,6 +107,10 @@ async def connect(
       (``GenerateRequest.worker``) is declared only for ``kv``/``direct``.
     * Without ``workers``, the frontend's instances become workers without control routes
       (generation only).
+    * ``native_generate``: unpinned requests use the frontend's native ``/generate``. ``None``
+      (default) detects it: the frontend serves the route and the workers are ours and advertise it
+      (``rollout/info``); ``True`` requires it (``Unsupported`` when the frontend lacks the route);
+      ``False`` always uses ``/v1/completions``.
     """
     frontend = _normalise(url)
     client = client or HttpClient(api_key=api_key)
@@ -139,6 +155,14 @@ async def connect(
                 if instance is None and rpc_ports and u in rpc_ports:
                     instance = by_rpc_port.get(int(rpc_ports[u]))
                 fleet.append(Worker(id=worker_id_of(u), control_url=u, instance_id=instance))
+        # Native /generate only where its answers name the worker: ours says so in rollout/info
+        # (dynamo.sglang's and the mocker's native answers carry no worker id).
+        advertised = flavor == "rollout" and bool((info0 or {}).get("native_generate"))
+        native = False
+        if native_generate or (native_generate is None and advertised):
+            native = await detect_native_generate(client, frontend)
+            if native_generate and not native:
+                raise Unsupported(f"{frontend} serves no native /generate (1.6.x with DYN_SGLANG_ENABLE_GENERATE=1)")
     except RolloutBackendError:
         await client.aclose()
         raise
@@ -170,6 +194,7 @@ async def connect(
         vocab_size=int(vocab) if isinstance(vocab, int) else None,
         eos_token_ids=eos,
         namespace=namespace,
+        native_generate=native,
     )
     backend = HttpFleetBackend(wire, fleet, client=client, name="dynamo", on_close=on_close)
     if initial_version is not None and vs is VersionSource.STAMPED:
@@ -181,11 +206,21 @@ async def open_from_url(url: str, **kwargs: Any) -> HttpFleetBackend:
     """Registry entry: ``dynamo://host:port?workers=h1:p1,h2:p2&router_mode=kv&flavor=rollout``.
 
     ``workers`` are the workers' system ports (``DYN_SYSTEM_PORT``); other keys: ``router_mode``,
-    ``flavor``, ``model``, ``model_path``, ``namespace``, ``version_source``.
+    ``flavor``, ``model``, ``model_path``, ``namespace``, ``version_source``, ``native_generate``
+    (``0``/``1``; default: detected).
     """
     parts = urlsplit(url)
     query = parse_qs(parts.query)
-    known = {"workers", "router_mode", "flavor", "model", "model_path", "namespace", "version_source"}
+    known = {
+        "workers",
+        "router_mode",
+        "flavor",
+        "model",
+        "model_path",
+        "namespace",
+        "version_source",
+        "native_generate",
+    }
     for key, values in query.items():
         if key not in known:
             raise InvalidRequest(f"url.{key}", f"unknown option (known: {sorted(known)})")
@@ -193,6 +228,11 @@ async def open_from_url(url: str, **kwargs: Any) -> HttpFleetBackend:
             continue
         if key == "workers":
             kwargs["workers"] = [w for item in values for w in item.split(",") if w]
+        elif key == "native_generate":
+            flag = values[-1].lower()
+            if flag not in ("0", "1", "true", "false"):
+                raise InvalidRequest("url.native_generate", f"must be 0/1/true/false, got {values[-1]!r}")
+            kwargs[key] = flag in ("1", "true")
         else:
             kwargs[key] = values[-1]
     return await connect(f"http://{parts.netloc}", **kwargs)

@@ -171,6 +171,9 @@ class DynamoFrontend:
     router_predicted_ttl_secs: float | None = None  #: predict-on-route (needs KV events)
     overlap_score_credit: float | None = None  #: ``--router-kv-overlap-score-credit``
     router_temperature: float | None = None  #: ``--router-temperature`` (0 = argmin)
+    #: serve SGLang's native ``/generate`` (``DYN_SGLANG_ENABLE_GENERATE=1``; a 1.4.x frontend
+    #: has no such route and ignores the variable).
+    native_generate: bool = True
     http_port: int | None = None  #: default: ``ctx.fixed["http"]`` or a free port
     extra_args: tuple[str, ...] = attrs.field(factory=tuple, converter=str_tuple)
     env: Mapping[str, str] = attrs.field(factory=dict, converter=env_map)
@@ -203,6 +206,8 @@ class DynamoFrontend:
         env["DYN_ENABLE_RL"] = "true"
         # DYN_ENABLE_RL opens an admin listener (default 127.0.0.1:8001): one port per fleet.
         env["DYN_RL_PORT"] = str(ctx.port("rl", below=PORT_CEILING))
+        if self.native_generate:
+            env["DYN_SGLANG_ENABLE_GENERATE"] = "1"
         env.update(self.env)
         expected = len(engines)
         namespace = self.namespace

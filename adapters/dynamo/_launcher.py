@@ -81,6 +81,9 @@ class DynamoFleet:
     overlap_score_credit: float | None = None  #: ``--router-kv-overlap-score-credit``
     router_temperature: float | None = None  #: ``--router-temperature`` (0 = argmin)
     migration_limit: int = 0  #: keep 0 for RL: a migrated request splices two workers' tokens
+    #: 1.6.x: the frontend serves native ``/generate`` and ``connect()`` uses it where it is
+    #: better (our reference workers); False keeps every request on ``/v1/completions``.
+    native_generate: bool = True
     frontend_args: tuple[str, ...] = attrs.field(factory=tuple, converter=str_tuple)
     # -- discovery and planes
     namespace: str | None = None  #: default: a fresh ``rb<hex>`` per fleet
@@ -233,6 +236,8 @@ class RunningDynamoFleet:
         kwargs.setdefault("model", self.config.model_name)
         kwargs.setdefault("initial_version", self.config.weight_version)
         kwargs.setdefault("model_path", self.config.model_path)
+        if not self.config.native_generate:
+            kwargs.setdefault("native_generate", False)
         backend = await connect(self.frontend_url, workers=list(self.worker_urls), rpc_ports=self.rpc_ports, **kwargs)
         self._backends.append(backend)
         return backend

@@ -13,6 +13,12 @@ once at connect time:
   ``flush_cache``, ``init/destroy_weights_update_group`` and ``abort_request`` need the worker's
   ``--engine-route`` allowlist.
 * ``mocker``: ``dynamo.mocker``: no engine routes, no logprobs.
+
+Generation path, also detected once (``native_generate``): a 1.6.x frontend started with
+``DYN_SGLANG_ENABLE_GENERATE=1`` serves SGLang's native ``POST /generate`` (SSE); the adapter uses
+it for unpinned requests to our worker, whose answers name the worker and the served version and
+carry every float unrounded. Pinned requests stay on ``/v1/completions``: 1.6.1's ``/generate``
+ignores ``x-dynamo-worker-instance-id`` (measured, ``docs/dynamo-notes.md`` §7).
 """
 
 from __future__ import annotations
@@ -35,7 +41,7 @@ from rollout_backends._errors import (
     WorkerFailure,
 )
 from rollout_backends._fleet import Op, Worker
-from rollout_backends._http import HttpRequest, HttpResponse
+from rollout_backends._http import HttpRequest, HttpResponse, _loads
 from rollout_backends._types import (
     Capabilities,
     FinishReason,
@@ -46,8 +52,9 @@ from rollout_backends._types import (
     VersionSource,
     WeightTransport,
 )
+from rollout_backends.adapters.sglang._wire import parse_native_generation, sampling_params_body
 
-__all__ = ["FLAVORS", "DynamoWire", "completion_body", "generate_instances", "is_uuid"]
+__all__ = ["FLAVORS", "DynamoWire", "completion_body", "generate_instances", "is_uuid", "native_body", "sse_events"]
 
 FLAVORS = ("rollout", "sglang14", "sglang14-shim", "sglang16", "mocker", "none")
 #: Router modes that honour ``nvext.backend_instance_id`` (measured on 1.4.2: round-robin ignores it).
@@ -118,6 +125,40 @@ def completion_body(request: GenerateRequest, model: str, *, logprobs: bool, ins
         nvext["backend_instance_id"] = instance_id
     body["nvext"] = nvext
     return body
+
+
+def native_body(request: GenerateRequest) -> dict[str, Any]:
+    """The 1.6.x frontend's native ``/generate`` body: SGLang's own (``sampling_params`` as the SGLang
+    adapter sends them); ``stream`` must be true (the frontend answers 501 otherwise)."""
+    return {
+        "rid": request.request_id,
+        "input_ids": list(request.input_ids),
+        "sampling_params": sampling_params_body(request.sampling),
+        "return_logprob": request.return_logprobs,
+        "stream": True,
+    }
+
+
+def is_sse(body: bytes) -> bool:
+    """Whether an answer is an SSE stream (``/generate``) rather than one JSON object."""
+    head = body[:16].lstrip()
+    return head.startswith((b"data:", b":"))
+
+
+def sse_events(body: bytes) -> list[Any]:
+    """The JSON payloads of an SSE body's ``data:`` events, up to ``[DONE]``."""
+    events: list[Any] = []
+    for line in body.split(b"\n"):
+        if not line.startswith(b"data:"):
+            continue  # blank separators, ": keep-alive" comments
+        data = line[5:].strip()
+        if data == b"[DONE]":
+            break
+        try:
+            events.append(_loads(data))
+        except ValueError as exc:
+            raise ContractViolation(f"/generate sent an event that is not JSON: {data[:200]!r}") from exc
+    return events
 
 
 def _error_message(resp: HttpResponse) -> str:
@@ -192,6 +233,9 @@ class DynamoWire:
     eos_token_ids: tuple[int, ...] = ()
     namespace: str | None = None
     probe_timeout: float = 20.0
+    #: Unpinned requests go to the frontend's native ``/generate`` (detected at connect: the frontend
+    #: serves the route and the workers advertise ``sglang_generate`` and name themselves in it).
+    native_generate: bool = False
 
     def __attrs_post_init__(self) -> None:
         if self.flavor not in FLAVORS:
@@ -235,6 +279,8 @@ class DynamoWire:
     # -- generation -------------------------------------------------------------------------
 
     def generate(self, request: GenerateRequest, worker: Worker | None) -> HttpRequest:
+        if self.native_generate and worker is None:
+            return HttpRequest("POST", f"{self.frontend_url}/generate", json=native_body(request))
         body = completion_body(
             request,
             self.model,
@@ -254,7 +300,11 @@ class DynamoWire:
                 f"frontend: HTTP 404 ({_error_message(response)}): no worker serves {self.model!r}"
             )
         if response.status in (429, 503, 529):
-            raise Overloaded(f"frontend: HTTP {response.status}: {_error_message(response)}")
+            # The frontend answers these before any worker took the request: a busy-threshold
+            # rejection (529/503), or (1.6.x) "Service temporarily unavailable" when the routed
+            # instance is gone; 1.6.1 drops the dead instance at once (1.4.2 answers 500 until its
+            # lease expires). Nothing was generated, so resending is safe.
+            raise Overloaded(f"frontend: HTTP {response.status}: {_error_message(response)}", nothing_generated=True)
         if response.status >= 500:
             msg = _error_message(response)
             if "Failed to generate completions" in msg:
@@ -266,10 +316,45 @@ class DynamoWire:
             raise BackendUnavailable(f"frontend: HTTP {response.status}: {msg}")
         if response.status != 200:
             raise ContractViolation(f"/v1/completions answered HTTP {response.status}: {_error_message(response)}")
+        if is_sse(response.body):
+            return self.parse_native(request, response.body, latency_s)
         data = response.json()
         if not isinstance(data, dict):
             raise ContractViolation(f"/v1/completions answered {type(data).__name__}, expected an object")
         return self.parse_completion(request, data, latency_s)
+
+    def parse_native(self, request: GenerateRequest, body: bytes, latency_s: float) -> Generation:
+        """A native ``/generate`` SSE answer: incremental SGLang objects (each with its *new*
+        ``output_ids`` and aligned ``meta_info.output_token_logprobs``), the last one finished.
+        An error after the stream started comes as an event ``{"error": {"message"}}`` (HTTP 200)."""
+        ids: list[Any] = []
+        entries: list[Any] = []
+        meta: dict[str, Any] | None = None
+        for ev in sse_events(body):
+            if not isinstance(ev, dict):
+                raise ContractViolation(f"/generate sent a {type(ev).__name__} event, expected an object")
+            if "error" in ev:
+                err = ev["error"]
+                msg = str(err.get("message", err)) if isinstance(err, dict) else str(err)
+                raise BackendUnavailable(f"frontend /generate failed mid-stream: {msg}")
+            out, m = ev.get("output_ids"), ev.get("meta_info")
+            if not isinstance(out, list) or not isinstance(m, dict):
+                raise ContractViolation("/generate event lacks output_ids or meta_info")
+            ids.extend(out)
+            lps = m.get("output_token_logprobs")
+            if isinstance(lps, list):
+                entries.extend(lps)
+            meta = m
+        if meta is None or meta.get("finish_reason") is None:
+            raise ContractViolation("/generate stream ended without a finished event")
+        worker = self.url_workers.get(str(meta.get("worker") or "").rstrip("/"))
+        total = meta.get("completion_tokens")
+        if _is_int(total) and total != len(ids):
+            raise ContractViolation(f"/generate sent {len(ids)} output ids, completion_tokens={total}", worker=worker)
+        merged = {"output_ids": ids, "meta_info": {**meta, "output_token_logprobs": entries}}
+        gen = parse_native_generation(request, merged, latency_s, worker=worker)
+        # SGLang reports the id it was given (our rid); keep the caller's, and f32-free logprobs as sent.
+        return attrs.evolve(gen, request_id=request.request_id)
 
     def worker_of(self, nvext: Mapping[str, Any]) -> str | None:
         ed = nvext.get("engine_data")

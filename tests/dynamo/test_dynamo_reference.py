@@ -1,6 +1,8 @@
-"""Real Dynamo 1.4.2 frontend + two of our Python workers over ``ReferenceEngine`` (CPU).
+"""Real Dynamo frontend (1.4.2, or 1.6.1 in ``make test-dynamo16``) + two of our Python workers over
+``ReferenceEngine`` (CPU).
 
-Tokens and logprobs equal the in-process ``ReferenceBackend`` exactly; weight updates (disk and
+Tokens and logprobs equal the in-process ``ReferenceBackend`` exactly, over ``/v1/completions`` and
+(1.6.x) native ``/generate``; weight updates (disk and
 gloo) go through the engine routes inside ``backend.weight_update``; every pause mode; abort;
 bad inputs; no processes left behind.
 """
@@ -8,9 +10,11 @@ bad inputs; no processes left behind.
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import aiohttp
 import pytest
 import pytest_asyncio
 
@@ -27,6 +31,7 @@ from rollout_backends import (
 )
 from rollout_backends._fleet import HttpFleetBackend
 from rollout_backends.adapters.dynamo import DynamoFleet, RunningDynamoFleet, launch_dynamo_fleet, open_from_url
+from rollout_backends.adapters.dynamo._wire import is_sse
 from rollout_backends.adapters.reference import ReferenceBackend, WeightSender, free_port
 
 from .conftest import HAS_DYNAMO
@@ -103,6 +108,66 @@ async def test_stop_token(fleet: tuple[RunningDynamoFleet, HttpFleetBackend], lo
     g = await b.generate(GenerateRequest(input_ids=PROMPTS[1], sampling=sampling))
     assert (g.output_ids, g.logprobs, g.finish_reason) == want
     assert g.finish_reason is FinishReason.STOP and g.output_ids[-1] == stop and g.matched_stop == stop
+
+
+async def _frontend_serves_generate(frontend_url: str) -> bool:
+    """Independently of the adapter's probe: does a real 1-token native /generate stream back?"""
+    body = {"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 1}, "stream": True}
+    async with aiohttp.ClientSession() as s, s.post(f"{frontend_url}/generate", json=body) as r:
+        text = await r.text()
+    if r.status == 404:
+        return False
+    assert r.status == 200 and text.startswith("data:") and text.rstrip().endswith("data: [DONE]"), (r.status, text)
+    return True
+
+
+async def test_generation_path_detected(fleet: tuple[RunningDynamoFleet, HttpFleetBackend]) -> None:
+    """1.6.x (the launcher sets DYN_SGLANG_ENABLE_GENERATE=1): native /generate; 1.4.x: /v1/completions."""
+    running, b = fleet
+    served = await _frontend_serves_generate(running.frontend_url)
+    if os.environ.get("RB_EXPECT_DYNAMO", "").startswith("1.6"):
+        assert served, "an ai-dynamo 1.6.x frontend must serve /generate"
+    assert b.wire.native_generate is served  # type: ignore[attr-defined]
+    off = await running.connect(native_generate=False)
+    assert off.wire.native_generate is False  # type: ignore[attr-defined]
+
+
+async def test_native_generate_equals_in_process(
+    fleet: tuple[RunningDynamoFleet, HttpFleetBackend], local: ReferenceBackend
+) -> None:
+    """Unpinned requests over native /generate: tokens, logprobs (JSON doubles, no f32 step), finish
+    reason, served version and worker equal the in-process engine; so do pinned ones (/v1/completions)."""
+    running, b = fleet
+    if not b.wire.native_generate:  # type: ignore[attr-defined]
+        pytest.skip("this frontend has no native /generate (ai-dynamo 1.4.x); the 1.6.1 run covers it")
+    # The answer really is SSE from /generate.
+    req = GenerateRequest(input_ids=PROMPTS[0], sampling=SAMPLINGS[1])
+    http = b.wire.generate(req, None)
+    resp = await b.client.send(http)
+    assert http.url == f"{running.frontend_url}/generate" and is_sse(resp.body)
+    stop_at = (await _expected(local, PROMPTS[1], SAMPLINGS[0]))[0][3]
+    samplings = [*SAMPLINGS, SamplingParams(max_new_tokens=12, temperature=0.0, stop_token_ids=[stop_at])]
+    for prompt in PROMPTS:
+        for sampling in samplings:
+            want = await _expected(local, prompt, sampling)
+            g = await b.generate(GenerateRequest(input_ids=prompt, sampling=sampling))
+            assert (g.output_ids, g.logprobs, g.finish_reason) == want, (prompt, sampling)
+            assert g.worker in b.workers and g.weight_version == "default" and g.prompt_tokens == len(prompt)
+    g = await b.generate(GenerateRequest(input_ids=PROMPTS[1], sampling=samplings[-1]))
+    assert g.finish_reason is FinishReason.STOP and g.matched_stop == stop_at
+
+
+async def test_abort_unpinned_request(fleet: tuple[RunningDynamoFleet, HttpFleetBackend]) -> None:
+    """Abort by id also reaches a request the frontend routed (native /generate on 1.6.x): the partial
+    tokens and their logprobs come back with finish ABORT."""
+    _, b = fleet
+    req = GenerateRequest(input_ids=PROMPTS[2], sampling=LONG, request_id="unpinned-abort-1")
+    task = asyncio.ensure_future(b.generate(req))
+    await _started(b, task)
+    await b.abort(req.request_id)
+    g = await asyncio.wait_for(task, 10)
+    assert g.finish_reason is FinishReason.ABORT and 0 < len(g.output_ids) < 3000 and g.worker in b.workers
+    assert g.logprobs is not None and len(g.logprobs) == len(g.output_ids) and g.request_id == req.request_id
 
 
 async def test_bad_inputs(fleet: tuple[RunningDynamoFleet, HttpFleetBackend]) -> None:

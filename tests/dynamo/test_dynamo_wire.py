@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import Any
 
 import pytest
@@ -15,8 +16,10 @@ from rollout_backends import (
     FinishReason,
     GenerateRequest,
     InvalidRequest,
+    Overloaded,
     PauseMode,
     SamplingParams,
+    Unsupported,
     WeightGroup,
 )
 from rollout_backends._fleet import HttpFleetBackend, Op, Worker
@@ -24,6 +27,7 @@ from rollout_backends._http import HttpClient, HttpRequest, HttpResponse, MockTr
 from rollout_backends.adapters.dynamo import DynamoFleet, DynamoWire
 from rollout_backends.adapters.dynamo._launcher import _WorkerPorts, frontend_argv, worker_argv, worker_env
 from rollout_backends.adapters.dynamo._wire import completion_body
+from rollout_backends.adapters.sglang import sampling_params_body
 
 W0 = Worker(id="127.0.0.1:21001", control_url="http://127.0.0.1:21001", instance_id=111)
 W1 = Worker(id="127.0.0.1:21002", control_url="http://127.0.0.1:21002", instance_id=222)
@@ -216,3 +220,170 @@ def test_launcher_config_validation() -> None:
         DynamoFleet(model_path="/m", discovery="etcd")
     cfg = DynamoFleet(model_path="/m", discovery="etcd", etcd_endpoints=["http://10.0.0.1:2379"])
     assert "etcd" in frontend_argv(cfg, "ns", 1)
+
+
+# -- native /generate (ai-dynamo 1.6.x frontend, DYN_SGLANG_ENABLE_GENERATE=1) ----------------------
+
+
+def _sse(*events: Any) -> HttpResponse:
+    body = b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events) + b"data: [DONE]\n\n"
+    return HttpResponse(200, body, {"Content-Type": "text/event-stream"})
+
+
+def _event(ids: list[int], lps: list[float] | None, finish: Any = None, **meta: Any) -> dict[str, Any]:
+    m: dict[str, Any] = {"id": "r1", "finish_reason": finish, "prompt_tokens": 3, **meta}
+    if lps is not None:
+        m["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(lps, ids, strict=True)]
+    return {"output_ids": ids, "meta_info": m}
+
+
+def test_native_generate_routes_unpinned_requests_only() -> None:
+    w = _wire(native_generate=True)
+    req = GenerateRequest(input_ids=[1, 2, 3], sampling=SamplingParams(max_new_tokens=5, temperature=0.7, seed=3))
+    http = w.generate(req, None)
+    assert http.url == "http://fe/generate"
+    assert http.json == {
+        "rid": req.request_id,
+        "input_ids": [1, 2, 3],
+        "sampling_params": sampling_params_body(req.sampling),
+        "return_logprob": True,
+        "stream": True,  # the frontend answers 501 to a non-streamed /generate
+    }
+    assert http.json["sampling_params"]["sampling_seed"] == 3 and http.json["sampling_params"]["temperature"] == 0.7
+    # 1.6.1's /generate ignores the pinning header: a pinned request stays on /v1/completions
+    pinned = w.generate(req, W0)
+    assert pinned.url == "http://fe/v1/completions" and pinned.json["nvext"]["backend_instance_id"] == 111
+    assert _wire().generate(req, None).url == "http://fe/v1/completions"
+
+
+def test_parse_native_generation() -> None:
+    w = _wire(native_generate=True)
+    req = GenerateRequest(input_ids=[1, 2, 3], sampling=SamplingParams(max_new_tokens=3), request_id="mine")
+    # Deltas concatenate; logprobs keep every bit (no f32 on this path); the worker names itself.
+    lp = [-0.123456789012345, -1e-12, -7.0]
+    resp = _sse(
+        _event([4], lp[:1], completion_tokens=1),
+        _event([5, 6], lp[1:], {"type": "length", "length": 3}, completion_tokens=3, cached_tokens=2,
+               weight_version="v7", worker=W0.control_url),
+    )  # fmt: skip
+    g = w.parse_generation(req, resp, 0.1)
+    assert g.output_ids == (4, 5, 6) and g.logprobs == tuple(lp) and g.finish_reason is FinishReason.LENGTH
+    assert g.weight_version == "v7" and g.worker == W0.id and g.cached_tokens == 2 and g.request_id == "mine"
+    # stop (matched token included), abort with partial tokens, no logprobs asked
+    g = w.parse_generation(req, _sse(_event([4, 0], [-0.1, -0.2], {"type": "stop", "matched": 0})), 0.1)
+    assert g.finish_reason is FinishReason.STOP and g.matched_stop == 0
+    g = w.parse_generation(req, _sse(_event([4], [-0.1], {"type": "abort", "message": "aborted"})), 0.1)
+    assert g.aborted and g.output_ids == (4,) and g.worker is None  # not named: the fleet fills it in if it knows
+    nolp = GenerateRequest(input_ids=[1], return_logprobs=False)
+    assert w.parse_generation(nolp, _sse(_event([4], None, {"type": "length"})), 0.1).logprobs is None
+
+
+def test_parse_native_generation_errors() -> None:
+    w = _wire(native_generate=True)
+    req = GenerateRequest(input_ids=[1])
+    with pytest.raises(BackendUnavailable):  # a failure after the stream began: HTTP 200 + an error event
+        w.parse_generation(req, _sse({"error": {"message": "Internal server error"}}), 0.1)
+    with pytest.raises(ContractViolation):  # the stream ended without a finished event
+        w.parse_generation(req, _sse(_event([4], [-0.1])), 0.1)
+    with pytest.raises(ContractViolation):  # fewer logprobs than tokens: never padded
+        w.parse_generation(req, _sse(_event([4], [-0.1]), _event([5], None, {"type": "length"})), 0.1)
+    with pytest.raises(ContractViolation):  # ids and completion_tokens disagree
+        w.parse_generation(req, _sse(_event([4], [-0.1], {"type": "length"}, completion_tokens=2)), 0.1)
+    bad = _event([4], [-0.1], {"type": "length"})
+    bad["meta_info"]["output_token_logprobs"] = [[-0.1, 9, None]]
+    with pytest.raises(ContractViolation):  # a logprob for another token
+        w.parse_generation(req, _sse(bad), 0.1)
+    with pytest.raises(ContractViolation):
+        w.parse_generation(req, HttpResponse(200, b"data: {not json\n\n"), 0.1)
+    with pytest.raises(InvalidRequest):
+        w.parse_generation(req, HttpResponse.from_json({"error": {"message": "input_ids cannot be empty."}}, 400), 0.1)
+    with pytest.raises(BackendUnavailable):  # no worker advertises sglang_generate
+        msg = {"error": {"message": "no generate-capable model is registered"}}
+        w.parse_generation(req, HttpResponse.from_json(msg, 404), 0.1)
+
+
+def test_frontend_rejections_are_resendable() -> None:
+    """1.6.1 answers 503 "Service temporarily unavailable" when the routed instance is gone (before any
+    worker took the request); 529/429 are busy rejections: nothing was generated."""
+    req = GenerateRequest(input_ids=[1])
+    for status in (503, 529, 429):
+        body = {"message": "Service temporarily unavailable", "type": "Service Unavailable", "code": status}
+        with pytest.raises(Overloaded) as ei:
+            _wire().parse_generation(req, HttpResponse.from_json(body, status), 0.1)
+        assert ei.value.nothing_generated
+
+
+def _frontend(generate: HttpResponse, info: dict[str, Any] | None) -> MockTransport:
+    seen: list[str] = []
+
+    def handler(req: HttpRequest) -> HttpResponse:
+        seen.append(req.url)
+        path = req.url.split("://", 1)[1].split("/", 1)[1]
+        if path == "v1/models":
+            return HttpResponse.from_json({"data": [{"id": "tiny"}]})
+        if path == "health":
+            return HttpResponse.from_json({"instances": []})
+        if path == "generate":
+            assert req.json == {"input_ids": [], "stream": True}  # the probe generates nothing
+            return generate
+        if path == "engine/rollout/info" and info is not None:
+            return HttpResponse.from_json(info)
+        return HttpResponse.from_json({"message": f"Route not found: POST /{path}"}, 404)
+
+    transport = MockTransport(handler)
+    transport.seen = seen  # type: ignore[attr-defined]
+    return transport
+
+
+SERVED = HttpResponse.from_json({"error": {"message": "input_ids cannot be empty."}}, 400)
+ABSENT = HttpResponse.from_json({"message": "Route not found: POST /generate", "code": 404}, 404)
+
+
+@pytest.mark.parametrize(
+    ("frontend", "info", "asked", "native"),
+    [
+        (SERVED, {"instance_id": 111, "native_generate": True}, None, True),  # 1.6.x + our worker
+        (ABSENT, {"instance_id": 111, "native_generate": True}, None, False),  # 1.4.x, or no DYN_SGLANG_ENABLE_GENERATE
+        (SERVED, {"instance_id": 111}, None, False),  # a worker that does not advertise it
+        (SERVED, None, None, False),  # dynamo.sglang / mocker: their /generate answers name no worker
+        (SERVED, {"instance_id": 111, "native_generate": True}, False, False),  # turned off
+        (SERVED, None, True, True),  # asked for explicitly
+    ],
+)
+async def test_connect_detects_native_generate(
+    frontend: HttpResponse, info: dict[str, Any] | None, asked: bool | None, native: bool
+) -> None:
+    from rollout_backends.adapters.dynamo import connect
+
+    transport = _frontend(frontend, info)
+    flavor = None if info is not None else "sglang16"
+    b = await connect(
+        "http://fe:1", workers=["http://w:1"], flavor=flavor, native_generate=asked, client=HttpClient(transport)
+    )
+    try:
+        assert b.wire.native_generate is native  # type: ignore[attr-defined]
+    finally:
+        await b.aclose()
+
+
+async def test_connect_native_generate_required_but_absent() -> None:
+    from rollout_backends.adapters.dynamo import connect
+
+    with pytest.raises(Unsupported):
+        await connect("http://fe:1", workers=["http://w:1"], flavor="sglang16", native_generate=True,
+                      client=HttpClient(_frontend(ABSENT, None)))  # fmt: skip
+
+
+async def test_registry_url_native_generate_option() -> None:
+    from rollout_backends.adapters.dynamo import open_from_url
+
+    with pytest.raises(InvalidRequest) as ei:
+        await open_from_url("dynamo://fe:1?native_generate=maybe")
+    assert ei.value.field == "url.native_generate"
+    b = await open_from_url(
+        "dynamo://fe:1?workers=w:1&flavor=sglang16&native_generate=0", client=HttpClient(_frontend(SERVED, None))
+    )
+    try:
+        assert b.wire.native_generate is False  # type: ignore[attr-defined]
+    finally:
+        await b.aclose()
