@@ -34,9 +34,10 @@ async def detect_flavor(client: HttpClient, worker_url: str) -> tuple[str, dict[
     """Which engine routes a worker serves, probed once (no side effects):
 
     ``rollout/info`` answers → our worker (``rollout``, with its info); else
-    ``call_tokenizer_manager`` is routed → ``sglang14`` (1.4.x with ``--enable-rl``); else a
-    404 "Route not found" → ``sglang16`` (1.6.x native routes) — or a mocker, which has no engine
-    routes at all (pass ``flavor="mocker"``; the launcher does).
+    ``call_tokenizer_manager`` is routed → ``sglang14`` (1.4.x with ``--enable-rl``), or
+    ``sglang14-shim`` when the shim's ``rollout/weight_version`` answers too; else a 404 "Route
+    not found" → ``sglang16`` (1.6.x native routes) — or a mocker, which has no engine routes at
+    all (pass ``flavor="mocker"``; the launcher does).
     """
     info = await _send(client, HttpRequest("POST", f"{worker_url}/engine/rollout/info", json={}, timeout=10.0))
     if info.ok:
@@ -46,7 +47,10 @@ async def detect_flavor(client: HttpClient, worker_url: str) -> tuple[str, dict[
     tm = await _send(client, HttpRequest("POST", f"{worker_url}/engine/call_tokenizer_manager", json={}, timeout=10.0))
     if _route_missing(tm):
         return "sglang16", None
-    return "sglang14", None
+    version = await _send(
+        client, HttpRequest("POST", f"{worker_url}/engine/rollout/weight_version", json={}, timeout=10.0)
+    )
+    return ("sglang14-shim" if version.ok else "sglang14"), None
 
 
 async def detect_native_generate(client: HttpClient, frontend: str) -> bool:

@@ -7,6 +7,8 @@
   lists every engine's ``generate`` instance in the fleet's namespace and ``/v1/models`` is not empty.
 
 Ports of Dynamo processes are picked below 32768 (1.4.2 parses ``DYN_SYSTEM_PORT`` as an i16).
+The same command lines serve ai-dynamo 1.4.x and 1.6.x: the few knobs only one of them reads are
+listed together below (``FRONTEND_NATIVE_GENERATE_ENV``, ``SGLANG_RL_FLAG``, ``SGLANG_ENGINE_ROUTES_ENV``).
 """
 
 from __future__ import annotations
@@ -33,6 +35,23 @@ PORT_CEILING = 32768
 WORKER_KINDS = ("mocker", "reference", "sglang", "module")
 #: ``dynamo.sglang`` through the adapter's shim (per-chunk logprob fix + ``engine_data``).
 SGLANG_SHIM = "rollout_backends.adapters.dynamo._sglang_shim"
+
+# -- what differs between ai-dynamo 1.4.x and 1.6.x on the command line, all in one place ----------
+# Each knob is read by one version and ignored by the other, so the launcher passes all of them and
+# needs no version check (the adapter detects the rest once, at connect: ``_client.py``).
+#: Frontend env, 1.6.x: serve SGLang's native ``POST /generate`` (the 1.4.x frontend has no such route).
+FRONTEND_NATIVE_GENERATE_ENV = {"DYN_SGLANG_ENABLE_GENERATE": "1"}
+#: ``dynamo.sglang`` flag, 1.4.x: registers ``/engine/call_tokenizer_manager`` (pause, flush, weight
+#: groups, abort). 1.6.x: only enables ``nvext.metadata_upload``; harmless.
+SGLANG_RL_FLAG = "--enable-rl"
+#: ``dynamo.sglang`` env, 1.6.x: ``call_tokenizer_manager`` is gone; the engine routes the adapter
+#: needs beyond the built-in ones come from this allowlist (``dynamo/sglang/engine_routes.py``:
+#: ``<path>[=<method>][:engine|tm]``; SGLang 0.5.21 ``Engine.flush_cache`` /
+#: ``init_weights_update_group`` / ``destroy_weights_update_group`` take the JSON keys as kwargs,
+#: ``TokenizerManager.abort_request(rid, abort_all)``). 1.4.x does not read it.
+SGLANG_ENGINE_ROUTES_ENV = {
+    "DYN_SGLANG_ENGINE_ROUTES": "flush_cache init_weights_update_group destroy_weights_update_group abort_request:tm"
+}
 
 
 @attrs.frozen(kw_only=True)
@@ -125,9 +144,10 @@ class DynamoWorkerCommand:
                 "--model-path", self.model_path, "--served-model-name", self.model_name,
                 "--page-size", str(self.page_size),
                 "--host", ctx.bind_host, "--port", str(sglang_port), "--nccl-port", str(nccl),
-                "--namespace", self.namespace, "--endpoint", endpoint, "--enable-rl",
+                "--namespace", self.namespace, "--endpoint", endpoint, SGLANG_RL_FLAG,
                 *self.planes.args(),
             ]  # fmt: skip
+            env.update(SGLANG_ENGINE_ROUTES_ENV)
             if self.tp != 1:
                 argv += ["--tp", str(self.tp)]
             ports += [(ctx.bind_host, sglang_port), (ctx.bind_host, nccl)]
@@ -207,7 +227,7 @@ class DynamoFrontend:
         # DYN_ENABLE_RL opens an admin listener (default 127.0.0.1:8001): one port per fleet.
         env["DYN_RL_PORT"] = str(ctx.port("rl", below=PORT_CEILING))
         if self.native_generate:
-            env["DYN_SGLANG_ENABLE_GENERATE"] = "1"
+            env.update(FRONTEND_NATIVE_GENERATE_ENV)
         env.update(self.env)
         expected = len(engines)
         namespace = self.namespace

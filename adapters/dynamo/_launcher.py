@@ -228,10 +228,11 @@ class RunningDynamoFleet:
         """The ``RolloutBackend`` over this fleet (closed with the fleet)."""
         from rollout_backends.adapters.dynamo._client import connect
 
-        flavor = {"reference": "rollout", "mocker": "mocker", "sglang": "sglang14"}[self.config.worker_kind]
-        if self.config.worker_kind == "sglang" and self.config.sglang_shim:
-            flavor = "sglang14-shim"
-        kwargs.setdefault("flavor", flavor)
+        # The mocker has no engine routes to probe; dynamo.sglang's routes differ by version (and by
+        # whether the shim took): connect() detects them.
+        flavor = {"reference": "rollout", "mocker": "mocker"}.get(self.config.worker_kind)
+        if flavor is not None:
+            kwargs.setdefault("flavor", flavor)
         kwargs.setdefault("router_mode", self.config.router_mode)
         kwargs.setdefault("model", self.config.model_name)
         kwargs.setdefault("initial_version", self.config.weight_version)

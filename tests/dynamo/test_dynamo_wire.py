@@ -387,3 +387,58 @@ async def test_registry_url_native_generate_option() -> None:
         assert b.wire.native_generate is False  # type: ignore[attr-defined]
     finally:
         await b.aclose()
+
+
+@pytest.mark.parametrize(
+    ("routes", "flavor"),
+    [
+        ({"rollout/info": (200, {"instance_id": 7})}, "rollout"),
+        ({"call_tokenizer_manager": (500, {"error": "Handler error", "message": "KeyError: 'method'"})}, "sglang14"),
+        (
+            {
+                "call_tokenizer_manager": (500, {"error": "Handler error", "message": "KeyError: 'method'"}),
+                "rollout/weight_version": (200, {"weight_version": "v1"}),
+            },
+            "sglang14-shim",
+        ),
+        ({}, "sglang16"),  # 1.6.x: no call_tokenizer_manager ("Route not found")
+    ],
+)
+async def test_detect_flavor(routes: dict[str, tuple[int, dict[str, Any]]], flavor: str) -> None:
+    from rollout_backends.adapters.dynamo import detect_flavor
+
+    def handler(req: HttpRequest) -> HttpResponse:
+        route = req.url.split("/engine/", 1)[1]
+        if route in routes:
+            status, body = routes[route]
+            return HttpResponse.from_json(body, status)
+        return HttpResponse.from_json({"error": "Route not found", "message": f"Route /engine/{route} not found"}, 404)
+
+    client = HttpClient(MockTransport(handler))
+    try:
+        got, _ = await detect_flavor(client, "http://w:1")
+    finally:
+        await client.aclose()
+    assert got == flavor
+
+
+def test_launcher_passes_both_versions_knobs() -> None:
+    """Each knob is read by one Dynamo version and ignored by the other (``_commands.py``)."""
+    from rollout_backends.adapters.dynamo._launcher import _node, fleet_planes, frontend_command
+
+    cfg = DynamoFleet(model_path="/m/tiny", worker_kind="sglang", workers=1)
+    env = frontend_command(cfg, "ns", fleet_planes(cfg)).build(_node(cfg, -1, "", set()), []).spec.env
+    assert env["DYN_SGLANG_ENABLE_GENERATE"] == "1"
+    off = DynamoFleet(model_path="/m/tiny", native_generate=False)
+    assert (
+        "DYN_SGLANG_ENABLE_GENERATE"
+        not in frontend_command(off, "ns", fleet_planes(off)).build(_node(off, -1, "", set()), []).spec.env
+    )
+    ports = _WorkerPorts(system=21000, rpc=21001, kv_events=21002, sglang=21003, nccl=21004)
+    wenv = worker_env(cfg, 0, {}, ports)
+    routes = str(wenv["DYN_SGLANG_ENGINE_ROUTES"]).split()
+    # what the sglang16 wire sends beyond 1.6.x's built-in routes
+    assert routes == ["flush_cache", "init_weights_update_group", "destroy_weights_update_group", "abort_request:tm"]
+    assert "--enable-rl" in worker_argv(cfg, 0, "ns", ports)  # 1.4.x: call_tokenizer_manager
+    ref = DynamoFleet(model_path="/m/tiny", worker_kind="reference", workers=1)
+    assert "DYN_SGLANG_ENGINE_ROUTES" not in worker_env(ref, 0, {}, ports)
