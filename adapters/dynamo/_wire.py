@@ -300,13 +300,21 @@ class DynamoWire:
                 f"frontend: HTTP 404 ({_error_message(response)}): no worker serves {self.model!r}"
             )
         if response.status in (429, 503, 529):
-            # The frontend answers these before any worker took the request: a busy-threshold
-            # rejection (529/503), or (1.6.x) "Service temporarily unavailable" when the routed
-            # instance is gone; 1.6.1 drops the dead instance at once (1.4.2 answers 500 until its
-            # lease expires). Nothing was generated, so resending is safe.
-            raise Overloaded(f"frontend: HTTP {response.status}: {_error_message(response)}", nothing_generated=True)
+            # Not flagged nothing_generated: 1.6.1 answers 503 "Service temporarily unavailable"
+            # also for /v1/completions requests that were running on a worker when it died.
+            raise Overloaded(f"frontend: HTTP {response.status}: {_error_message(response)}")
         if response.status >= 500:
             msg = _error_message(response)
+            if response.status == 500 and self.native_generate and request.worker is None:
+                # Native /generate (1.6.1) answers HTTP 200 as soon as a worker's stream exists and
+                # reports later failures inside it (a request running on a worker that dies: an
+                # error event); a 500 means dispatch failed before any stream, like 1.4.2's "Failed
+                # to generate completions": the routed worker is dead (the frontend logs "SGLang
+                # engine generate call failed ... Connection refused", answers "internal server error").
+                raise ConnectionFailed(
+                    f"frontend /generate: HTTP 500 before the stream began ({msg}): no token was generated",
+                    nothing_generated=True,
+                )
             if "Failed to generate completions" in msg:
                 # The frontend could not start the stream (e.g. the routed worker is gone but still
                 # in discovery for up to its ~10 s lease): nothing was generated, resending is safe.
@@ -315,7 +323,7 @@ class DynamoWire:
                 )
             raise BackendUnavailable(f"frontend: HTTP {response.status}: {msg}")
         if response.status != 200:
-            raise ContractViolation(f"/v1/completions answered HTTP {response.status}: {_error_message(response)}")
+            raise ContractViolation(f"frontend answered HTTP {response.status}: {_error_message(response)}")
         if is_sse(response.body):
             return self.parse_native(request, response.body, latency_s)
         data = response.json()
@@ -353,7 +361,7 @@ class DynamoWire:
             raise ContractViolation(f"/generate sent {len(ids)} output ids, completion_tokens={total}", worker=worker)
         merged = {"output_ids": ids, "meta_info": {**meta, "output_token_logprobs": entries}}
         gen = parse_native_generation(request, merged, latency_s, worker=worker)
-        # SGLang reports the id it was given (our rid); keep the caller's, and f32-free logprobs as sent.
+        # meta_info.id is whatever id the frontend settled on; the caller's request id is the one we sent.
         return attrs.evolve(gen, request_id=request.request_id)
 
     def worker_of(self, nvext: Mapping[str, Any]) -> str | None:

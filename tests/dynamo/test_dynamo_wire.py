@@ -300,17 +300,23 @@ def test_parse_native_generation_errors() -> None:
     with pytest.raises(BackendUnavailable):  # no worker advertises sglang_generate
         msg = {"error": {"message": "no generate-capable model is registered"}}
         w.parse_generation(req, HttpResponse.from_json(msg, 404), 0.1)
+    # A 500 before the stream began (the routed worker is dead): nothing was generated, resendable.
+    dead = HttpResponse.from_json({"error": {"message": "internal server error"}}, 500)
+    with pytest.raises(ConnectionFailed) as ei:
+        w.parse_generation(req, dead, 0.1)
+    assert ei.value.nothing_generated
+    # ... but only for the native route: a pinned request went to /v1/completions
+    with pytest.raises(BackendUnavailable):
+        w.parse_generation(GenerateRequest(input_ids=[1], worker=W0.id), dead, 0.1)
 
 
-def test_frontend_rejections_are_resendable() -> None:
-    """1.6.1 answers 503 "Service temporarily unavailable" when the routed instance is gone (before any
-    worker took the request); 529/429 are busy rejections: nothing was generated."""
-    req = GenerateRequest(input_ids=[1])
-    for status in (503, 529, 429):
-        body = {"message": "Service temporarily unavailable", "type": "Service Unavailable", "code": status}
-        with pytest.raises(Overloaded) as ei:
-            _wire().parse_generation(req, HttpResponse.from_json(body, status), 0.1)
-        assert ei.value.nothing_generated
+def test_frontend_503_is_not_resendable() -> None:
+    """1.6.1 answers 503 "Service temporarily unavailable" for requests routed to a dead worker and
+    for requests that were running on it when it died: tokens may have been generated."""
+    body = {"message": "Service temporarily unavailable", "type": "Service Unavailable", "code": 503}
+    with pytest.raises(Overloaded) as ei:
+        _wire().parse_generation(GenerateRequest(input_ids=[1]), HttpResponse.from_json(body, 503), 0.1)
+    assert not ei.value.nothing_generated
 
 
 def _frontend(generate: HttpResponse, info: dict[str, Any] | None) -> MockTransport:
