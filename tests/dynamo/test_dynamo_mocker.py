@@ -1,4 +1,5 @@
-"""Real Dynamo 1.4.2 frontend + two ``dynamo.mocker --engine-type sglang`` workers (CPU).
+"""Real Dynamo frontend (1.4.2, or 1.6.1 in ``make test-dynamo16``) + two ``dynamo.mocker
+--engine-type sglang`` workers (CPU).
 
 KV-aware routing (prefix affinity vs load), round-robin, and a worker death. The mocker publishes
 KV events like SGLang; its tokens are random (never compared). Numbers are in ``docs/dynamo.md``.

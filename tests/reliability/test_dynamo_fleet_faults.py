@@ -1,9 +1,12 @@
-"""Real processes: a Dynamo 1.4.2 frontend (round robin) over three ``dynamo.mocker`` workers, and
-over two reference workers (exact tokens). SIGKILL mid-load, detection, resends, restart.
+"""Real processes: a Dynamo frontend (round robin; 1.4.2, or 1.6.1 in ``make test-dynamo16``) over
+three ``dynamo.mocker`` workers, and over two reference workers (exact tokens). SIGKILL mid-load,
+detection, resends, restart.
 
-Dynamo keeps routing to a killed worker until its discovery lease expires (~10 s); those requests
-fail with HTTP 500 "Failed to generate completions" = ``ConnectionFailed(nothing_generated=True)``,
-which ``RetryPolicy(generate_resends=N)`` resends.
+Dynamo 1.4.2 keeps routing to a killed worker until its discovery lease expires (~10 s); those
+requests fail with HTTP 500 "Failed to generate completions" = ``ConnectionFailed(nothing_generated=True)``,
+which ``RetryPolicy(generate_resends=N)`` resends. 1.6.1 drops the instance at the first failed
+dispatch; ``/v1/completions`` answers 503 (``Overloaded``, not resendable: running requests get it
+too), native ``/generate`` (reference workers) a resendable 500 before the stream.
 """
 
 from __future__ import annotations
