@@ -30,6 +30,7 @@ from rollout_backends import (
 from rollout_backends._fleet import HttpFleetBackend
 from rollout_backends.adapters.dynamo import DynamoFleet, RunningDynamoFleet, launch_dynamo_fleet, open_from_url
 from rollout_backends.adapters.dynamo._detok import load_text_decoder
+from rollout_backends.adapters.dynamo._wire import generate_instances
 from rollout_backends.adapters.reference import ReferenceBackend, WeightSender, free_port
 
 from .conftest import HAS_DYNAMO
@@ -243,7 +244,7 @@ async def test_abort_one_request_keeps_partial_tokens(fleet: tuple[RunningDynamo
 async def test_pause_modes(
     fleet: tuple[RunningDynamoFleet, HttpFleetBackend], local: ReferenceBackend, mode: PauseMode
 ) -> None:
-    _, b = fleet
+    running, b = fleet
     w = b.workers[1]
     sampling = SamplingParams(max_new_tokens=500, temperature=0.0, ignore_eos=True)
     # What this worker serves now (the update tests changed its weights), unpaused.
@@ -255,6 +256,11 @@ async def test_pause_modes(
     try:
         report = await b.health()
         assert not report.worker(w).ready and report.worker(b.workers[0]).ready
+        # Pausing (1.4.x: call_tokenizer_manager) leaves discovery alone: the frontend still lists
+        # the worker and routes to it, and what it sends there waits for resume. Only the adapter
+        # knows it is paused (its health says not ready).
+        listed = {i["instance_id"] for i in generate_instances(await running.frontend_health(), running.namespace)}
+        assert b._workers[w].instance_id in listed
         if mode is PauseMode.ABORT:
             g = await asyncio.wait_for(task, 10)
             assert g.aborted and 0 < len(g.output_ids) < 500
