@@ -469,14 +469,15 @@ class BareClient:
         return dict(reply)
 
     def stop(self) -> None:
+        """``bye`` and a short wait for its exit when connected; else (or then) kill it."""
         if self.sock is not None:
             with contextlib.suppress(OSError):
                 self.sock.settimeout(5.0)
                 send_msg(self.sock, {"op": "bye"})
             self.sock.close()
             self.sock = None
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.proc.wait(10)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(10)
         self.kill()
 
     def kill(self) -> None:
