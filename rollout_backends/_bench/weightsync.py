@@ -311,8 +311,8 @@ def _decoder(kind: str) -> Callable[[str], list[tuple[str, Any]]]:
             from sglang.srt.utils.patch_torch import (  # type: ignore[import-not-found,unused-ignore]
                 monkey_patch_torch_reductions,
             )
-        except ImportError as exc:  # as the sender: without SGLang no UUID patch on either side
-            print(f"no SGLang here ({exc}); our decoder", flush=True)
+        except Exception as exc:  # as the sender: without SGLang no UUID patch on either side
+            print(f"no SGLang here ({type(exc).__name__}: {exc}); our decoder", flush=True)
         else:
             monkey_patch_torch_reductions()
             return MultiprocessingSerializer.deserialize  # type: ignore[no-any-return]
@@ -854,9 +854,12 @@ async def _measure(r: _Run, rows: Sequence[Row]) -> tuple[list[Measurement], lis
     results: list[Measurement] = []
     runs = [x for x in rows if x.skip is None]
     t0 = time.monotonic()
-    try:
-        if any(x.name in (RAW_TENSORS, RAW_DISK) for x in runs):
+    if any(x.name in (RAW_TENSORS, RAW_DISK) for x in runs):
+        try:
             r.start_bare()
+        except Exception as exc:  # its rows fail ("no bare receiver"); the adapter rows still run
+            notes.append(f"the bare receiver did not start: {report.summarise_error(exc)}")
+    try:
         await asyncio.wait_for(asyncio.gather(r.start_engine(), r.thread(r.load_tensors)), max(1.0, r.left()))
     except Exception as exc:
         msg = report.summarise_error(exc)
@@ -1078,7 +1081,7 @@ def dry_run(args: argparse.Namespace, rows: Sequence[Row], model_path: str) -> d
     """What a run would start, built by the same functions the run uses (nothing is started)."""
     p = placement(args.engine == "sglang", args.gpu_list)
     runs = {x.name for x in rows if x.skip is None}
-    env = {k: v for k, v in receiver_env(p, {}).items()}
+    env = receiver_env(p, {})
     out: dict[str, Any] = {
         "placement": attrs.asdict(p),
         "rows": [{**attrs.asdict(x), "status": x.skip or "planned"} for x in rows],
