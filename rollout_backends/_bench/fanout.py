@@ -1167,6 +1167,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=list(WORKLOADS))
     p.add_argument("--backends", nargs="+", choices=BACKENDS, default=list(BACKENDS), metavar="BACKEND")
     p.add_argument("--stream-interval", type=int, default=None, help="the Dynamo variant (GPU default 50; 0: none)")
+    p.add_argument(
+        "--no-default-interval",
+        action="store_true",
+        help="Dynamo rows at --stream-interval only (no fleet at SGLang's default interval)",
+    )
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--prompts", type=int, default=16)
     p.add_argument("--samples", type=int, default=32)
@@ -1266,7 +1271,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         sis: list[int | None] = [None]
         if stream_interval and args.engine == "sglang":
-            sis.append(stream_interval)
+            sis = [stream_interval] if args.no_default_interval else [None, stream_interval]
         jobs = plan(list(workloads), args.backends, sis, args.direct_steps)
         steps = {k: len(w.steps) for k, w in workloads.items()}
         results, notes = asyncio.run(run(settings, workloads, jobs, steps, args.direct_steps, budget, progress))

@@ -8,6 +8,7 @@
 # sync runs, on GPU 0: tensors and disk against their raw baselines, nccl reported as not run:
 #   OUT=... tools/gpu/run-bench.sh                                   # picks the 1-GPU defaults
 #   OUT=... BENCHES=weightsync WEIGHTSYNC_GPUS=0 WEIGHTSYNC_BUDGET_S=240 tools/gpu/run-bench.sh
+#   OUT=... BENCHES=fanout FANOUT_GPUS=0,0 tools/gpu/run-bench.sh    # both fan-out workers on GPU 0
 #
 # Needs: PYTHONPATH=/tmp/site already set up (SGLang 0.5.16, ai-dynamo 1.4.2, smg 1.13.0 unpacked
 # by install-on-device.sh), run from the repository root. Time plan (seconds, --budget-s of each
@@ -67,7 +68,7 @@ echo "GPUs: ${ngpus:-?}; benchmarks: $BENCHES; weight sync on --gpus ${WEIGHTSYN
 rc=0
 if [[ " $BENCHES " == *" fanout "* ]]; then
     "$PY" -m rollout_backends._bench.fanout --engine sglang --model-size qwen2.5-0.5b --model-path "$MODEL" \
-        --workers 2 --gpus 0,1 --budget-s "${FANOUT_BUDGET_S:-330}" --out "$OUT" ${FANOUT_ARGS:-} || rc=1
+        --workers 2 --gpus "${FANOUT_GPUS:-0,1}" --budget-s "${FANOUT_BUDGET_S:-330}" --out "$OUT" ${FANOUT_ARGS:-} || rc=1
     echo "fanout done ($(( $(date +%s) - t0 )) s), rc=$rc" >&2
 fi
 
