@@ -235,3 +235,59 @@ def test_msgspec_control_results_keep_success() -> None:
         "rid": None, "success": False, "message": "busy",
     }  # fmt: skip
     assert m._normalize_result(None) == {"status": "ok"}
+
+
+def test_patches_on_the_real_1_4_2_handler(tiny_model: Any) -> None:
+    """ai-dynamo 1.4.2's own generate/_process_token_stream/_normalize_result under the shim
+    (SGLang stubbed: ``real_handler.py``), fed SGLang-0.5.16-shaped streams."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from rollout_backends.adapters.dynamo._detok import load_text_decoder
+
+    from .test_detok import SCRIPTED_PANIC, expected_text
+
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.dynamo.real_handler", str(tiny_model)],
+        capture_output=True, text=True, timeout=120, cwd=root, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert r["patched"] == {"logprobs": True, "token_stream": True, "control_results": True}
+
+    def ids(chunks: list[dict[str, Any]]) -> list[int]:
+        return [t for c in chunks for t in c["token_ids"]]
+
+    def aligned(chunks: list[dict[str, Any]]) -> bool:
+        return all(
+            len(c.get("log_probs") or []) == len(c["token_ids"]) == len(c.get("tokens", c["token_ids"])) for c in chunks
+        )
+
+    # Every token keeps its logprob (1.4.2 alone keeps only the first chunk's); the last chunk is stamped.
+    plain = r["plain"]
+    assert ids(plain) == [11, 12, 13, 14] and aligned(plain)
+    assert [lp for c in plain for lp in c["log_probs"]] == [-0.01, -0.02, -0.03, -0.04]
+    assert plain[-1]["engine_data"] == {"weight_version": "v7", "finish_reason": "length"}
+    # Worker text on the sequence the frontend's decoder panics on; none with text stop strings.
+    decode = load_text_decoder(str(tiny_model))
+    assert decode is not None
+    prompt, output = SCRIPTED_PANIC
+    assert ids(r["text"]) == output and aligned(r["text"])
+    assert "".join(c["text"] for c in r["text"]) == expected_text(decode, prompt, output)
+    assert not any("text" in c or "tokens" in c for c in r["text_stop_strings"])
+    # Abort by our id: SGLang's own id is aborted; the stream ends normally with the partial tokens.
+    ab = r["aborted"]
+    assert r["abort_found"] is True and 1 <= len(ids(ab)) < 6 and aligned(ab)
+    assert ab[-1]["finish_reason"] == "cancelled" and ab[-1]["engine_data"]["finish_reason"] == "abort"
+    # Aborted while waiting: SGLang repeats the last token with cumulative logprobs; it is cut back.
+    wq = r["aborted_waiting"]
+    assert ids(wq) == [21, 22][: len(ids(wq))] and len(set(ids(wq))) == len(ids(wq)) and aligned(wq)
+    assert wq[-1]["engine_data"]["finish_reason"] == "abort"
+    assert len(r["abort_calls"]) == 2 and all(c.startswith("sg-") for c in r["abort_calls"])
+    assert r["registry_empty"] is True
+    # A refused flush stays refused; tuples as before.
+    assert r["flush_result"]["success"] is False and r["flush_result"]["message"] == "not idle"
+    assert r["tuple_result"] == {"success": True, "message": "ok"}
