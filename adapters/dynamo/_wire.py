@@ -62,6 +62,39 @@ PINNING_MODES = ("kv", "direct")
 EXTRA_FIELDS = ("completion_token_ids", "worker_id", "timing", "engine_data", "stop_reason")
 RID_ANNOTATION = "rid:"
 
+
+#: ``repr`` of a msgspec struct result: ``FlushCacheReqOutput(rid=None, ..., success=False, message='')``.
+_STRUCT_REPR = re.compile(r"^[A-Za-z_]\w*\((?P<fields>.*)\)$", re.S)
+_SUCCESS_FIELD = re.compile(r"(?:^|, )success=(True|False)(?:,|$)")
+_MESSAGE_FIELD = re.compile(r"(?:^|, )message=(?P<q>['\"])(?P<m>.*?)(?P=q)(?:,|$)", re.S)
+
+
+def _struct_result(data: Any) -> Any:
+    """``{"success", "message"}`` out of a ``call_tokenizer_manager`` result dynamo.sglang stringified.
+
+    ai-dynamo 1.4.2's ``RLMixin._normalize_result`` knows tuples and dataclasses; SGLang 0.5.16
+    returns msgspec structs for some methods (``flush_cache`` → ``FlushCacheReqOutput``), which it
+    turns into ``{"result": str(struct)}`` with HTTP 200 — a refused flush would read as success.
+    Our shim returns the struct's fields; for stock ``dynamo.sglang`` this parses the repr.
+    """
+    if not (isinstance(data, dict) and set(data) == {"result"} and isinstance(data["result"], str)):
+        return data
+    m = _STRUCT_REPR.match(data["result"])
+    ok = _SUCCESS_FIELD.search(m.group("fields")) if m else None
+    if m is None or ok is None:
+        return data
+    msg = _MESSAGE_FIELD.search(m.group("fields"))
+    return {**data, "success": ok.group(1) == "True", "message": (msg.group("m") if msg else "") or data["result"]}
+
+
+def rid_from_annotations(request: Mapping[str, Any]) -> str | None:
+    """Our request id from a preprocessed request's ``annotations`` (what the frontend forwards)."""
+    for a in request.get("annotations") or ():
+        if isinstance(a, str) and a.startswith(RID_ANNOTATION):
+            return a[len(RID_ANNOTATION) :] or None
+    return None
+
+
 _UUID_RE = re.compile(
     r"^(?:[0-9a-fA-F]{32}|[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12})$"
 )
@@ -490,11 +523,12 @@ class DynamoWire:
         if op is Op.BEGIN or op is Op.END:
             return None
         if op is Op.ABORT:
-            # Only our worker aborts one request by id (and still answers with the partial tokens).
-            # Elsewhere: None -> the fleet backend cancels the client's HTTP request (disconnect).
-            return (
-                self._engine(worker, "rollout/abort", {"rid": args["request_id"]}) if self.flavor == "rollout" else None
-            )
+            # Our worker and the shim abort one request by id inside the engine, and the request
+            # still answers with its partial tokens. Stock dynamo.sglang has no route for it: None ->
+            # the fleet backend cancels the client's HTTP request (the tokens are lost with it).
+            if self.flavor in ("rollout", "sglang14-shim"):
+                return self._engine(worker, "rollout/abort", {"rid": args["request_id"]})
+            return None
         if not self._sglang_like:
             return self._engine(worker, f"control/{op.value}")  # the mocker answers 404: ControlFailed
         v16 = self.flavor == "sglang16"
@@ -615,7 +649,7 @@ class DynamoWire:
             raise ControlFailed(
                 op.value, [WorkerFailure(worker.id, op.value, f"HTTP {response.status}: {_error_message(response)}")]
             )
-        data = response.json()
+        data = _struct_result(response.json())
         if isinstance(data, dict) and (data.get("success") is False or data.get("status") == "error"):
             raise ControlFailed(op.value, [WorkerFailure(worker.id, op.value, str(data.get("message", data)))])
         if op is Op.GET_VERSION:

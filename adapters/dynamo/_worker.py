@@ -62,6 +62,13 @@ from rollout_backends._types import (
     PauseMode,
     SamplingParams,
 )
+from rollout_backends.adapters.dynamo._detok import (
+    IncrementalDetokenizer,
+    TextDecoder,
+    load_text_decoder,
+    worker_text_enabled,
+)
+from rollout_backends.adapters.dynamo._wire import rid_from_annotations
 
 __all__ = [
     "DynamoWorker",
@@ -74,8 +81,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger("rollout_backends.dynamo_worker")
-#: ``nvext.annotations`` entry that carries the client's request id to the worker.
-RID_ANNOTATION = "rid:"
 _LOG_REQUESTS = os.environ.get("ROLLOUT_DYN_LOG_REQUESTS", "") not in ("", "0")
 
 #: Model-card key (``runtime_config`` engine-specific) a 1.6.x frontend routes ``/generate`` by.
@@ -116,13 +121,6 @@ def f32_to_decimal(value: float) -> float:
         if struct.unpack("<f", struct.pack("<f", candidate))[0] == target:
             return candidate
     return value
-
-
-def _rid_from_annotations(request: Mapping[str, Any]) -> str | None:
-    for a in request.get("annotations") or ():
-        if isinstance(a, str) and a.startswith(RID_ANNOTATION):
-            return a[len(RID_ANNOTATION) :] or None
-    return None
 
 
 def build_generate_request(request: Mapping[str, Any], request_id: str) -> GenerateRequest:
@@ -268,8 +266,14 @@ class DynamoWorker:
         kv_cache_block_size: int = 16,
         context_length: int | None = None,
         worker_name: str | None = None,
+        detokenize: bool | None = None,
     ) -> None:
         self.engine = engine
+        #: Our own char-safe detokenizer (``_detok``): chunks that carry ``text`` skip the 1.4.2
+        #: frontend's decoder, which panics on some UTF-8 splits. None: the frontend detokenizes.
+        if detokenize is None:
+            detokenize = worker_text_enabled()
+        self.text_decoder: TextDecoder | None = load_text_decoder(model_path) if detokenize else None
         #: Stamped into each response's engine_data; defaults to the system port's URL.
         self.worker_name = worker_name or (
             f"http://{os.environ.get('DYN_SYSTEM_HOST', '127.0.0.1')}:{os.environ['DYN_SYSTEM_PORT']}"
@@ -297,7 +301,7 @@ class DynamoWorker:
         """Dynamo generate handler: one chunk per token, the last one with finish reason and usage."""
         # Our request id: the client's ``nvext.annotations: ["rid:<id>"]`` (any string), else the
         # frontend's context id (header ``x-dynamo-request-id`` when it is a UUID, else random).
-        rid = _rid_from_annotations(request) or (context.id() if context is not None else os.urandom(8).hex())
+        rid = rid_from_annotations(request) or (context.id() if context is not None else os.urandom(8).hex())
         if _LOG_REQUESTS:
             logger.info("generate rid=%s trace_id=%s request=%s", rid, getattr(context, "trace_id", None), request)
         native = native_payload(request)
@@ -322,10 +326,10 @@ class DynamoWorker:
         if native is not None:
             yield native_chunk(gen, native, self.worker_name)
             return
-        for chunk in self._chunks(gen):
+        for chunk in self._chunks(gen, request):
             yield chunk
 
-    def _chunks(self, gen: Generation) -> list[dict[str, Any]]:
+    def _chunks(self, gen: Generation, request: Mapping[str, Any] | None = None) -> list[dict[str, Any]]:
         ids = list(gen.output_ids)
         lps = list(gen.logprobs) if gen.logprobs is not None else None
         chunks: list[dict[str, Any]] = []
@@ -336,6 +340,7 @@ class DynamoWorker:
             chunks.append(c)
         if not chunks:
             chunks.append({"token_ids": [], "index": 0})
+        self._add_text(chunks, request or {})
         last = chunks[-1]
         last["finish_reason"] = _FINISH[gen.finish_reason]
         if gen.finish_reason is FinishReason.STOP and gen.matched_stop is not None:
@@ -357,6 +362,26 @@ class DynamoWorker:
             "worker": self.worker_name,
         }
         return chunks
+
+    def _add_text(self, chunks: list[dict[str, Any]], request: Mapping[str, Any]) -> None:
+        """Give every chunk ``text`` and ``tokens`` so the frontend does not detokenize (``_detok``).
+
+        Not when the request has text stop sequences: only the frontend's decoder matches those (the
+        engine sees token ids), so it must keep decoding.
+        """
+        if self.text_decoder is None or (request.get("stop_conditions") or {}).get("stop"):
+            return
+        skip = bool((request.get("output_options") or {}).get("skip_special_tokens") or False)
+        detok = IncrementalDetokenizer(self.text_decoder, request.get("token_ids") or (), skip_special_tokens=skip)
+        for c in chunks:
+            pieces = [detok.step(t) for t in c["token_ids"]]
+            c["tokens"], c["text"] = pieces, "".join(pieces)
+        tail = detok.finish()
+        if tail:
+            last = chunks[-1]
+            if last["tokens"]:
+                last["tokens"][-1] += tail
+            last["text"] += tail
 
     # -- engine routes (dynamo.sglang 1.4.2 paths and bodies) --------------------------------------
 

@@ -1,21 +1,30 @@
-"""Weight sync: a model's weights pushed into a running engine through the adapter, three ways.
+"""Weight sync: a model's weights pushed into a running engine through the adapter, three ways,
+each against a raw baseline of the same bytes measured in the same run.
 
 * ``nccl`` (GPU) / ``gloo`` (CPU): the trainer is rank 0 of a fresh ``torch.distributed`` group
   built without a default process group (the engine joins through ``init_weight_group``), and
   broadcasts buckets of at most ``--bucket-mib`` MiB (512, as Miles does), each while the
   adapter's ``update_weights_from_distributed(bucket)`` is in flight. On GPU the sender is on the
-  second of ``--gpus`` and the engine (a real SGLang worker) on the first.
+  second of ``--gpus`` and the engine (a real SGLang worker) on the first; with one GPU this
+  transport is not run (NCCL refuses two ranks on one device) and its row says so.
+  Baseline ``raw broadcast``: the same tensors in the same buckets, from the same sender, to a
+  bare receiver process on the engine's device (same backend, same visibility).
 * ``tensors``: ``update_weights_from_tensors`` per bucket with tensors on the engine's own device
   (CUDA IPC on GPU; shared memory on CPU); the payload is our ``serialize_named_tensors``.
+  Baseline ``raw tensors``: the same payload of the same tensors per bucket, sent over a local
+  socket to a bare receiver process with the engine's visibility, which rebuilds the tensors the
+  way SGLang's worker does (``monkey_patch_torch_reductions`` + ``MultiprocessingSerializer``;
+  our decoder on CPU), copies them into preallocated tensors, synchronises and answers.
 * ``disk``: ``update_weights_from_disk`` of the model folder (the file is in the page cache).
+  Baseline ``raw disk``: the same bare receiver process loads the folder's safetensors files onto
+  the engine's device (``safetensors.torch.load_file(..., device=...)``) and synchronises.
 
-Each is timed over ``--repeats`` rounds after one warm-up round, against a raw
-``torch.distributed`` broadcast of the same tensors in the same buckets, in the same run, from the
-same sender to a bare receiver process on the engine's device (same backend, same visibility):
-what moving the bytes costs without an engine.
+Each row is timed over ``--repeats`` rounds after one warm-up round, and each adapter row's ratio
+is against its own baseline (the table's "baseline" column); the goal is ≤ 3 times.
 
 Run: ``python -m rollout_backends._bench.weightsync --engine sglang --model-size qwen2.5-0.5b
---gpus 0,1 --out DIR`` (GPU) or ``--smoke`` (CPU: reference engine, gloo, tiny model).
+--gpus 0 --out DIR`` (one GPU: tensors and disk), ``--gpus 0,1`` (two GPUs: nccl as well),
+``--smoke`` (CPU: reference engine, gloo, tiny model), ``--dry-run`` (print the plan only).
 """
 
 from __future__ import annotations
@@ -27,12 +36,13 @@ import datetime
 import functools
 import json
 import os
+import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -42,16 +52,135 @@ import attrs
 from rollout_backends._bench import report
 from rollout_backends._types import GenerateRequest, SamplingParams, WeightBucket, WeightGroup
 
-__all__ = ["TRANSPORTS", "Measurement", "buckets", "main", "open_group"]
+__all__ = [
+    "BASELINE",
+    "TRANSPORTS",
+    "Measurement",
+    "Placement",
+    "Row",
+    "buckets",
+    "main",
+    "open_group",
+    "placement",
+    "plan",
+    "ratio",
+    "table",
+    "targets",
+]
 
 KEY = "weightsync"
 TRANSPORTS = ("nccl", "gloo", "tensors", "disk")
+RAW_BROADCAST = "raw broadcast"
+RAW_TENSORS = "raw tensors"
+RAW_DISK = "raw disk"
+#: The raw measurement each adapter transport's ratio is against.
+BASELINE: Mapping[str, str] = {"nccl": RAW_BROADCAST, "gloo": RAW_BROADCAST, "tensors": RAW_TENSORS, "disk": RAW_DISK}
+NEEDS_SECOND_GPU = "not run: needs a second GPU"
+NOT_SELECTED = "not run: not selected (--transports)"
 TARGET_RATIO = 3.0
 TIMES = "\N{MULTIPLICATION SIGN}"
 PACKAGES = ("torch", "sglang", "transformers", "safetensors", "aiohttp")
 _GROUP_TIMEOUT_S = 120.0
-#: Table order (the run order differs: the group transport runs last).
-_ORDER = ("raw broadcast", "nccl", "gloo", "tensors", "disk")
+#: Table order: each baseline above the adapter row measured against it (the run order differs).
+_ORDER = (RAW_BROADCAST, "nccl", "gloo", RAW_TENSORS, "tensors", RAW_DISK, "disk")
+
+
+# -- the plan: which rows run where (no torch needed; --dry-run prints it) --------------------------
+
+
+@attrs.frozen
+class Row:
+    """One row of the table: a raw baseline (``baseline`` None) or an adapter transport."""
+
+    name: str
+    baseline: str | None
+    skip: str | None = None  # why it does not run; None: it runs
+
+
+def group_transport(gpu: bool) -> str:
+    return "nccl" if gpu else "gloo"
+
+
+def plan(gpu: bool, n_gpus: int, transports: Sequence[str]) -> list[Row]:
+    """Every row, in run order: (baseline, adapter) pairs for tensors, disk, then the group transport.
+
+    Rows that cannot or need not run stay in the table with the reason (never dropped). The group
+    transport runs last: a collective that hangs can block the engine's other calls.
+    """
+    rows: list[Row] = []
+    for t in ("tensors", "disk", group_transport(gpu)):
+        skip = None
+        if t not in transports:
+            skip = NOT_SELECTED
+        elif t == "nccl" and n_gpus < 2:
+            skip = NEEDS_SECOND_GPU
+        rows += [Row(BASELINE[t], None, skip), Row(t, BASELINE[t], skip)]
+    return rows
+
+
+@attrs.frozen
+class Placement:
+    """Where each process's tensors live, by device index.
+
+    This process sees every GPU (``run-bench.sh`` unsets ``CUDA_VISIBLE_DEVICES``); the engine and
+    the bare receivers see only the engine's GPU, which is then their ``cuda:0``.
+    """
+
+    engine_gpu: str | None  # physical index: CUDA_VISIBLE_DEVICES of the engine and the receivers
+    engine_device: str  # the engine's GPU as this process sees it
+    sender_device: str  # the broadcast sender's device in this process (the engine's with one GPU)
+    receiver_device: str  # the engine's GPU as the engine and the receivers see it
+
+
+def placement(gpu: bool, gpu_list: Sequence[str]) -> Placement:
+    if not gpu:
+        return Placement(None, "cpu", "cpu", "cpu")
+    engine = gpu_list[0]
+    sender = gpu_list[1] if len(gpu_list) > 1 else engine
+    return Placement(engine, f"cuda:{int(engine)}", f"cuda:{int(sender)}", "cuda:0")
+
+
+def receiver_env(p: Placement, base: Mapping[str, str]) -> dict[str, str]:
+    """A bare receiver's environment: the engine's GPU visibility (so device indices match it)."""
+    env = dict(base)
+    if p.engine_gpu is not None:
+        env["CUDA_VISIBLE_DEVICES"] = p.engine_gpu
+    else:
+        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    return env
+
+
+def receiver_command(flag: str, spec_path: str) -> list[str]:
+    return [sys.executable, "-m", "rollout_backends._bench.weightsync", flag, spec_path]
+
+
+def bare_spec(p: Placement, model_path: str, port_file: str, timeout_s: float) -> dict[str, Any]:
+    """The bare receiver's job (``--serve``): the raw baselines of ``tensors`` and ``disk``."""
+    return {
+        "device": p.receiver_device,
+        # As the engine decodes: SGLang's serializer with its torch patch on GPU (the CUDA-IPC
+        # handles name their device by UUID), our decoder with the reference engine.
+        "decoder": "sglang" if p.engine_gpu is not None else "ours",
+        "model_path": model_path,
+        "port_file": port_file,
+        "timeout_s": timeout_s,
+    }
+
+
+def broadcast_spec(
+    p: Placement, port: int, tensors: Sequence[tuple[str, Sequence[int]]], bucket_idx: list[list[int]], rounds: int
+) -> dict[str, Any]:
+    """The raw broadcast receiver's job (``--receive``): rank 1 of a two-rank group."""
+    return {
+        "backend": "nccl" if p.engine_gpu is not None else "gloo",
+        "address": "127.0.0.1",
+        "port": port,
+        "group": "rb-bench-raw",
+        "device": p.receiver_device,
+        "tensors": [[dtype, list(shape)] for dtype, shape in tensors],
+        "buckets": bucket_idx,
+        "rounds": rounds,
+    }
 
 
 # -- the group and the tensors -----------------------------------------------------------------
@@ -122,7 +251,7 @@ def nbytes(named: Sequence[tuple[str, Any]]) -> int:
     return sum(t.numel() * t.element_size() for _, t in named)
 
 
-# -- the bare receiver (its own process) -----------------------------------------------------------
+# -- the bare receivers (their own processes) ------------------------------------------------------
 
 
 def _receive(spec_path: str) -> int:
@@ -146,18 +275,249 @@ def _receive(spec_path: str) -> int:
     return 0
 
 
+def send_msg(sock: socket.socket, obj: Any) -> None:
+    """One message: 8 bytes of length, then JSON."""
+    data = json.dumps(obj).encode()
+    sock.sendall(len(data).to_bytes(8, "big") + data)
+
+
+def recv_msg(sock: socket.socket) -> Any:
+    """The next message; None when the peer closed the connection."""
+    head = _recv_exact(sock, 8)
+    if head is None:
+        return None
+    data = _recv_exact(sock, int.from_bytes(head, "big"))
+    if data is None:
+        return None
+    return json.loads(data)
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes | None:
+    chunks: list[bytes] = []
+    while n:
+        chunk = sock.recv(min(n, 1 << 20))
+        if not chunk:
+            return None
+        chunks.append(chunk)
+        n -= len(chunk)
+    return b"".join(chunks)
+
+
+def _decoder(kind: str) -> Callable[[str], list[tuple[str, Any]]]:
+    """How the engine rebuilds tensors from a payload (SGLang's ``TpModelWorker.update_weights_from_tensor``)."""
+    if kind == "sglang":
+        try:
+            from sglang.srt.utils import MultiprocessingSerializer  # type: ignore[import-not-found,unused-ignore]
+            from sglang.srt.utils.patch_torch import (  # type: ignore[import-not-found,unused-ignore]
+                monkey_patch_torch_reductions,
+            )
+        except Exception as exc:  # as the sender: without SGLang no UUID patch on either side
+            print(f"no SGLang here ({type(exc).__name__}: {exc}); our decoder", flush=True)
+        else:
+            monkey_patch_torch_reductions()
+            return MultiprocessingSerializer.deserialize  # type: ignore[no-any-return]
+    from rollout_backends._tensors import deserialize_named_tensors
+
+    return deserialize_named_tensors
+
+
+class BareReceiver:
+    """What ``--serve`` does with each message: the raw ``tensors`` and ``disk`` baselines.
+
+    No engine, no HTTP: tensors are rebuilt from the payload and copied into tensors allocated
+    once, files are loaded onto the device; each answer is sent after the device is synchronised.
+    """
+
+    def __init__(self, device: Any, model_path: str, decode: Callable[[str], list[tuple[str, Any]]]) -> None:
+        import torch
+        from safetensors.torch import load_file
+
+        self.device = device
+        self.decode = decode
+        self.bufs: dict[str, Any] = {}
+        for f in sorted(Path(model_path).glob("*.safetensors")):
+            for name, t in load_file(str(f)).items():
+                self.bufs[name] = torch.empty(t.shape, dtype=t.dtype, device=device)
+        self.sync()
+
+    def sync(self) -> None:
+        import torch
+
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def handle(self, msg: Mapping[str, Any]) -> dict[str, Any]:
+        op = msg.get("op")
+        if op == "tensors":
+            named = self.decode(msg["payload"])
+            n = 0
+            for name, t in named:
+                buf = self.bufs[name]
+                if tuple(buf.shape) != tuple(t.shape) or buf.dtype != t.dtype:
+                    raise ValueError(f"{name}: got {t.dtype} {tuple(t.shape)}, expected {buf.dtype} {tuple(buf.shape)}")
+                buf.copy_(t, non_blocking=True)
+                n += t.numel() * t.element_size()
+            self.sync()  # the copies are done before the answer; then the sender's memory is free
+            count = len(named)
+            del named  # as the engine: the rebuilt tensors go once loaded
+            return {"ok": True, "tensors": count, "bytes": n}
+        if op == "disk":
+            from safetensors.torch import load_file
+
+            loaded = [
+                load_file(str(f), device=str(self.device)) for f in sorted(Path(msg["path"]).glob("*.safetensors"))
+            ]
+            self.sync()
+            n = sum(t.numel() * t.element_size() for d in loaded for t in d.values())
+            return {"ok": True, "tensors": sum(len(d) for d in loaded), "bytes": n}
+        if op == "checksum":
+            return {"ok": True, "sums": {name: checksum(t) for name, t in self.bufs.items()}}
+        raise ValueError(f"unknown op {op!r}")
+
+
+def checksum(t: Any) -> list[float]:
+    """Sum and sum of magnitudes (float32): the receiver's copy against the sender's tensor."""
+    x = t.float()
+    return [float(x.sum()), float(x.abs().sum())]
+
+
+def checksums_match(a: Sequence[float], b: Sequence[float]) -> bool:
+    return abs(a[0] - b[0]) <= 1e-3 * (a[1] + b[1] + 1.0) and abs(a[1] - b[1]) <= 1e-3 * (a[1] + b[1] + 1.0)
+
+
+def _serve(spec_path: str) -> int:
+    """``--serve SPEC``: the bare receiver of the raw ``tensors`` and ``disk`` baselines.
+
+    Listens on a port of its own choosing (written to ``port_file``, so no port race), takes one
+    connection and answers one message at a time until ``bye`` or the sender goes; every socket
+    wait has the spec's timeout, so a lost sender cannot keep it alive.
+    """
+    import torch
+
+    spec = json.loads(Path(spec_path).read_text())
+    device = torch.device(spec["device"])
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    receiver = BareReceiver(device, spec["model_path"], _decoder(spec["decoder"]))
+    print(f"ready on {device}: {len(receiver.bufs)} tensors allocated", flush=True)
+    with socket.create_server(("127.0.0.1", 0)) as srv:
+        srv.settimeout(spec["timeout_s"])
+        port_file = Path(spec["port_file"])
+        tmp = port_file.with_suffix(".tmp")
+        tmp.write_text(str(srv.getsockname()[1]))
+        tmp.replace(port_file)  # whole, or not there
+        conn, _ = srv.accept()
+    with conn:
+        conn.settimeout(spec["timeout_s"])
+        served = 0
+        while True:
+            msg = recv_msg(conn)
+            if msg is None or msg.get("op") == "bye":
+                break
+            try:
+                reply = receiver.handle(msg)
+            except Exception as exc:
+                reply = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+                print(f"error: {reply['error']}", flush=True)
+            send_msg(conn, reply)
+            served += 1
+    print(f"done: {served} messages", flush=True)
+    return 0
+
+
+class BareClient:
+    """This process's end of the ``--serve`` receiver: blocking calls, each with a timeout (run in threads)."""
+
+    def __init__(self, proc: subprocess.Popen[bytes], port_file: Path, log: Path) -> None:
+        self.proc = proc
+        self.port_file = port_file
+        self.log = log
+        self.sock: socket.socket | None = None
+
+    def tail(self) -> str:
+        with contextlib.suppress(OSError):
+            return self.log.read_text(errors="replace")[-600:]
+        return ""
+
+    def _alive(self) -> None:
+        if self.proc.poll() is not None:
+            raise RuntimeError(f"the bare receiver exited with code {self.proc.returncode}: {self.tail()}")
+
+    def connect(self, timeout_s: float) -> None:
+        if self.sock is not None:
+            return
+        deadline = time.monotonic() + timeout_s
+        while not self.port_file.exists():
+            self._alive()
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the bare receiver was not ready in {timeout_s:.0f} s: {self.tail()}")
+            time.sleep(0.05)
+        port = int(self.port_file.read_text())
+        self.sock = socket.create_connection(("127.0.0.1", port), timeout=max(1.0, deadline - time.monotonic()))
+
+    def request(self, msg: Mapping[str, Any], timeout_s: float) -> dict[str, Any]:
+        if self.sock is None:
+            raise RuntimeError("not connected to the bare receiver")
+        self.sock.settimeout(timeout_s)  # a receiver that hangs frees this thread after timeout_s
+        send_msg(self.sock, msg)
+        reply = recv_msg(self.sock)
+        if reply is None:
+            self._alive()
+            raise RuntimeError(f"the bare receiver closed the connection: {self.tail()}")
+        if not reply.get("ok"):
+            raise RuntimeError(f"the bare receiver failed: {reply.get('error')}")
+        return dict(reply)
+
+    def stop(self) -> None:
+        """``bye`` and a short wait for its exit when connected; else (or then) kill it."""
+        if self.sock is not None:
+            with contextlib.suppress(OSError):
+                self.sock.settimeout(5.0)
+                send_msg(self.sock, {"op": "bye"})
+            self.sock.close()
+            self.sock = None
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(10)
+        self.kill()
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(10)
+
+
+def spawn(flag: str, spec: Mapping[str, Any], p: Placement, run_dir: Path, name: str) -> subprocess.Popen[bytes]:
+    """Start a receiver process (``--receive`` or ``--serve``) with its spec file and its log."""
+    path = run_dir / f"{name}.json"
+    path.write_text(json.dumps(spec))
+    log = open(run_dir / "logs" / f"{name}.log", "wb")  # noqa: SIM115 - closed by the child's exit
+    try:
+        return subprocess.Popen(
+            receiver_command(flag, str(path)),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=receiver_env(p, os.environ),
+            start_new_session=True,
+        )
+    finally:
+        log.close()
+
+
 # -- measuring -------------------------------------------------------------------------------------
 
 
-@attrs.define
+@attrs.frozen
 class Measurement:
-    transport: str
+    transport: str  # the row: an adapter transport or a raw baseline
     path: str
     nbytes: int
     buckets: int
-    rounds_s: list[float] = attrs.field(factory=list)
+    rounds_s: tuple[float, ...] = ()
     warmup_s: float | None = None
     status: str = "ok"
+    baseline: str | None = None  # the raw row this row's ratio is against (None: it is a baseline)
 
     @property
     def median_s(self) -> float:
@@ -168,33 +528,66 @@ class Measurement:
         return self.nbytes / 1e9 / self.median_s if self.rounds_s else float("nan")
 
     def as_dict(self) -> dict[str, Any]:
-        return {**attrs.asdict(self), "median_s": self.median_s if self.rounds_s else None}
+        ok = bool(self.rounds_s)
+        return {
+            **attrs.asdict(self),
+            "median_s": self.median_s if ok else None,
+            "gb_per_s": self.gb_per_s if ok else None,
+        }
+
+
+async def timed_rounds(
+    repeats: int, one_round: Callable[[], Awaitable[None]], before: Callable[[], Awaitable[None]] | None = None
+) -> tuple[float, tuple[float, ...]]:
+    """One warm-up round then ``repeats`` timed rounds; ``before`` (untimed) runs ahead of each."""
+    times: list[float] = []
+    for _ in range(repeats + 1):
+        if before is not None:
+            await before()
+        t0 = time.perf_counter()
+        await one_round()
+        times.append(time.perf_counter() - t0)
+    return times[0], tuple(times[1:])
 
 
 class _Run:
-    """Everything one benchmark run holds: the engine, the tensors, the sender's device."""
+    """Everything one benchmark run holds: the engine, the tensors, the devices, the bare receiver."""
 
     def __init__(self, args: argparse.Namespace, model_path: str, run_dir: Path, progress: report.Progress) -> None:
         self.args = args
         self.gpu = args.engine == "sglang"
+        self.place = placement(self.gpu, args.gpu_list)
         self.model_path = model_path
         self.run_dir = run_dir
         self.progress = progress
         self.fleet: Any = None
+        self.bare: BareClient | None = None
         self.named_cpu: list[tuple[str, Any]] = []
+        self.named_engine: list[tuple[str, Any]] = []  # on the engine's device: what tensors sends
         self.sender_device: Any = None
         self.engine_device: Any = None
         self.hung = False
-        # Collectives block their thread; a pool of our own is never joined by asyncio.run, so a
-        # collective stuck past the budget cannot keep this process alive (see main).
+        self.checked: list[str] = []
+        # Blocking calls (collectives, sockets) run in a pool of our own, never joined by
+        # asyncio.run: one stuck past the budget cannot keep this process alive (see main).
         self.pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="weightsync")
         self.deadline: float = time.monotonic() + float(args.budget_s) - (20.0 if self.gpu else 4.0)
 
     def left(self) -> float:
         return self.deadline - time.monotonic()
 
+    def call_timeout(self) -> float:
+        """A blocking call's own limit: a thread never outlives its transport's cap by much."""
+        return max(1.0, min(self.left(), float(self.args.transport_timeout_s)))
+
     def thread(self, fn: Callable[..., Any], *args: Any) -> asyncio.Future[Any]:
         return asyncio.get_running_loop().run_in_executor(self.pool, functools.partial(fn, *args))
+
+    def sync(self, device: Any) -> None:
+        import torch
+
+        if device is not None and device.type == "cuda":
+            torch.cuda.synchronize(device)
 
     # -- set-up
 
@@ -203,10 +596,9 @@ class _Run:
         from safetensors.torch import load_file
 
         self.named_cpu = list(load_file(str(Path(self.model_path) / "model.safetensors")).items())
+        self.engine_device = torch.device(self.place.engine_device)
+        self.sender_device = torch.device(self.place.sender_device)
         if self.gpu:
-            gpus = self.args.gpu_list
-            self.engine_device = torch.device("cuda", int(gpus[0]))
-            self.sender_device = torch.device("cuda", int(gpus[1]))
             torch.cuda.set_device(self.sender_device)
             try:  # CUDA IPC handles name their device by UUID, which SGLang's engine maps back
                 from sglang.srt.utils.patch_torch import (  # type: ignore[import-not-found,unused-ignore]
@@ -216,8 +608,10 @@ class _Run:
                 monkey_patch_torch_reductions()
             except Exception:  # without SGLang here the device index travels (right when both see GPU 0 as 0)
                 pass
-        else:
-            self.engine_device = self.sender_device = torch.device("cpu")
+        # One copy on the engine's device, sent by both the adapter's tensors row and its raw
+        # baseline: the same storages, so the same CUDA-IPC handles (shared memory on CPU).
+        self.named_engine = self._on(self.named_cpu, self.engine_device)
+        self.sync(self.engine_device)
 
     async def start_engine(self) -> None:
         from rollout_backends.adapters.sglang import SGLangFleetConfig, start_sglang_fleet
@@ -227,7 +621,7 @@ class _Run:
             workers=1,
             worker_kind="sglang" if self.gpu else "reference",
             router="none",
-            cuda_visible_devices=(self.args.gpu_list[0],) if self.gpu else None,
+            cuda_visible_devices=(self.place.engine_gpu,) if self.place.engine_gpu is not None else None,
             mem_fraction_static=0.5 if self.gpu else None,
             log_dir=str(self.run_dir / "logs"),
             startup_timeout_s=max(10.0, self.left()),
@@ -241,36 +635,18 @@ class _Run:
 
         self.fleet = await start_sglang_fleet(cfg, progress=show)
 
-    def start_receiver(self, port: int, bucket_idx: list[list[int]], rounds: int) -> subprocess.Popen[bytes]:
-        spec = {
-            "backend": "nccl" if self.gpu else "gloo",
-            "address": "127.0.0.1",
-            "port": port,
-            "group": "rb-bench-raw",
-            "device": "cuda:0" if self.gpu else "cpu",
-            "tensors": [(str(t.dtype).removeprefix("torch."), list(t.shape)) for _, t in self.named_cpu],
-            "buckets": bucket_idx,
-            "rounds": rounds,
-        }
-        path = self.run_dir / "receiver.json"
-        path.write_text(json.dumps(spec))
-        env = dict(os.environ)
-        if self.gpu:
-            env["CUDA_VISIBLE_DEVICES"] = self.args.gpu_list[0]
-        else:
-            env.setdefault("GLOO_SOCKET_IFNAME", "lo")
-        log = open(self.run_dir / "logs" / "raw-receiver.log", "wb")  # noqa: SIM115 - closed by the child's exit
-        try:
-            return subprocess.Popen(
-                [sys.executable, "-m", "rollout_backends._bench.weightsync", "--receive", str(path)],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                env=env,
-                start_new_session=True,
-            )
-        finally:
-            log.close()
+    def start_bare(self) -> None:
+        """Start the bare receiver now (it imports torch and allocates while the engine starts)."""
+        port_file = self.run_dir / "bare-receiver.port"
+        spec = bare_spec(self.place, self.model_path, str(port_file), float(self.args.budget_s) + 60.0)
+        proc = spawn("--serve", spec, self.place, self.run_dir, "bare-receiver")
+        self.bare = BareClient(proc, port_file, self.run_dir / "logs" / "bare-receiver.log")
+
+    async def bare_ready(self) -> BareClient:
+        if self.bare is None:
+            raise RuntimeError("no bare receiver")
+        await self.thread(self.bare.connect, self.call_timeout())
+        return self.bare
 
     # -- the transports
 
@@ -278,19 +654,23 @@ class _Run:
         return [(n, t.to(device).contiguous()) for n, t in named]
 
     async def raw(self, repeats: int, limit: int) -> Measurement:
+        import torch
+
         from rollout_backends._supervisor import free_port
 
         named = self._on(self.named_cpu, self.sender_device)
+        self.sync(self.sender_device)
         groups = buckets(named, limit)
         index = {n: i for i, (n, _) in enumerate(named)}
         bucket_idx = [[index[n] for n, _ in b] for b in groups]
-        m = Measurement("raw broadcast", "torch.distributed.broadcast, bare receiver", nbytes(named), len(groups))
         port = free_port()
-        proc = self.start_receiver(port, bucket_idx, repeats + 1)
+        shapes = [(str(t.dtype).removeprefix("torch."), list(t.shape)) for _, t in named]
+        spec = broadcast_spec(self.place, port, shapes, bucket_idx, repeats + 1)
+        proc = spawn("--receive", spec, self.place, self.run_dir, "raw-receiver")
         pg = None
         try:
             joining = self.thread(
-                open_group, "nccl" if self.gpu else "gloo", "127.0.0.1", port, 0, 2, "rb-bench-raw", _GROUP_TIMEOUT_S
+                open_group, spec["backend"], "127.0.0.1", port, 0, 2, "rb-bench-raw", _GROUP_TIMEOUT_S
             )
             while not joining.done():  # a receiver that dies would leave rank 0 waiting for it
                 if proc.poll() is not None:
@@ -299,19 +679,16 @@ class _Run:
                     raise RuntimeError(f"the raw receiver exited with code {proc.returncode}: {tail}")
                 await asyncio.wait([joining], timeout=0.5)
             pg = joining.result()
-            import torch
-
             flag = torch.zeros(1, dtype=torch.int32, device=self.sender_device)
-            for r in range(repeats + 1):
+
+            async def in_step() -> None:
                 await self.thread(broadcast, pg, [flag], self.sender_device)
-                t0 = time.perf_counter()
+
+            async def one_round() -> None:
                 for b in groups:
                     await self.thread(broadcast, pg, [t for _, t in b], self.sender_device)
-                dt = time.perf_counter() - t0
-                if r == 0:
-                    m.warmup_s = dt
-                else:
-                    m.rounds_s.append(dt)
+
+            warm, rounds = await timed_rounds(repeats, one_round, before=in_step)
             await self.thread(proc.wait, 60)
         finally:
             if pg is not None:
@@ -319,21 +696,62 @@ class _Run:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait(10)
-        return m
+        where = f"{self.place.sender_device} to a bare receiver on {self.place.engine_device}"
+        what = f"torch.distributed.broadcast ({spec['backend']}), {where}"
+        return Measurement(RAW_BROADCAST, what, nbytes(named), len(groups), rounds, warm)
+
+    async def raw_tensors(self, repeats: int, limit: int) -> Measurement:
+        from rollout_backends._tensors import serialize_named_tensors
+
+        groups = buckets(self.named_engine, limit)
+        bare = await self.bare_ready()
+        timeout = self.call_timeout()
+
+        def send(b: list[tuple[str, Any]]) -> None:
+            reply = bare.request({"op": "tensors", "payload": serialize_named_tensors(b)}, timeout)
+            if reply.get("tensors") != len(b):
+                raise RuntimeError(f"the bare receiver copied {reply.get('tensors')} tensors of {len(b)}")
+
+        async def one_round() -> None:
+            for b in groups:
+                await self.thread(send, b)
+
+        warm, rounds = await timed_rounds(repeats, one_round)
+        await self.thread(self.check_copies, bare, timeout)
+        how = "CUDA IPC, same GPU" if self.gpu else "shared memory"
+        what = f"serialize_named_tensors per bucket ({how}) to a bare receiver: rebuild, copy, synchronise"
+        return Measurement(RAW_TENSORS, what, nbytes(self.named_engine), len(groups), rounds, warm)
+
+    def check_copies(self, bare: BareClient, timeout: float) -> None:
+        """Untimed: the receiver's tensors hold what was sent (it really copied the bytes)."""
+        sums = bare.request({"op": "checksum"}, timeout)["sums"]
+        bad = [n for n, t in self.named_engine if n not in sums or not checksums_match(checksum(t), sums[n])]
+        if bad:
+            raise RuntimeError(f"the bare receiver's copies differ from what was sent: {bad[:3]}")
+        self.checked.append(f"the bare receiver's copies of all {len(sums)} tensors match what was sent")
+
+    async def raw_disk(self, repeats: int) -> Measurement:
+        bare = await self.bare_ready()
+        size = sum(p.stat().st_size for p in Path(self.model_path).glob("*.safetensors"))
+        timeout = self.call_timeout()
+
+        async def one_round() -> None:
+            reply = await self.thread(bare.request, {"op": "disk", "path": self.model_path}, timeout)
+            if not reply.get("bytes"):
+                raise RuntimeError("the bare receiver loaded nothing")
+
+        warm, rounds = await timed_rounds(repeats, one_round)
+        what = f"safetensors load_file(device={self.place.receiver_device}) of the folder + synchronise, bare process"
+        return Measurement(RAW_DISK, what + " (page cache warm)", size, 1, rounds, warm)
 
     async def distributed(self, repeats: int, limit: int) -> Measurement:
         from rollout_backends._supervisor import free_port
 
         backend = self.fleet.backend
         named = self._on(self.named_cpu, self.sender_device)
+        self.sync(self.sender_device)
         groups = buckets(named, limit)
-        kind = "nccl" if self.gpu else "gloo"
-        m = Measurement(
-            kind,
-            "init_weight_group + update_weights_from_distributed per bucket",
-            nbytes(named),
-            len(groups),
-        )
+        kind = group_transport(self.gpu)
         group = WeightGroup(
             master_address="127.0.0.1",
             master_port=free_port(),
@@ -366,19 +784,16 @@ class _Run:
             sender, _ = await asyncio.wait_for(
                 asyncio.gather(self.thread(connect), backend.init_weight_group(group)), max(1.0, self.left())
             )
-            for r in range(repeats + 1):
-                t0 = time.perf_counter()
+
+            async def one_round() -> None:
                 for b in groups:
                     bucket = WeightBucket.from_named_tensors(b)
                     await asyncio.gather(
                         backend.update_weights_from_distributed(bucket, group_name=group.group_name, flush_cache=False),
                         self.thread(send, [t for _, t in b]),
                     )
-                dt = time.perf_counter() - t0
-                if r == 0:
-                    m.warmup_s = dt
-                else:
-                    m.rounds_s.append(dt)
+
+            warm, rounds = await timed_rounds(repeats, one_round)
             # Both ends leave together: a communicator's teardown may wait for its peer.
             close = self.thread(close_group if self.gpu else lambda ws: ws.close(), sender)
             sender = None
@@ -387,38 +802,30 @@ class _Run:
         finally:
             if sender is not None:  # failed half-way: leave without waiting for the engine
                 self.thread(close_group if self.gpu else lambda ws: ws.close(), sender)
-        return m
+        what = "init_weight_group + update_weights_from_distributed per bucket"
+        return Measurement(kind, what, nbytes(named), len(groups), rounds, warm)
 
     async def tensors(self, repeats: int, limit: int) -> Measurement:
         backend = self.fleet.backend
-        named = self._on(self.named_cpu, self.engine_device)
-        groups = buckets(named, limit)
-        path = "update_weights_from_tensors per bucket, " + ("CUDA IPC, same GPU" if self.gpu else "shared memory")
-        m = Measurement("tensors", path, nbytes(named), len(groups))
-        for r in range(repeats + 1):
-            t0 = time.perf_counter()
+        groups = buckets(self.named_engine, limit)
+
+        async def one_round() -> None:
             for b in groups:
                 await backend.update_weights_from_tensors(b, flush_cache=False)
-            dt = time.perf_counter() - t0
-            if r == 0:
-                m.warmup_s = dt
-            else:
-                m.rounds_s.append(dt)
-        return m
+
+        warm, rounds = await timed_rounds(repeats, one_round)
+        what = "update_weights_from_tensors per bucket, " + ("CUDA IPC, same GPU" if self.gpu else "shared memory")
+        return Measurement("tensors", what, nbytes(self.named_engine), len(groups), rounds, warm)
 
     async def disk(self, repeats: int) -> Measurement:
         backend = self.fleet.backend
         size = sum(p.stat().st_size for p in Path(self.model_path).glob("*.safetensors"))
-        m = Measurement("disk", "update_weights_from_disk (page cache warm)", size, 1)
-        for r in range(repeats + 1):
-            t0 = time.perf_counter()
+
+        async def one_round() -> None:
             await backend.update_weights_from_disk(self.model_path, flush_cache=False)
-            dt = time.perf_counter() - t0
-            if r == 0:
-                m.warmup_s = dt
-            else:
-                m.rounds_s.append(dt)
-        return m
+
+        warm, rounds = await timed_rounds(repeats, one_round)
+        return Measurement("disk", "update_weights_from_disk (page cache warm)", size, 1, rounds, warm)
 
     async def check_engine(self) -> str:
         gen = await self.fleet.backend.generate(
@@ -426,20 +833,41 @@ class _Run:
         )
         return f"the engine generated {len(gen.output_ids)} tokens after the updates"
 
+    def job(self, name: str) -> Callable[[], Awaitable[Measurement]]:
+        args = self.args
+        limit = int(args.bucket_mib * 2**20)
+        jobs: dict[str, Callable[[], Awaitable[Measurement]]] = {
+            RAW_BROADCAST: lambda: self.raw(args.repeats, limit),
+            "nccl": lambda: self.distributed(args.repeats, limit),
+            "gloo": lambda: self.distributed(args.repeats, limit),
+            RAW_TENSORS: lambda: self.raw_tensors(args.repeats, limit),
+            "tensors": lambda: self.tensors(args.repeats, limit),
+            RAW_DISK: lambda: self.raw_disk(args.repeats),
+            "disk": lambda: self.disk(args.repeats),
+        }
+        return jobs[name]
 
-async def _measure(r: _Run, transports: Sequence[str]) -> tuple[list[Measurement], list[str]]:
+
+async def _measure(r: _Run, rows: Sequence[Row]) -> tuple[list[Measurement], list[str]]:
     args = r.args
-    limit = int(args.bucket_mib * 2**20)
     notes: list[str] = []
     results: list[Measurement] = []
+    runs = [x for x in rows if x.skip is None]
     t0 = time.monotonic()
+    if any(x.name in (RAW_TENSORS, RAW_DISK) for x in runs):
+        try:
+            r.start_bare()
+        except Exception as exc:  # its rows fail ("no bare receiver"); the adapter rows still run
+            notes.append(f"the bare receiver did not start: {report.summarise_error(exc)}")
     try:
         await asyncio.wait_for(asyncio.gather(r.start_engine(), r.thread(r.load_tensors)), max(1.0, r.left()))
     except Exception as exc:
         msg = report.summarise_error(exc)
         r.progress(f"engine did not start: {msg}")
         notes.append(f"the engine did not start: {msg}")
-        return [Measurement(t, "", 0, 0, status="failed: no engine") for t in ("raw broadcast", *transports)], notes
+        return [
+            Measurement(x.name, "", 0, 0, status=x.skip or "failed: no engine", baseline=x.baseline) for x in rows
+        ], notes
     notes.append(f"engine start-up (and loading the tensors) {time.monotonic() - t0:.1f} s")
     r.progress(
         f"engine ready at {r.fleet.worker_urls[0]}; {nbytes(r.named_cpu) / 1e9:.3f} GB in {len(r.named_cpu)} tensors"
@@ -448,40 +876,38 @@ async def _measure(r: _Run, transports: Sequence[str]) -> tuple[list[Measurement
         # Set after the engine started (it keeps its own): a collective of ours that times out
         # must not abort this process before the report is written; a stuck thread is handled.
         os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "0"
-    jobs: list[tuple[str, Callable[[], Awaitable[Measurement]]]] = [
-        ("raw broadcast", lambda: r.raw(args.repeats, limit))
-    ]
-    # The group transport last: a collective that hangs can block the engine's other calls.
-    for t in sorted(transports, key=lambda t: t in ("nccl", "gloo")):
-        if t in ("nccl", "gloo"):
-            jobs.append((t, lambda: r.distributed(args.repeats, limit)))
-        elif t == "tensors":
-            jobs.append((t, lambda: r.tensors(args.repeats, limit)))
-        elif t == "disk":
-            jobs.append((t, lambda: r.disk(args.repeats)))
-    for name, job in jobs:
+    for row in rows:
+        name = row.name
+        if row.skip is not None:
+            results.append(Measurement(name, "", 0, 0, status=row.skip, baseline=row.baseline))
+            r.progress(f"{name}: {row.skip}")
+            continue
         if r.left() <= 1.0:
-            results.append(Measurement(name, "", 0, 0, status="skipped: time budget"))
+            results.append(Measurement(name, "", 0, 0, status="skipped: time budget", baseline=row.baseline))
             r.progress(f"{name}: skipped (time budget)")
             continue
         cap = min(r.left(), args.transport_timeout_s)
         try:
-            m = await asyncio.wait_for(job(), cap)
+            m = await asyncio.wait_for(r.job(name)(), cap)
         except asyncio.TimeoutError:
             r.hung = True  # a thread may still sit in a collective: the process ends with os._exit
-            results.append(Measurement(name, "", 0, 0, status=f"cut: no result in {cap:.0f} s"))
+            if name in (RAW_TENSORS, RAW_DISK) and r.bare is not None:
+                r.bare.kill()  # its socket call then fails at once; the other raw row fails fast
+            results.append(Measurement(name, "", 0, 0, status=f"cut: no result in {cap:.0f} s", baseline=row.baseline))
             r.progress(f"{name}: cut after {cap:.0f} s")
             continue
         except Exception as exc:
             msg = report.summarise_error(exc)
-            results.append(Measurement(name, "", 0, 0, status=f"failed: {msg}"))
+            results.append(Measurement(name, "", 0, 0, status=f"failed: {msg}", baseline=row.baseline))
             r.progress(f"{name}: failed: {msg}")
             continue
+        m = attrs.evolve(m, baseline=row.baseline)
         results.append(m)
         r.progress(
             f"{name}: {m.buckets} bucket(s), {m.nbytes / 1e9:.3f} GB, warm-up {m.warmup_s:.3f} s, "
             f"median {m.median_s:.3f} s over {len(m.rounds_s)}, {m.gb_per_s:.2f} GB/s"
         )
+    notes += r.checked
     if not r.hung:
         try:
             notes.append(await asyncio.wait_for(r.check_engine(), 60.0))
@@ -497,51 +923,79 @@ def _ordered(results: Sequence[Measurement]) -> list[Measurement]:
     return sorted(results, key=lambda m: _ORDER.index(m.transport) if m.transport in _ORDER else len(_ORDER))
 
 
+def _label(m: Measurement) -> str:
+    return m.transport if m.baseline is None else f"adapter: {m.transport}"
+
+
+def ratio(m: Measurement, results: Sequence[Measurement]) -> float | None:
+    """``m``'s median over its own baseline's; None for a baseline or where either was not measured."""
+    base = next((b for b in results if b.transport == m.baseline and b.rounds_s), None)
+    if base is None or not m.rounds_s or base.median_s <= 0:
+        return None
+    return m.median_s / base.median_s
+
+
 def table(results: Sequence[Measurement]) -> str:
-    base = next((m for m in results if m.transport == "raw broadcast" and m.rounds_s), None)
     rows = []
     for m in _ordered(results):
+        base = m.baseline or "—"
         if not m.rounds_s:
-            rows.append([m.transport, m.path or "—", "—", "—", "—", "—", "—", "—", m.status])
+            rows.append([_label(m), m.path or "—", "—", "—", "—", "—", "—", base, "—", m.status])
             continue
-        ratio = f"{m.median_s / base.median_s:.2f}{TIMES}" if base else "—"
+        x = ratio(m, results)
         rows.append(
             [
-                m.transport if m.transport == "raw broadcast" else f"adapter: {m.transport}",
+                _label(m),
                 m.path,
                 f"{m.nbytes / 1e9:.3f}",
                 str(m.buckets),
                 f"{m.warmup_s:.3f}" if m.warmup_s is not None else "—",
                 f"{m.median_s:.4f} ({len(m.rounds_s)})",
                 f"{m.gb_per_s:.2f}",
-                ratio,
-                "" if m.status == "ok" else m.status,
+                base,
+                f"{x:.2f}{TIMES}" if x is not None else "—",
+                ("" if m.status == "ok" else m.status)
+                + ("" if x is not None or m.baseline is None else f"baseline {m.baseline} not measured"),
             ]
         )
     return report.md_table(
-        ["transport", "what is timed", "GB", "buckets", "warm-up s", "median s (rounds)", "GB/s", "vs raw", "note"],
+        [
+            "transport",
+            "what is timed",
+            "GB",
+            "buckets",
+            "warm-up s",
+            "median s (rounds)",
+            "GB/s",
+            "baseline",
+            "vs baseline",
+            "note",
+        ],
         rows,
-        "llrrrrrrl",
+        "llrrrrrlrl",
     )
 
 
-def targets(results: Sequence[Measurement]) -> list[tuple[str, bool, str]]:
-    base = next((m for m in results if m.transport == "raw broadcast" and m.rounds_s), None)
-    out: list[tuple[str, bool, str]] = []
-    if base is None:
-        return out
+def targets(results: Sequence[Measurement]) -> list[tuple[str, bool | None, str]]:
+    """The ≤ 3-times goal per adapter row against its own baseline: (goal, met or None if not judged, detail)."""
+    out: list[tuple[str, bool | None, str]] = []
     for m in _ordered(results):
-        if m.transport == "raw broadcast" or not m.rounds_s:
+        if m.baseline is None:
             continue
-        ratio = m.median_s / base.median_s
-        out.append(
-            (
-                f"adapter {m.transport} ≤ {TARGET_RATIO:.0f}{TIMES} raw broadcast",
-                ratio <= TARGET_RATIO,
-                f"{ratio:.2f}{TIMES} ({m.median_s:.3f} s vs {base.median_s:.3f} s)",
-            )
-        )
+        goal = f"adapter {m.transport} ≤ {TARGET_RATIO:.0f}{TIMES} {m.baseline}"
+        x = ratio(m, results)
+        if x is None:
+            base = next((b for b in results if b.transport == m.baseline), None)
+            why = m.status if not m.rounds_s else f"{m.baseline}: {base.status if base else 'absent'}"
+            out.append((goal, None, f"not judged ({why})"))
+            continue
+        base_s = next(b.median_s for b in results if b.transport == m.baseline and b.rounds_s)
+        out.append((goal, x <= TARGET_RATIO, f"{x:.2f}{TIMES} ({m.median_s:.3f} s vs {base_s:.3f} s)"))
     return out
+
+
+def _verdict(met: bool | None) -> str:
+    return "NOT JUDGED" if met is None else "MET" if met else "NOT MET"
 
 
 def plot(results: Sequence[Measurement], path: str, title: str) -> bool:
@@ -555,18 +1009,33 @@ def plot(results: Sequence[Measurement], path: str, title: str) -> bool:
     if not shown:
         return False
     labels = [m.transport for m in shown]
-    colors = ["#777777" if m.transport == "raw broadcast" else "#3b75af" for m in shown]
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    colors = ["#777777" if m.baseline is None else "#3b75af" for m in shown]
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4))
     axes[0].bar(labels, [m.median_s for m in shown], color=colors)
     axes[0].set_yscale("log")
-    axes[0].set_title("seconds per full push, median (lower is better)", fontsize=9)
+    axes[0].set_title("seconds per full push, median (lower is better; grey: raw baselines)", fontsize=9)
     axes[1].bar(labels, [m.gb_per_s for m in shown], color=colors)
     axes[1].set_title("GB/s (higher is better)", fontsize=9)
+    for ax in axes:
+        ax.tick_params(axis="x", labelsize=8, rotation=20)
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return True
+
+
+_BASELINES_MD = (
+    "Each adapter row's ratio is against the baseline named in its row, measured in the same run with "
+    "the same bytes and buckets. *raw broadcast*: the same tensors, buckets and sender, broadcast to a bare "
+    "receiver process on the engine's device that only receives into preallocated tensors. *raw tensors*: the "
+    "same tensors' `serialize_named_tensors` payload per bucket (the bytes the adapter posts), sent over a local "
+    "socket to a bare receiver process with the engine's GPU visibility that rebuilds them as SGLang's worker "
+    "does, copies them into preallocated tensors, synchronises and answers; timed from the send to the answer. "
+    "*raw disk*: that bare process loads the folder's safetensors files onto the engine's device and "
+    "synchronises (page cache warm). The adapter rows include the HTTP control call, the engine's receive and "
+    "`load_weights`."
+)
 
 
 def markdown(
@@ -584,17 +1053,53 @@ def markdown(
         "",
     ]
     for name, met, detail in targets(results):
-        lines.append(f"- {'MET' if met else 'NOT MET'}: {name}: {detail}")
-    lines += [
-        "",
-        "*raw broadcast*: the same tensors, buckets and sender, to a bare receiver process on the engine's device "
-        "that only receives into preallocated tensors (no engine, no HTTP, no loading). The adapter rows include "
-        "the HTTP control call, the engine's receive and `load_weights`.",
-        "",
-    ]
+        lines.append(f"- {_verdict(met)}: {name}: {detail}")
+    lines += ["", _BASELINES_MD, ""]
     if png:
         lines += [f"![weight sync]({png})", ""]
     return "\n".join(lines)
+
+
+def setup_line(gpu: bool, p: Placement, rows: Sequence[Row]) -> str:
+    if not gpu:
+        return (
+            "engine: one reference worker (CPU) behind no router; sender: this process; bare receivers: CPU processes"
+        )
+    group = next(x for x in rows if x.name == "nccl")
+    where = (
+        f"sender (this process) on {p.sender_device} for nccl"
+        if group.skip != NEEDS_SECOND_GPU
+        else "one GPU: nccl not run (needs a second GPU)"
+    )
+    return (
+        f"engine: one SGLang worker on GPU {p.engine_gpu}; {where}; tensors sent from this process on the engine's "
+        f"GPU; bare receivers see only GPU {p.engine_gpu}, like the engine"
+    )
+
+
+def dry_run(args: argparse.Namespace, rows: Sequence[Row], model_path: str) -> dict[str, Any]:
+    """What a run would start, built by the same functions the run uses (nothing is started)."""
+    p = placement(args.engine == "sglang", args.gpu_list)
+    runs = {x.name for x in rows if x.skip is None}
+    env = receiver_env(p, {})
+    out: dict[str, Any] = {
+        "placement": attrs.asdict(p),
+        "rows": [{**attrs.asdict(x), "status": x.skip or "planned"} for x in rows],
+        "setup": setup_line(args.engine == "sglang", p, rows),
+    }
+    if runs & {RAW_TENSORS, RAW_DISK}:
+        out["bare_receiver"] = {
+            "command": receiver_command("--serve", "SPEC"),
+            "env": env,
+            "spec": bare_spec(p, model_path, "PORT_FILE", float(args.budget_s) + 60.0),
+        }
+    if RAW_BROADCAST in runs:
+        out["broadcast_receiver"] = {
+            "command": receiver_command("--receive", "SPEC"),
+            "env": env,
+            "spec": broadcast_spec(p, 0, [], [], args.repeats + 1),
+        }
+    return out
 
 
 # -- main ------------------------------------------------------------------------------------------
@@ -604,22 +1109,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     raw_argv = list(argv) if argv is not None else sys.argv[1:]
     if raw_argv[:1] == ["--receive"]:
         return _receive(raw_argv[1])
+    if raw_argv[:1] == ["--serve"]:
+        return _serve(raw_argv[1])
     p = argparse.ArgumentParser(
         prog="rollout-backends bench weightsync",
-        description="Weight sync through the adapter (distributed, tensors, disk) against a raw broadcast.",
+        description="Weight sync through the adapter (distributed, tensors, disk), each against a raw baseline.",
     )
     p.add_argument("--engine", choices=("sglang", "reference"), default="reference")
     p.add_argument("--model-size", default=None, help="qwen2.5-0.5b (GPU default) or tiny (CPU default)")
     p.add_argument("--model-path", help="an existing model folder (default: make one)")
-    p.add_argument("--gpus", default="0,1", help="engine GPU, sender GPU")
+    p.add_argument(
+        "--gpus", default="0,1", help="engine GPU[,sender GPU]; with one GPU, nccl is not run (it needs a second)"
+    )
     p.add_argument("--transports", nargs="+", choices=TRANSPORTS, default=None)
-    p.add_argument("--repeats", type=int, default=3, help="timed rounds per transport (after one warm-up round)")
-    p.add_argument("--bucket-mib", type=float, default=512.0)
+    p.add_argument("--repeats", type=int, default=3, help="timed rounds per row (after one warm-up round)")
+    p.add_argument("--bucket-mib", type=float, default=None, help="bucket limit (default 512; 1 with --smoke)")
     p.add_argument("--budget-s", type=float, default=150.0, help="the whole run, engine start-up included")
-    p.add_argument("--transport-timeout-s", type=float, default=90.0, help="give up on one transport after this")
+    p.add_argument("--transport-timeout-s", type=float, default=90.0, help="give up on one row after this")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", help="output folder (benchmarks.md, results.json, weightsync.png, weightsync-logs.tar.gz)")
     p.add_argument("--smoke", action="store_true", help="CPU: reference engine, gloo, tiny model, 2 rounds")
+    p.add_argument(
+        "--dry-run", action="store_true", help="print the plan (rows, devices, receivers) as JSON; run nothing"
+    )
     args = p.parse_args(raw_argv)
     gpu = args.engine == "sglang"
     if args.smoke:
@@ -627,13 +1139,23 @@ def main(argv: Sequence[str] | None = None) -> int:
             p.error("--smoke is for --engine reference")
         args.repeats = min(args.repeats, 2)
         args.budget_s = min(args.budget_s, 60.0)
+    if args.bucket_mib is None:
+        # Several buckets even for the tiny model, so the smoke runs the per-bucket paths.
+        args.bucket_mib = 1.0 if args.smoke else 512.0
     args.gpu_list = [x.strip() for x in args.gpus.split(",") if x.strip()]
-    if gpu and len(args.gpu_list) != 2:
-        p.error("--gpus takes two GPUs: the engine's and the sender's")
-    transports = args.transports or (["nccl", "tensors", "disk"] if gpu else ["gloo", "tensors", "disk"])
+    if gpu:
+        if len(args.gpu_list) not in (1, 2) or not all(x.isdigit() for x in args.gpu_list):
+            p.error("--gpus takes one or two GPU indices: the engine's[, the sender's]")
+        if len(set(args.gpu_list)) != len(args.gpu_list):
+            p.error("--gpus: the sender needs a GPU other than the engine's (give one GPU to run without nccl)")
+    transports = args.transports or [group_transport(gpu), "tensors", "disk"]
     if ("nccl" in transports and not gpu) or ("gloo" in transports and gpu):
         p.error("nccl needs --engine sglang (GPUs); gloo is the CPU transport")
+    rows = plan(gpu, len(args.gpu_list) if gpu else 0, transports)
     size = args.model_size or ("qwen2.5-0.5b" if gpu else "tiny")
+    if args.dry_run:
+        print(json.dumps(dry_run(args, rows, args.model_path or "MODEL"), indent=1))
+        return 0
     if gpu:
         report.safe_multicast_env()
     progress = report.Progress("weightsync: ")
@@ -653,8 +1175,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         async def go() -> tuple[list[Measurement], list[str]]:
             try:
-                return await _measure(r, transports)
+                return await _measure(r, rows)
             finally:
+                if r.bare is not None:
+                    await asyncio.get_running_loop().run_in_executor(None, r.bare.stop)
                 if r.fleet is not None:
                     await r.fleet.aclose()
 
@@ -662,12 +1186,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         m = report.meta("python -m rollout_backends._bench.weightsync", argv, PACKAGES, started)
         m["duration_s"] = round(time.time() - started, 1)
         total = nbytes(r.named_cpu)
-        setup = (
-            f"engine: one SGLang worker on GPU {args.gpu_list[0]}; sender (this process) on GPU {args.gpu_list[1]} "
-            "for nccl, on the engine's GPU for tensors"
-            if gpu
-            else "engine: one reference worker (CPU) behind no router; sender: this process"
-        )
+        setup = setup_line(gpu, r.place, rows)
         info = {
             "setup": setup,
             "model": f"{size} bf16" + (f" ({model_path})" if args.model_path else ""),
@@ -680,27 +1199,34 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{info['model']}: {total / 1e9:.3f} GB in {len(r.named_cpu)} tensors; {setup}\n")
         print(table(results))
         for name, met, detail in targets(results):
-            print(f"- {'MET' if met else 'NOT MET'}: {name}: {detail}")
+            print(f"- {_verdict(met)}: {name}: {detail}")
         print("; ".join(notes))
         print(f"\n({m['duration_s']} s)")
         if args.out:
             title = f"{m['gpu'] if gpu else m['machine']}; {m['date']}; {info['model']}, {total / 1e9:.2f} GB"
+            data = {
+                "meta": m,
+                "info": info,
+                "notes": notes,
+                "results": [{**x.as_dict(), "ratio": ratio(x, results)} for x in results],
+                "targets": [{"goal": g, "met": met, "detail": d} for g, met, d in targets(results)],
+            }
             report.write_outputs(
                 args.out,
                 KEY,
                 plot=lambda path: plot(results, path, title),
                 markdown=lambda png: markdown(m, info, results, notes, png),
-                data={"meta": m, "info": info, "notes": notes, "results": [x.as_dict() for x in results]},
+                data=data,
                 log_dirs=[run_dir / "logs"],
             )
             out = Path(args.out)
             progress(f"wrote {', '.join(sorted(x.name for x in out.iterdir()))} in {out}")
-        code = 0 if any(x.rounds_s for x in results if x.transport != "raw broadcast") else 1
+        code = 0 if any(x.rounds_s for x in results if x.baseline is not None) else 1
     if r is not None and _stuck(r.pool):
         r.progress("a thread is still inside a collective: exiting without waiting for it")
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(code)  # the engine and the receiver are stopped already
+        os._exit(code)  # the engine and the receivers are stopped already
     return code
 
 

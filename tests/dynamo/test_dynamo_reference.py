@@ -10,6 +10,7 @@ bad inputs; no processes left behind.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -31,10 +32,12 @@ from rollout_backends import (
 )
 from rollout_backends._fleet import HttpFleetBackend
 from rollout_backends.adapters.dynamo import DynamoFleet, RunningDynamoFleet, launch_dynamo_fleet, open_from_url
-from rollout_backends.adapters.dynamo._wire import is_sse
+from rollout_backends.adapters.dynamo._detok import load_text_decoder
+from rollout_backends.adapters.dynamo._wire import generate_instances, is_sse
 from rollout_backends.adapters.reference import ReferenceBackend, WeightSender, free_port
 
 from .conftest import HAS_DYNAMO
+from .test_detok import expected_text, frontend_decoder_would_panic
 
 pytestmark = [
     pytest.mark.slow,
@@ -170,6 +173,39 @@ async def test_abort_unpinned_request(fleet: tuple[RunningDynamoFleet, HttpFleet
     assert g.logprobs is not None and len(g.logprobs) == len(g.output_ids) and g.request_id == req.request_id
 
 
+#: Greedy on the seed-0 tiny model, this prompt's 32 tokens make the 1.4.2 frontend's own decoder slice
+#: inside a UTF-8 character (its thread panics, HTTP 500): asserted below, then served through it.
+UTF8_SPLIT_PROMPT = [63, 257, 206, 134]
+
+
+async def test_text_that_splits_utf8_characters_is_served(
+    fleet: tuple[RunningDynamoFleet, HttpFleetBackend], local: ReferenceBackend, tiny_model: Path
+) -> None:
+    """Our workers detokenize (``_detok``): the frontend's panicking decoder never runs."""
+    running, b = fleet
+    greedy = SamplingParams(max_new_tokens=32, temperature=0.0, ignore_eos=True)
+    ids, lps, _ = await _expected(local, UTF8_SPLIT_PROMPT, greedy)
+    decode = load_text_decoder(str(tiny_model))
+    assert decode is not None and frontend_decoder_would_panic(decode, UTF8_SPLIT_PROMPT, ids)
+    g = await b.generate(GenerateRequest(input_ids=UTF8_SPLIT_PROMPT, sampling=greedy))
+    assert (g.output_ids, g.logprobs) == (ids, lps)
+    body = {"model": running.config.model_name, "prompt": UTF8_SPLIT_PROMPT, "max_tokens": 32, "temperature": 0,
+            "ignore_eos": True, "logprobs": 0, "nvext": {"extra_fields": ["completion_token_ids"]}}  # fmt: skip
+    async with aiohttp.ClientSession() as http:
+        async with http.post(f"{running.frontend_url}/v1/completions", json=body) as resp:
+            assert resp.status == 200, await resp.text()
+            data = await resp.json()
+        choice = data["choices"][0]
+        assert tuple(data["nvext"]["completion_token_ids"]) == ids
+        assert choice["text"] == expected_text(decode, UTF8_SPLIT_PROMPT, ids)
+        assert len(choice["logprobs"]["token_logprobs"]) == len(choice["logprobs"]["tokens"]) == 32
+        async with http.post(f"{running.frontend_url}/v1/completions", json={**body, "stream": True}) as resp:
+            assert resp.status == 200
+            events = [line[6:] for line in (await resp.text()).splitlines() if line.startswith("data: {")]
+        streamed = [json.loads(e)["choices"][0] for e in events]
+        assert "".join(c["text"] for c in streamed) == choice["text"]
+
+
 async def test_bad_inputs(fleet: tuple[RunningDynamoFleet, HttpFleetBackend]) -> None:
     _, b = fleet
     with pytest.raises(InvalidRequest) as e:
@@ -271,7 +307,7 @@ async def test_abort_one_request_keeps_partial_tokens(fleet: tuple[RunningDynamo
 async def test_pause_modes(
     fleet: tuple[RunningDynamoFleet, HttpFleetBackend], local: ReferenceBackend, mode: PauseMode
 ) -> None:
-    _, b = fleet
+    running, b = fleet
     w = b.workers[1]
     sampling = SamplingParams(max_new_tokens=500, temperature=0.0, ignore_eos=True)
     # What this worker serves now (the update tests changed its weights), unpaused.
@@ -283,6 +319,11 @@ async def test_pause_modes(
     try:
         report = await b.health()
         assert not report.worker(w).ready and report.worker(b.workers[0]).ready
+        # Pausing (1.4.x: call_tokenizer_manager) leaves discovery alone: the frontend still lists
+        # the worker and routes to it, and what it sends there waits for resume. Only the adapter
+        # knows it is paused (its health says not ready).
+        listed = {i["instance_id"] for i in generate_instances(await running.frontend_health(), running.namespace)}
+        assert b._workers[w].instance_id in listed
         if mode is PauseMode.ABORT:
             g = await asyncio.wait_for(task, 10)
             assert g.aborted and 0 < len(g.output_ids) < 500

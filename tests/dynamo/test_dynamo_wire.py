@@ -112,7 +112,7 @@ def test_parse_generation_errors() -> None:
     assert g.logprobs is None
 
 
-@pytest.mark.parametrize("flavor", ["rollout", "sglang14", "sglang16"])
+@pytest.mark.parametrize("flavor", ["rollout", "sglang14", "sglang14-shim", "sglang16"])
 def test_control_routes(flavor: str) -> None:
     w = _wire(flavor=flavor)
     pause = w.control(Op.PAUSE, W0, mode=PauseMode.IN_PLACE)
@@ -131,7 +131,9 @@ def test_control_routes(flavor: str) -> None:
     assert disk is not None and disk.url.endswith("/engine/control/update_weights_from_disk")
     assert disk.json == {"model_path": "/ck", "abort_all_requests": False, "flush_cache": False}
     abort = w.control(Op.ABORT, W0, request_id="r")
-    assert (abort is not None) == (flavor == "rollout")
+    assert (abort is not None) == (flavor in ("rollout", "sglang14-shim"))
+    if abort is not None:
+        assert abort.url.endswith("/engine/rollout/abort") and abort.json == {"rid": "r"}
     # success is checked in every body
     with pytest.raises(ControlFailed):
         w.parse_control(Op.UPDATE_DISK, W0, HttpResponse.from_json({"success": False, "message": "no"}))
@@ -145,6 +147,22 @@ def test_sglang14_abort_all_500_is_success() -> None:
     assert w.parse_control(Op.ABORT_ALL, W0, HttpResponse.from_json(msg, 500)) is None
     with pytest.raises(ControlFailed):
         w.parse_control(Op.FLUSH_CACHE, W0, HttpResponse.from_json(msg, 500))
+
+
+def test_stringified_struct_results_keep_their_success() -> None:
+    """dynamo.sglang 1.4.2 answers HTTP 200 {"result": str(msgspec struct)}: a refused flush must fail."""
+    w = _wire(flavor="sglang14")
+    refused = {"result": "FlushCacheReqOutput(rid=None, http_worker_ipc=None, success=False, message='')"}
+    with pytest.raises(ControlFailed) as e:
+        w.parse_control(Op.FLUSH_CACHE, W0, HttpResponse.from_json(refused))
+    assert "FlushCacheReqOutput" in str(e.value) and W0.id in str(e.value)
+    busy = {"result": "FlushCacheReqOutput(rid=None, success=False, message='not idle, 3 running')"}
+    with pytest.raises(ControlFailed, match="not idle, 3 running"):
+        w.parse_control(Op.FLUSH_CACHE, W0, HttpResponse.from_json(busy))
+    done = {"result": "FlushCacheReqOutput(rid=None, http_worker_ipc=None, success=True, message='')"}
+    assert w.parse_control(Op.FLUSH_CACHE, W0, HttpResponse.from_json(done))["success"] is True
+    # Anything else in "result" is passed through untouched.
+    assert w.parse_control(Op.FLUSH_CACHE, W0, HttpResponse.from_json({"result": "ok"})) == {"result": "ok"}
 
 
 def test_capabilities_by_mode_and_flavor() -> None:

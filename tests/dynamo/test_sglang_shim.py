@@ -1,4 +1,10 @@
-"""The dynamo.sglang shim's patches, on SGLang-0.5.16-shaped incremental chunks (no SGLang needed)."""
+"""The dynamo.sglang shim's patches, on SGLang-0.5.16-shaped incremental chunks (no SGLang needed).
+
+``Handler`` has the shape of ai-dynamo 1.4.2's ``DecodeWorkerHandler`` where the shim hooks in:
+``generate(request, context)`` feeds the engine's stream to ``_process_token_stream(stream,
+context, ...)``, which yields Dynamo chunks (``token_ids``, ``finish_reason``); its engine is a
+fake ``tokenizer_manager`` that records aborts.
+"""
 
 from __future__ import annotations
 
@@ -11,7 +17,13 @@ import pytest
 
 logprobs = pytest.importorskip("dynamo.common.backend.logprobs")
 
-from rollout_backends.adapters.dynamo._sglang_shim import patch_engine_data, patch_logprobs  # noqa: E402
+from rollout_backends.adapters.dynamo._sglang_shim import (  # noqa: E402
+    REQUESTS,
+    patch_control_results,
+    patch_logprobs,
+    patch_routes,
+    patch_token_stream,
+)
 
 # Three incremental chunks as SGLang 0.5.16 emits them with incremental_streaming_output: output_ids
 # and meta_info.output_token_logprobs are both per-chunk deltas (the second chunk coalesced 2 steps).
@@ -67,49 +79,232 @@ def test_patched_extracts_every_token() -> None:
     assert patch_logprobs(mod) is True  # idempotent
 
 
-def test_engine_data_stamped_on_final_chunk() -> None:
+class Context:
+    def __init__(self, cid: str) -> None:
+        self._id = cid
+
+    def id(self) -> str:
+        return self._id
+
+
+class Runtime:
+    def __init__(self) -> None:
+        self.routes: dict[str, Any] = {}
+
+    def register_engine_route(self, path: str, fn: Any) -> None:
+        self.routes[path] = fn
+
+
+async def _dynamo_loop(self: Any, stream_source: Any, context: Any, *a: Any, **kw: Any) -> Any:
+    async for res in stream_source:  # what 1.4.2 keeps of each SGLang chunk
+        out: dict[str, Any] = {"index": 0, "token_ids": res["output_ids"]}
+        if res["meta_info"].get("finish_reason"):
+            out["finish_reason"] = "cancelled"
+        yield out
+
+
+def _handler_class(model_path: str = "/nonexistent", loop: Any = _dynamo_loop) -> type:
     class Handler:
-        async def _process_token_stream(self, stream_source: Any, context: Any, *a: Any, **kw: Any) -> Any:
-            async for res in stream_source:
-                out = {"index": 0, "token_ids": res["output_ids"]}
-                if res["meta_info"]["finish_reason"]:
-                    out["finish_reason"] = "cancelled"
+        def __init__(self, chunks: list[dict[str, Any]]) -> None:
+            self.chunks = chunks
+            self.aborted: list[Any] = []
+            sa = types.SimpleNamespace(weight_version="v9", model_path=model_path, tokenizer_path=None)
+            tm = types.SimpleNamespace(server_args=sa, abort_request=self._abort)
+            self.engine = types.SimpleNamespace(tokenizer_manager=tm)
+
+        def _abort(self, rid: str = "", abort_all: bool = False) -> None:  # synchronous, as in 0.5.16
+            self.aborted.append("ALL" if abort_all else rid)
+
+        async def generate(self, request: dict[str, Any], context: Any) -> Any:
+            async def source() -> Any:
+                for c in self.chunks:
+                    await asyncio.sleep(0)
+                    yield c
+
+            async for out in self._process_token_stream(source(), context, False):
                 yield out
 
-    patch_engine_data(Handler)
-
-    async def source() -> Any:
-        for c in CHUNKS:
-            yield c
-
-    async def collect() -> list[dict[str, Any]]:
-        return [o async for o in Handler()._process_token_stream(source(), None)]
-
-    outs = asyncio.run(collect())
-    assert [o.get("engine_data") for o in outs[:-1]] == [None, None]
-    assert outs[-1]["engine_data"] == {"weight_version": "v5", "finish_reason": "abort"}
-
-
-def test_version_route_is_added() -> None:
-    from rollout_backends.adapters.dynamo._sglang_shim import patch_version_route
-
-    class Handler:
-        def __init__(self) -> None:
-            sa = types.SimpleNamespace(weight_version="v9")
-            self.engine = types.SimpleNamespace(tokenizer_manager=types.SimpleNamespace(server_args=sa))
+        _process_token_stream = loop
 
         def register_engine_routes(self, runtime: Any) -> None:
             runtime.register_engine_route("control/update_weight_version", None)
 
-    class Runtime:
-        def __init__(self) -> None:
-            self.routes: dict[str, Any] = {}
+    assert patch_token_stream(Handler) and patch_token_stream(Handler)  # idempotent
+    assert patch_routes(Handler) and patch_routes(Handler)
+    return Handler
 
-        def register_engine_route(self, path: str, fn: Any) -> None:
-            self.routes[path] = fn
 
-    assert patch_version_route(Handler) and patch_version_route(Handler)  # idempotent
+def _numbered(chunks: list[dict[str, Any]], rid: str = "sg-1") -> list[dict[str, Any]]:
+    """Add what SGLang 0.5.16 also puts in meta_info: its request id and the cumulative token count."""
+    n, out = 0, []
+    for c in chunks:
+        n += len(c["output_ids"])
+        out.append({**c, "meta_info": {"id": rid, "completion_tokens": n, **c["meta_info"]}})
+    return out
+
+
+def _collect(handler: Any, request: dict[str, Any], cid: str = "ctx-1") -> list[dict[str, Any]]:
+    async def run() -> list[dict[str, Any]]:
+        return [o async for o in handler.generate(request, Context(cid))]
+
+    return asyncio.run(run())
+
+
+def test_engine_data_stamped_on_final_chunk() -> None:
+    outs = _collect(_handler_class()(_numbered(CHUNKS)), {"token_ids": [1, 2]})
+    assert [o.get("engine_data") for o in outs[:-1]] == [None, None]
+    assert outs[-1]["engine_data"] == {"weight_version": "v5", "finish_reason": "abort"}
+    assert [t for o in outs for t in o["token_ids"]] == [11, 12, 13, 14]
+    assert not REQUESTS.by_context and not REQUESTS.by_rid  # forgotten when the request ends
+
+
+def test_waiting_queue_abort_chunk_is_cut_back_to_a_delta() -> None:
+    # TokenizerManager._handle_abort_req (streaming): output_ids = [last token], cumulative logprobs.
+    cumulative = [(-0.1, 11, None), (-0.2, 12, None)]
+    meta = {"id": "sg-1", "completion_tokens": 2}
+    abort = {"type": "abort"}
+    chunks = [
+        *_numbered(CHUNKS[:1]),
+        {"output_ids": [12], "meta_info": {**meta, "output_token_logprobs": cumulative[1:], "finish_reason": None}},
+        {"output_ids": [12], "meta_info": {**meta, "output_token_logprobs": cumulative, "finish_reason": abort}},
+    ]
+    seen: list[dict[str, Any]] = []
+
+    async def record(self: Any, stream_source: Any, context: Any, *a: Any, **kw: Any) -> Any:
+        async for res in stream_source:  # what the shim hands 1.4.2's loop
+            seen.append(res)
+            yield {"index": 0, "token_ids": res["output_ids"]}
+
+    _collect(_handler_class(loop=record)(chunks), {"token_ids": [1]})
+    assert [r["output_ids"] for r in seen] == [[11], [12], []]
+    assert seen[-1]["meta_info"]["output_token_logprobs"] == []
+    assert seen[1]["meta_info"]["output_token_logprobs"] == cumulative[1:]  # a normal delta is untouched
+
+
+def test_chunks_carry_text_from_our_detokenizer(tiny_model: Any) -> None:
+    from rollout_backends.adapters.dynamo._detok import load_text_decoder
+
+    from .test_detok import SCRIPTED_PANIC, expected_text
+
+    prompt, output = SCRIPTED_PANIC
+    chunks = _numbered([
+        {"output_ids": output[:3], "meta_info": {"finish_reason": None}},
+        {"output_ids": output[3:], "meta_info": {"finish_reason": {"type": "length"}}},
+    ])  # fmt: skip
+    outs = _collect(_handler_class(str(tiny_model))(chunks), {"token_ids": prompt})
+    decode = load_text_decoder(str(tiny_model))
+    assert decode is not None
+    assert "".join(o["text"] for o in outs) == expected_text(decode, prompt, output)
+    assert [len(o["tokens"]) for o in outs] == [3, 1]
+    # Text stop sequences are the frontend's: it must keep decoding, so no text from the worker.
+    stop = {"token_ids": prompt, "stop_conditions": {"stop": ["x"]}}
+    assert not any("text" in o for o in _collect(_handler_class(str(tiny_model))(chunks), stop))
+
+
+def test_abort_by_our_request_id_reaches_sglang_with_its_id() -> None:
+    Handler = _handler_class()
     rt = Runtime()
-    Handler().register_engine_routes(rt)
-    assert set(rt.routes) == {"control/update_weight_version", "rollout/weight_version"}
+
+    async def run() -> tuple[list[dict[str, Any]], Any]:
+        h = Handler(_numbered(CHUNKS))
+        h.register_engine_routes(rt)
+        abort = rt.routes["rollout/abort"]
+        # An abort that arrives before its request is kept and applied at the first chunk.
+        assert await abort({"rid": "early"}) == {"status": "ok", "found": False}
+        outs = [o async for o in h.generate({"token_ids": [1], "annotations": ["rid:early"]}, Context("c-early"))]
+        assert h.aborted == ["sg-1"]
+        # A running one: aborted by SGLang's id once its first chunk named it.
+        h2 = Handler(_numbered(CHUNKS, rid="sg-2"))
+        agen = h2.generate({"token_ids": [1], "annotations": ["rid:mine"]}, Context("c-2"))
+        first = await agen.__anext__()
+        assert await abort({"rid": "mine"}) == {"status": "ok", "found": True}
+        rest = [o async for o in agen]
+        assert h2.aborted == ["sg-2"] and len([first, *rest]) == 3
+        assert await abort({"abort_all": True}) == {"status": "ok"} and h.aborted[-1] == "ALL"
+        assert (await abort({"rid": ""}))["success"] is False
+        return outs, rt
+
+    outs, _ = asyncio.run(run())
+    assert outs[-1]["engine_data"]["finish_reason"] == "abort"
+    assert set(rt.routes) == {"control/update_weight_version", "rollout/weight_version", "rollout/abort"}
     assert asyncio.run(rt.routes["rollout/weight_version"]({})) == {"weight_version": "v9"}
+
+
+def test_msgspec_control_results_keep_success() -> None:
+    msgspec = pytest.importorskip("msgspec")
+
+    class FlushCacheReqOutput(msgspec.Struct):  # SGLang 0.5.16's io_struct shape
+        rid: Any = None
+        success: bool = False
+        message: str = ""
+
+    class Mixin:
+        def _normalize_result(self, result: Any) -> dict[str, Any]:  # 1.4.2: str() of anything unknown
+            return {"result": str(result)} if result is not None else {"status": "ok"}
+
+    assert patch_control_results(Mixin) and patch_control_results(Mixin)
+    m = Mixin()
+    assert m._normalize_result(FlushCacheReqOutput(success=False, message="busy")) == {
+        "rid": None, "success": False, "message": "busy",
+    }  # fmt: skip
+    assert m._normalize_result(None) == {"status": "ok"}
+
+
+def test_patches_on_the_real_1_4_2_handler(tiny_model: Any) -> None:
+    """ai-dynamo 1.4.2's own generate/_process_token_stream/_normalize_result under the shim
+    (SGLang stubbed: ``real_handler.py``), fed SGLang-0.5.16-shaped streams."""
+    if not _takes_cursor(logprobs.extract_from_sglang_meta):
+        # 1.6.x rewrote dynamo.sglang's handlers (its handler_base needs a real sgl.Engine at import);
+        # this is 1.4.x's code path, which the 1.4.2 run of make test covers.
+        pytest.skip("needs ai-dynamo 1.4.x's DecodeWorkerHandler; the installed dynamo.sglang is 1.6.x-shaped")
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from rollout_backends.adapters.dynamo._detok import load_text_decoder
+
+    from .test_detok import SCRIPTED_PANIC, expected_text
+
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.dynamo.real_handler", str(tiny_model)],
+        capture_output=True, text=True, timeout=120, cwd=root, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert r["patched"] == {"logprobs": True, "token_stream": True, "control_results": True}
+
+    def ids(chunks: list[dict[str, Any]]) -> list[int]:
+        return [t for c in chunks for t in c["token_ids"]]
+
+    def aligned(chunks: list[dict[str, Any]]) -> bool:
+        return all(
+            len(c.get("log_probs") or []) == len(c["token_ids"]) == len(c.get("tokens", c["token_ids"])) for c in chunks
+        )
+
+    # Every token keeps its logprob (1.4.2 alone keeps only the first chunk's); the last chunk is stamped.
+    plain = r["plain"]
+    assert ids(plain) == [11, 12, 13, 14] and aligned(plain)
+    assert [lp for c in plain for lp in c["log_probs"]] == [-0.01, -0.02, -0.03, -0.04]
+    assert plain[-1]["engine_data"] == {"weight_version": "v7", "finish_reason": "length"}
+    # Worker text on the sequence the frontend's decoder panics on; none with text stop strings.
+    decode = load_text_decoder(str(tiny_model))
+    assert decode is not None
+    prompt, output = SCRIPTED_PANIC
+    assert ids(r["text"]) == output and aligned(r["text"])
+    assert "".join(c["text"] for c in r["text"]) == expected_text(decode, prompt, output)
+    assert not any("text" in c or "tokens" in c for c in r["text_stop_strings"])
+    # Abort by our id: SGLang's own id is aborted; the stream ends normally with the partial tokens.
+    ab = r["aborted"]
+    assert r["abort_found"] is True and 1 <= len(ids(ab)) < 6 and aligned(ab)
+    assert ab[-1]["finish_reason"] == "cancelled" and ab[-1]["engine_data"]["finish_reason"] == "abort"
+    # Aborted while waiting: SGLang repeats the last token with cumulative logprobs; it is cut back.
+    wq = r["aborted_waiting"]
+    assert ids(wq) == [21, 22][: len(ids(wq))] and len(set(ids(wq))) == len(ids(wq)) and aligned(wq)
+    assert wq[-1]["engine_data"]["finish_reason"] == "abort"
+    assert len(r["abort_calls"]) == 2 and all(c.startswith("sg-") for c in r["abort_calls"])
+    assert r["registry_empty"] is True
+    # A refused flush stays refused; tuples as before.
+    assert r["flush_result"]["success"] is False and r["flush_result"]["message"] == "not idle"
+    assert r["tuple_result"] == {"success": True, "message": "ok"}

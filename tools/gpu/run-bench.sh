@@ -4,12 +4,18 @@
 #   benchmarks.md (a section per benchmark), results.json, fanout.png, weightsync.png,
 #   fanout-logs.tar.gz, weightsync-logs.tar.gz   (6 files, no folders)
 #
+# On a 1-GPU machine (found with nvidia-smi, or BENCHES / WEIGHTSYNC_GPUS set by hand) only weight
+# sync runs, on GPU 0: tensors and disk against their raw baselines, nccl reported as not run:
+#   OUT=... tools/gpu/run-bench.sh                                   # picks the 1-GPU defaults
+#   OUT=... BENCHES=weightsync WEIGHTSYNC_GPUS=0 WEIGHTSYNC_BUDGET_S=240 tools/gpu/run-bench.sh
+#   OUT=... BENCHES=fanout FANOUT_GPUS=0,0 tools/gpu/run-bench.sh    # both fan-out workers on GPU 0
+#
 # Needs: PYTHONPATH=/tmp/site already set up (SGLang 0.5.16, ai-dynamo 1.4.2, smg 1.13.0 unpacked
 # by install-on-device.sh), run from the repository root. Time plan (seconds, --budget-s of each
 # benchmark includes its fleets' start-up and teardown):
 #   model (Qwen2.5-0.5B shapes, made once, reused by both)  ~25
 #   fanout                                                   <= FANOUT_BUDGET_S (default 330)
-#   weightsync                                               <= WEIGHTSYNC_BUDGET_S (default 110)
+#   weightsync                                               <= WEIGHTSYNC_BUDGET_S (default 110; 240 on 1 GPU)
 # Each benchmark cuts or skips what does not fit its budget and says so in its table.
 set -uo pipefail
 
@@ -48,14 +54,30 @@ fi
 echo "model ready: $MODEL ($(( $(date +%s) - t0 )) s)" >&2
 nvidia-smi --query-gpu=index,name,memory.used,memory.total --format=csv,noheader >&2 || true
 
-rc=0
-"$PY" -m rollout_backends._bench.fanout --engine sglang --model-size qwen2.5-0.5b --model-path "$MODEL" \
-    --workers 2 --gpus 0,1 --budget-s "${FANOUT_BUDGET_S:-330}" --out "$OUT" ${FANOUT_ARGS:-} || rc=1
-echo "fanout done ($(( $(date +%s) - t0 )) s), rc=$rc" >&2
+# One GPU: the fan-out's two workers need two; weight sync runs without nccl (NCCL refuses two
+# ranks on one device) and has the time the fan-out would have used.
+ngpus=$(nvidia-smi --query-gpu=index --format=csv,noheader 2>/dev/null | grep -c . || true)
+if [ "${ngpus:-0}" -le 1 ]; then
+    BENCHES=${BENCHES:-weightsync}
+    WEIGHTSYNC_GPUS=${WEIGHTSYNC_GPUS:-0}
+    WEIGHTSYNC_BUDGET_S=${WEIGHTSYNC_BUDGET_S:-240}
+fi
+BENCHES=${BENCHES:-fanout weightsync}
+echo "GPUs: ${ngpus:-?}; benchmarks: $BENCHES; weight sync on --gpus ${WEIGHTSYNC_GPUS:-0,1}" >&2
 
-"$PY" -m rollout_backends._bench.weightsync --engine sglang --model-size qwen2.5-0.5b --model-path "$MODEL" \
-    --gpus 0,1 --budget-s "${WEIGHTSYNC_BUDGET_S:-110}" --out "$OUT" ${WEIGHTSYNC_ARGS:-} || rc=1
-echo "weightsync done ($(( $(date +%s) - t0 )) s), rc=$rc" >&2
+rc=0
+if [[ " $BENCHES " == *" fanout "* ]]; then
+    "$PY" -m rollout_backends._bench.fanout --engine sglang --model-size qwen2.5-0.5b --model-path "$MODEL" \
+        --workers 2 --gpus "${FANOUT_GPUS:-0,1}" --budget-s "${FANOUT_BUDGET_S:-330}" --out "$OUT" ${FANOUT_ARGS:-} || rc=1
+    echo "fanout done ($(( $(date +%s) - t0 )) s), rc=$rc" >&2
+fi
+
+if [[ " $BENCHES " == *" weightsync "* ]]; then
+    "$PY" -m rollout_backends._bench.weightsync --engine sglang --model-size qwen2.5-0.5b --model-path "$MODEL" \
+        --gpus "${WEIGHTSYNC_GPUS:-0,1}" --budget-s "${WEIGHTSYNC_BUDGET_S:-110}" --out "$OUT" \
+        ${WEIGHTSYNC_ARGS:-} || rc=1
+    echo "weightsync done ($(( $(date +%s) - t0 )) s), rc=$rc" >&2
+fi
 
 ls -la "$OUT" >&2
 exit $rc
