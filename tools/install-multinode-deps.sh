@@ -33,7 +33,7 @@ if ! command -v etcd >/dev/null 2>&1; then
 fi
 
 if $etcd_only; then
-    etcd --version | head -1
+    etcd --version | sed -n 1p  # sed reads to the end: head would SIGPIPE etcd (exit 141 under pipefail)
     exit 0
 fi
 
@@ -50,5 +50,5 @@ PY
 if ((${#missing[@]})); then
     "$py" -m pip install --disable-pip-version-check -q "${constraints[@]}" "${missing[@]}"
 fi
-etcd --version | head -1
+etcd --version | sed -n 1p  # sed reads to the end: head would SIGPIPE etcd (exit 141 under pipefail)
 "$py" -c 'import ray; print("ray", ray.__version__)'
