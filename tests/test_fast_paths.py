@@ -2,15 +2,69 @@
 
 from __future__ import annotations
 
+import enum
 import math
 from typing import Any
 
 import pytest
 from aiohttp import web
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import rollout_backends as rb
+from rollout_backends._types import _checked_token_ids, _token_ids
 from rollout_backends.adapters.sglang._wire import _checked_logprobs, _fast_logprobs, parse_native_generation
 from rollout_backends.kit import HttpClient, HttpRequest
+
+SETTINGS = settings(max_examples=300, deadline=None, database=None, derandomize=True)
+
+
+class _Tok(enum.IntEnum):  # an int subclass that is not bool: the loop accepts it
+    A = 3
+
+
+def _outcome(fn: Any, *args: Any) -> Any:
+    """A result, or the error's type, field and message: what a caller can observe."""
+    try:
+        return ("ok", fn(*args))
+    except rb.InvalidRequest as exc:
+        return ("error", exc.field, str(exc))
+
+
+_token = st.one_of(
+    st.integers(-5, 5),
+    st.integers(-(2**70), 2**70),
+    st.booleans(),
+    st.floats(allow_nan=True),
+    st.just(_Tok.A),
+    st.text(max_size=2),
+    st.none(),
+)
+#: Mostly plain non-negative ints (the fast path), with now and then one token of another kind.
+_tokens = st.one_of(
+    st.lists(st.integers(0, 2**31), max_size=300),
+    st.lists(st.one_of(st.integers(0, 50_000), _token), max_size=40),
+)
+
+
+@SETTINGS
+@given(_tokens, st.sampled_from([list, tuple, iter]))
+def test_token_ids_fast_path_agrees_with_the_loop(tokens: list[Any], container: Any) -> None:
+    fast = _outcome(_token_ids, "input_ids", container(tokens))
+    assert fast == _outcome(_checked_token_ids, "input_ids", container(tokens))
+    if fast[0] == "ok":
+        assert type(fast[1]) is tuple and all(type(t) is int for t in fast[1])
+
+
+@pytest.mark.parametrize(
+    ("tokens", "field"),
+    [([1, True], "input_ids[1]"), ((0, -1), "input_ids[1]"), ([5, 2.0], "input_ids[1]"), ([None], "input_ids[0]")],
+)
+def test_generate_request_names_the_bad_token(tokens: Any, field: str) -> None:
+    with pytest.raises(rb.InvalidRequest) as info:
+        rb.GenerateRequest(input_ids=tokens)
+    assert info.value.field == field
+
 
 CASES: list[tuple[list[Any], list[Any]]] = [
     ([[-0.5, 1, None], [-0.25, 2, None]], [1, 2]),  # the common case
