@@ -78,16 +78,69 @@ CASES: list[tuple[list[Any], list[Any]]] = [
 ]
 
 
+def _logprobs_outcome(entries: list[Any], out: tuple[Any, ...]) -> Any:
+    try:
+        return _checked_logprobs(entries, out, None)
+    except rb.ContractViolation:
+        return rb.ContractViolation
+
+
 @pytest.mark.parametrize(("entries", "out"), CASES)
 def test_fast_logprobs_agree_with_the_checking_loop(entries: list[Any], out: list[Any]) -> None:
-    fast = _fast_logprobs(entries, out)
-    try:
-        checked: Any = _checked_logprobs(entries, out, None)
-    except rb.ContractViolation:
-        checked = rb.ContractViolation
+    fast = _fast_logprobs(entries, tuple(out))
     if fast is not None:  # the fast path only ever accepts what the loop accepts, with the same values
-        assert fast == checked
-    assert fast is not None or checked is not None
+        assert fast == _logprobs_outcome(entries, tuple(out))
+
+
+def test_the_common_answer_takes_the_fast_path() -> None:
+    entries = [[-0.5, 1, None], [-0.25, 2, "tok"], [-1e-9, 3]]
+    assert _fast_logprobs(entries, (1, 2, 3)) == (-0.5, -0.25, -1e-9)
+
+
+_logprob = st.one_of(
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.floats(-50, 0),
+    st.integers(-3, 0),
+    st.booleans(),
+    st.none(),
+    st.text(max_size=2),
+)
+
+
+@st.composite
+def _answers(draw: Any) -> tuple[list[Any], tuple[int, ...]]:
+    """Output ids and logprob entries: mostly well-formed, now and then one entry of another shape."""
+    out = tuple(draw(st.lists(st.integers(0, 100), max_size=12)))
+    entries: list[Any] = []
+    for tid in out:
+        kind = draw(st.integers(0, 9))
+        lp = draw(st.floats(-30, 0)) if kind < 6 else draw(_logprob)
+        eid = tid if kind != 7 else draw(st.one_of(st.integers(0, 100), st.floats(0, 100), st.booleans()))
+        tail = draw(st.sampled_from([[], [None], ["t"], [None, 1]]))
+        entry: Any = [lp, eid, *tail]
+        if kind == 8:
+            entry = draw(st.sampled_from([tuple(entry), entry[:1], [], "x", None, {"lp": lp}]))
+        entries.append(entry)
+    return entries, out
+
+
+@SETTINGS
+@given(_answers())
+def test_fast_logprobs_agree_with_the_checking_loop_on_any_answer(answer: tuple[list[Any], tuple[int, ...]]) -> None:
+    entries, out = answer
+    fast = _fast_logprobs(entries, out)
+    checked = _logprobs_outcome(entries, out)
+    if fast is not None:
+        assert fast == checked and all(type(x) is float for x in fast)
+    # And the whole parse: a Generation exactly when the loop accepts, else a ContractViolation.
+    data = {"output_ids": list(out), "meta_info": {"finish_reason": "length", "output_token_logprobs": entries}}
+    try:
+        gen: Any = parse_native_generation(rb.GenerateRequest(input_ids=[1]), data, 0.0, worker=None)
+    except rb.ContractViolation:
+        gen = rb.ContractViolation
+    assert (gen is rb.ContractViolation) == (checked is rb.ContractViolation)
+    if gen is not rb.ContractViolation:
+        assert gen.logprobs == checked and gen.output_ids == out
 
 
 @pytest.mark.parametrize("out", [[1, True], [1, 2.0], [1, "2"]])
