@@ -158,6 +158,8 @@ class HttpFleetBackend(BackendBase):
         self.client = client or HttpClient()
         self.name = name
         self._workers: dict[str, Worker] = {w.id: w for w in workers}
+        #: The one worker of a single-worker fleet: it served every unpinned call.
+        self._sole_worker: str | None = ids[0] if len(ids) == 1 else None
         self.capabilities: Capabilities = wire.capabilities()
         # The version each worker was last told to serve; used where engines do not report it.
         self._installed: dict[str, str | None] = dict.fromkeys(ids)
@@ -229,8 +231,8 @@ class HttpFleetBackend(BackendBase):
         if not isinstance(request, GenerateRequest):
             raise InvalidRequest("request", f"must be a GenerateRequest, got {type(request).__name__}")
         caps = self.capabilities
-        if caps.vocab_size is not None:
-            for i, t in enumerate(request.input_ids):
+        if caps.vocab_size is not None and max(request.input_ids) >= caps.vocab_size:  # one C-level pass
+            for i, t in enumerate(request.input_ids):  # name the first offending token
                 if t >= caps.vocab_size:
                     raise InvalidRequest(f"input_ids[{i}]", f"token id {t} >= vocab size {caps.vocab_size}")
         if caps.max_context is not None and len(request.input_ids) >= caps.max_context:
@@ -250,7 +252,7 @@ class HttpFleetBackend(BackendBase):
                 return resp_or_gen
             resp = resp_or_gen
         # The worker that served the call, when known without asking the engine.
-        known = pinned.id if pinned is not None else (next(iter(self._workers)) if len(self._workers) == 1 else None)
+        known = pinned.id if pinned is not None else self._sole_worker
         if self._parse_takes_worker:
             gen = self.wire.parse_generation(request, resp, time.perf_counter() - t0, worker=known)  # type: ignore[call-arg]
         else:
@@ -306,7 +308,7 @@ class HttpFleetBackend(BackendBase):
     async def _cancelled_generation(
         self, request: GenerateRequest, pinned: Worker | None, latency_s: float
     ) -> Generation:
-        worker = pinned.id if pinned is not None else (self.workers[0] if len(self._workers) == 1 else None)
+        worker = pinned.id if pinned is not None else self._sole_worker
         version = self._installed.get(worker) if worker is not None else None
         if version is None and self.capabilities.version_source is not VersionSource.NONE:
             # No answer came back to carry it: the version is what the fleet serves (if it agrees).

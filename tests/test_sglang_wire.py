@@ -149,6 +149,9 @@ async def test_client_side_vocab_and_context_checks() -> None:
     with pytest.raises(rb.InvalidRequest) as info:
         await backend.generate(rb.GenerateRequest(input_ids=[1, 10]))
     assert info.value.field == "input_ids[1]"
+    with pytest.raises(rb.InvalidRequest) as info:  # the first one out of range, not the largest
+        await backend.generate(rb.GenerateRequest(input_ids=[3, 11, 2, 25]))
+    assert info.value.field == "input_ids[1]" and "token id 11 >= vocab size 10" in str(info.value)
     with pytest.raises(rb.InvalidRequest) as info:
         await backend.generate(rb.GenerateRequest(input_ids=[1, 2, 3, 4]))
     assert info.value.field == "input_ids"
