@@ -80,13 +80,30 @@ class Deadline:
             if self._handle is not None:
                 self._handle.cancel()
                 self._handle = None
-            elif self._queue is not None:
-                self._queue.finished()
+                return
+            queue = self._queue
+            if queue is None:
+                return
+            # Drop the done entries at the front; compact when many wait behind a slow live one.
+            # (Inline, not a method: this runs once per call.)
+            queue.done += 1
+            entries = queue.entries
+            while entries and entries[0]._state != _LIVE:
+                entries.popleft()
+                queue.done -= 1
+            if queue.done > _COMPACT_AFTER and 2 * queue.done > len(entries):
+                queue.entries = deque(e for e in entries if e._state == _LIVE)
+                queue.done = 0
             return
         task, self._task = self._task, None
         # Fired: the timer cancelled the task. As asyncio.Timeout.__aexit__: our cancellation
         # becomes TimeoutError unless another cancel request came as well.
-        if task is not None and task.uncancel() <= self._cancelling and exc_type is asyncio.CancelledError:
+        if (
+            task is not None
+            and task.uncancel() <= self._cancelling
+            and exc_type is not None
+            and issubclass(exc_type, asyncio.CancelledError)
+        ):
             raise TimeoutError from exc
 
     def _fire(self) -> None:
@@ -108,17 +125,6 @@ class _Queue:
         self.entries: deque[Deadline] = deque()
         self.done = 0  # entries in ``entries`` that are done (fired ones are never kept)
         self.timer: asyncio.TimerHandle | None = None
-
-    def finished(self) -> None:
-        """One of our entries is done: drop the done ones at the front; compact if many wait."""
-        self.done += 1
-        entries = self.entries
-        while entries and entries[0]._state != _LIVE:
-            entries.popleft()
-            self.done -= 1
-        if self.done > _COMPACT_AFTER and 2 * self.done > len(entries):
-            self.entries = deque(e for e in entries if e._state == _LIVE)
-            self.done = 0
 
     def expire(self) -> None:
         """The timer: fire every deadline that is due, then re-arm for the next live one."""

@@ -182,3 +182,38 @@ async def test_api_key_rides_on_the_session_and_a_request_header_wins() -> None:
         await client.aclose()
         await runner.cleanup()
     assert seen == ["Bearer k1", "Bearer other"]
+
+
+async def test_json_bodies_go_out_as_before_and_a_request_content_type_wins() -> None:
+    seen: list[tuple[str, str | None, bytes, str | None]] = []
+
+    async def handler(request: web.Request) -> web.Response:
+        body = await request.read()
+        seen.append((request.method, request.headers.get("Content-Type"), body, request.headers.get("X-Key")))
+        return web.json_response({"ok": True})
+
+    app = web.Application()
+    app.router.add_route("*", "/x", handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    client = HttpClient()
+    body = {"input_ids": (1, 2, 3), "rid": "r", "sampling_params": {"temperature": 0.5}}
+    try:
+        url = f"http://127.0.0.1:{port}/x"
+        await client.send(HttpRequest("POST", url, json=body))
+        await client.send(HttpRequest("POST", url, json=body, headers={"X-Key": "k"}))
+        await client.send(HttpRequest("POST", url, json=[1], headers={"Content-Type": "application/x-mine"}))
+        await client.send(HttpRequest("GET", url))
+    finally:
+        await client.aclose()
+        await runner.cleanup()
+    wire = b'{"input_ids":[1,2,3],"rid":"r","sampling_params":{"temperature":0.5}}'
+    assert seen == [
+        ("POST", "application/json", wire, None),
+        ("POST", "application/json", wire, "k"),
+        ("POST", "application/x-mine", b"[1]", None),
+        ("GET", None, b"", None),
+    ]
