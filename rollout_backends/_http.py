@@ -26,23 +26,26 @@ from rollout_backends._errors import (
     RolloutBackendError,
     TransientError,
 )
+from rollout_backends._timeouts import Deadlines
 
+
+def _stdlib_dumps(obj: Any) -> bytes:
+    return _json.dumps(obj, separators=(",", ":")).encode()
+
+
+def _stdlib_loads(data: bytes) -> Any:
+    return _json.loads(data)
+
+
+_dumps: Callable[[Any], bytes] = _stdlib_dumps
+_loads: Callable[[bytes], Any] = _stdlib_loads
 try:  # orjson is optional: faster, same output for the JSON we send
     import orjson as _orjson
-
-    def _dumps(obj: Any) -> bytes:
-        return bytes(_orjson.dumps(obj))
-
-    def _loads(data: bytes) -> Any:
-        return _orjson.loads(data)
-
 except ImportError:  # pragma: no cover - depends on the environment
-
-    def _dumps(obj: Any) -> bytes:
-        return _json.dumps(obj, separators=(",", ":")).encode()
-
-    def _loads(data: bytes) -> Any:
-        return _json.loads(data)
+    pass
+else:  # its C functions themselves: no Python frame per call
+    _dumps = _orjson.dumps
+    _loads = _orjson.loads
 
 
 __all__ = [
@@ -58,8 +61,8 @@ __all__ = [
     "worker_id_of",
 ]
 
-_HAS_TIMEOUT = hasattr(asyncio, "timeout")
-_JSON_HEADERS: Mapping[str, str] = {"Content-Type": "application/json"}
+#: 3.11+ (``Task.uncancel``): per-call deadlines without a task per call (``_timeouts``).
+_HAS_UNCANCEL = hasattr(asyncio.Task, "uncancel")
 #: Header names whose values are secrets: never shown in a repr or message.
 _SECRET_HEADERS = frozenset({"authorization", "proxy-authorization", "x-api-key", "api-key", "cookie"})
 
@@ -131,18 +134,22 @@ class AiohttpTransport:
         max_connections_per_host: int = 0,
         headers: Mapping[str, str] | None = None,
     ) -> None:
+        import aiohttp  # here, not per call: even a cached import statement showed in profiles
+
+        self._aiohttp = aiohttp
         self._limit = max_connections
         self._limit_per_host = max_connections_per_host
         #: Sent with every request (a request's own header of the same name wins).
         self._headers = dict(headers or {})
         self._session: Any = None
+        #: Per-call timeouts, one loop timer per timeout value (see ``_timeouts``); 3.11+.
+        self._deadlines = Deadlines() if _HAS_UNCANCEL else None
 
     def _ensure(self) -> Any:
         if self._session is None or self._session.closed:
-            import aiohttp
-
+            aiohttp = self._aiohttp
             connector = aiohttp.TCPConnector(limit=self._limit, limit_per_host=self._limit_per_host, ttl_dns_cache=300)
-            # Timeouts are per call (asyncio.wait_for below); the session's own are off.
+            # Timeouts are per call (``send`` below); the session's own are off.
             self._session = aiohttp.ClientSession(
                 connector=connector,
                 timeout=aiohttp.ClientTimeout(total=None),
@@ -151,27 +158,25 @@ class AiohttpTransport:
             )
         return self._session
 
-    async def _send(self, request: HttpRequest) -> HttpResponse:
-        session = self._ensure()
-        data = None if request.json is None else _dumps(request.json)
-        headers: Mapping[str, str] = request.headers
-        if data is not None:
-            if not headers:
-                headers = _JSON_HEADERS  # aiohttp copies it: sharing is safe
-            elif "Content-Type" not in headers:
-                headers = {**headers, "Content-Type": "application/json"}
-        async with session.request(request.method, request.url, data=data, headers=headers) as resp:
-            body = await resp.read()
-            return HttpResponse(resp.status, body, resp.headers)
-
     async def send(self, request: HttpRequest, timeout: float) -> HttpResponse:
-        import aiohttp
-
+        aiohttp = self._aiohttp
         try:
-            if _HAS_TIMEOUT:  # 3.11+: no extra task per call
-                async with getattr(asyncio, "timeout")(timeout):  # noqa: B009
-                    return await self._send(request)
-            return await asyncio.wait_for(self._send(request), timeout)
+            session = self._session
+            if session is None or session.closed:
+                session = self._ensure()
+            # A JSON body goes as a ready ``BytesPayload`` carrying its own ``Content-Type``, so a
+            # request without headers of its own passes none: aiohttp then skips its payload-type
+            # lookup and the per-call conversion of a header dict. A request's own Content-Type
+            # still wins (aiohttp applies a payload's headers only where the request has none).
+            headers = request.headers or None
+            data = None
+            if request.json is not None:
+                data = aiohttp.BytesPayload(_dumps(request.json), content_type="application/json")
+            if self._deadlines is None:  # 3.10: no Task.uncancel, so a task per call
+                return await asyncio.wait_for(_exchange(session, request.method, request.url, data, headers), timeout)
+            with self._deadlines.enter(timeout):  # no task, no loop timer of its own per call
+                async with session.request(request.method, request.url, data=data, headers=headers) as resp:
+                    return HttpResponse(resp.status, await resp.read(), resp.headers)
         except (asyncio.TimeoutError, TimeoutError) as exc:
             raise BackendTimeout(f"{request.method} {_safe_url(request.url)}: no answer in {timeout:.1f}s") from exc
         except aiohttp.ClientConnectorError as exc:
@@ -186,6 +191,12 @@ class AiohttpTransport:
         if self._session is not None:
             await self._session.close()
             self._session = None
+
+
+async def _exchange(session: Any, method: str, url: str, data: Any, headers: Mapping[str, str] | None) -> HttpResponse:
+    """One call through aiohttp (3.10's path; 3.11+ inlines it in ``AiohttpTransport.send``)."""
+    async with session.request(method, url, data=data, headers=headers) as resp:
+        return HttpResponse(resp.status, await resp.read(), resp.headers)
 
 
 Handler = Callable[[HttpRequest], "HttpResponse | Awaitable[HttpResponse]"]

@@ -10,6 +10,7 @@ import enum
 import math
 import os
 from collections.abc import Iterable, Mapping, Sequence
+from operator import countOf
 from typing import Any
 
 import attrs
@@ -110,12 +111,20 @@ def _check_float(field: str, value: object) -> float:
 
 
 def _token_ids(field: str, value: object) -> tuple[int, ...]:
-    # Fast path (hot: every request): a list/tuple of plain non-negative ints, checked in C.
+    # Fast path (hot: every request): a list/tuple of plain non-negative ints, in two C-level
+    # passes with no Python frame per token (``all(<genexpr>)`` here took 4 µs of a 128-token
+    # prompt's 6 µs ``GenerateRequest``). Anything else, bools included (``type(True) is bool``),
+    # takes the loop below, which names the offending index.
     if type(value) is tuple or type(value) is list:
         if not value:
             return ()
-        if all(type(t) is int for t in value) and min(value) >= 0:
+        if countOf(map(type, value), int) == len(value) and min(value) >= 0:
             return tuple(value)
+    return _checked_token_ids(field, value)
+
+
+def _checked_token_ids(field: str, value: object) -> tuple[int, ...]:
+    """The rule itself, one token at a time (``_token_ids`` must agree with it on every input)."""
     if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
         raise _fail(field, f"must be a sequence of ints, got {type(value).__name__}")
     out = []

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
 
 import rollout_backends as rb
+from rollout_backends._http import _dumps
 from rollout_backends.adapters.sglang import SGLangWire, sampling_params_body
 from rollout_backends.kit import HttpClient, HttpFleetBackend, HttpRequest, HttpResponse, MockTransport, Worker
 
@@ -54,7 +56,9 @@ async def test_generate_request_and_parse() -> None:
     req = rb.GenerateRequest(input_ids=[1, 2, 3], sampling=rb.SamplingParams(max_new_tokens=3), routing_key="g1")
     gen = await backend.generate(req)
     assert seen[0].url == "http://127.0.0.1:29000/generate"
-    assert seen[0].json["input_ids"] == [1, 2, 3] and seen[0].json["return_logprob"] is True
+    sent = json.loads(_dumps(seen[0].json))  # what goes on the wire
+    assert sent["input_ids"] == [1, 2, 3] and sent["return_logprob"] is True
+    assert sent["sampling_params"] == sampling_params_body(req.sampling)
     assert seen[0].json["rid"] == req.request_id
     assert seen[0].headers["X-SMG-Routing-Key"] == "g1"
     assert gen.output_ids == (5, 6, 7) and gen.logprobs == (-0.25, -0.25, -0.25)
@@ -102,6 +106,37 @@ async def test_400_maps_to_invalid_request_with_field() -> None:
     assert info.value.field == "sampling.seed"
 
 
+@pytest.mark.parametrize(
+    ("status", "body", "error", "nothing_generated"),
+    [
+        (400, {"error": "bad input_ids"}, rb.InvalidRequest, None),
+        (422, {"detail": "bad"}, rb.InvalidRequest, None),
+        (401, {}, rb.InvalidRequest, None),
+        (403, {}, rb.InvalidRequest, None),
+        (429, {}, rb.Overloaded, False),
+        (503, {}, rb.Overloaded, False),
+        (500, {"error": {"code": "call_upstream_connection_failed", "message": "x"}}, rb.ConnectionFailed, True),
+        (502, {"error": {"code": "call_upstream_request_error", "message": "x"}}, rb.BackendUnavailable, None),
+        (500, {}, rb.BackendUnavailable, None),
+        (404, {"error": {"code": "model_not_found", "message": "no model"}}, rb.BackendUnavailable, None),
+        (404, {"detail": "Not Found"}, rb.ContractViolation, None),
+        (201, {}, rb.ContractViolation, None),
+        (204, {}, rb.ContractViolation, None),
+        (302, {}, rb.ContractViolation, None),
+    ],
+)
+async def test_every_non_200_answer_is_a_typed_error(
+    status: int, body: Any, error: type[Exception], nothing_generated: bool | None
+) -> None:
+    backend, _ = _backend(lambda r: HttpResponse.from_json(body, status=status))
+    with pytest.raises(error) as info:
+        await backend.generate(rb.GenerateRequest(input_ids=[1]))
+    if nothing_generated is not None:
+        assert isinstance(info.value, rb.TransientError) and info.value.nothing_generated is nothing_generated
+    if status in (401, 403):
+        assert isinstance(info.value, rb.InvalidRequest) and info.value.field == "api_key"
+
+
 async def test_503_is_overloaded_and_not_retried_for_generate() -> None:
     backend, t = _backend(lambda r: HttpResponse(503, b"busy"))
     with pytest.raises(rb.Overloaded):
@@ -114,6 +149,9 @@ async def test_client_side_vocab_and_context_checks() -> None:
     with pytest.raises(rb.InvalidRequest) as info:
         await backend.generate(rb.GenerateRequest(input_ids=[1, 10]))
     assert info.value.field == "input_ids[1]"
+    with pytest.raises(rb.InvalidRequest) as info:  # the first one out of range, not the largest
+        await backend.generate(rb.GenerateRequest(input_ids=[3, 11, 2, 25]))
+    assert info.value.field == "input_ids[1]" and "token id 11 >= vocab size 10" in str(info.value)
     with pytest.raises(rb.InvalidRequest) as info:
         await backend.generate(rb.GenerateRequest(input_ids=[1, 2, 3, 4]))
     assert info.value.field == "input_ids"

@@ -89,13 +89,14 @@ def _sampling() -> Any:
 
 
 def _payload() -> dict[str, Any]:
-    """The body every raw client sends: exactly what our wire builds for the same request."""
+    """The body every raw client sends: exactly what our wire builds for the same request, as the
+    plain JSON value (lists and dicts) a raw client holds (our wire keeps the ids as a tuple)."""
     from rollout_backends import GenerateRequest
     from rollout_backends.adapters.sglang import SGLangWire
 
     req = GenerateRequest(input_ids=_prompt(), sampling=_sampling(), request_id="0" * 32)
-    body = SGLangWire(entry_url="http://x").generate(req, None).json
-    assert isinstance(body, dict)
+    body = json.loads(json.dumps(SGLangWire(entry_url="http://x").generate(req, None).json))
+    assert isinstance(body, dict) and isinstance(body["input_ids"], list)
     return body
 
 
