@@ -23,6 +23,7 @@ from rollout_backends._errors import (
     BackendTimeout,
     ConnectionFailed,
     ContractViolation,
+    InvalidRequest,
     RolloutBackendError,
     TransientError,
 )
@@ -65,6 +66,13 @@ __all__ = [
 _HAS_UNCANCEL = hasattr(asyncio.Task, "uncancel")
 #: Header names whose values are secrets: never shown in a repr or message.
 _SECRET_HEADERS = frozenset({"authorization", "proxy-authorization", "x-api-key", "api-key", "cookie"})
+
+
+def _seconds(field: str, value: object) -> float:
+    """A positive, finite number of seconds, else ``InvalidRequest`` naming ``field``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+        raise InvalidRequest(field, f"must be a positive number of seconds, got {value!r}")
+    return float(value)
 
 
 def _headers_repr(headers: Mapping[str, str]) -> str:
@@ -149,12 +157,14 @@ class AiohttpTransport:
         if self._session is None or self._session.closed:
             aiohttp = self._aiohttp
             connector = aiohttp.TCPConnector(limit=self._limit, limit_per_host=self._limit_per_host, ttl_dns_cache=300)
-            # Timeouts are per call (``send`` below); the session's own are off.
+            # Timeouts are per call (``send`` below); the session's own are off. Bodies are read
+            # as sent (no decompression on the hot path), so say so: without this aiohttp offers
+            # gzip/deflate and a server that takes the offer answers bytes nobody decodes.
             self._session = aiohttp.ClientSession(
                 connector=connector,
                 timeout=aiohttp.ClientTimeout(total=None),
                 auto_decompress=False,
-                headers=self._headers or None,
+                headers={"Accept-Encoding": "identity", **self._headers},
             )
         return self._session
 
@@ -293,8 +303,8 @@ class HttpClient:
         # Our own transport sends the auth header as a session default: no per-request copy.
         self._auth_in_transport = transport is None
         self.transport: Transport = transport if transport is not None else AiohttpTransport(headers=self._auth)
-        self.timeout = timeout
-        self.control_timeout = control_timeout
+        self.timeout = _seconds("timeout", timeout)
+        self.control_timeout = _seconds("control_timeout", control_timeout)
         self.retry = retry or RetryPolicy()
 
     def set_admin_api_key(self, admin_api_key: str | None) -> None:
