@@ -93,14 +93,20 @@ async def test_kv_prefix_affinity(kv_fleet: tuple[RunningDynamoFleet, HttpFleetB
 
 
 async def test_kv_cold_burst_splits_by_load(kv_fleet: tuple[RunningDynamoFleet, HttpFleetBackend]) -> None:
-    """32 identical prompts at once, nothing cached: the router spreads them by load."""
+    """32 identical prompts at once, nothing cached: the router spreads them by load.
+
+    The exact split depends on timing: how fast the burst reaches the router against when the
+    first request's KV events arrive (measured 16/16 on a quiet machine with 1.4.2; 23/9 on a
+    loaded one with 1.6.1). A collapse onto the first worker (29/3, 32/0: docs/dynamo.md) is what
+    this must catch, so each worker has to get at least 6.
+    """
     _, b = kv_fleet
     rng = random.Random(2)
     for _ in range(2):
         prompt = _prompt(rng, 200)
         counts = collections.Counter(await _route(b, [prompt] * 32))
         print(f"\nkv cold burst of 32 identical prompts: {dict(counts)}")
-        assert len(counts) == 2 and all(12 <= c <= 20 for c in counts.values()), counts
+        assert len(counts) == 2 and min(counts.values()) >= 6, counts
 
 
 async def test_pinning(kv_fleet: tuple[RunningDynamoFleet, HttpFleetBackend]) -> None:
