@@ -669,6 +669,20 @@ def ratios(cells: Sequence[Cell], client: str = OURS) -> dict[tuple[str, int], f
     }
 
 
+def pass_ratios(passes: Sequence[Cell], client: str = OURS) -> dict[tuple[str, int], list[float]]:
+    """``client``'s CPU per request over raw aiohttp's in each pass (the k-th measurement of each
+    cell is pass k): the spread behind the medians."""
+    by: dict[tuple[str, int, str], list[Cell]] = {}
+    for c in passes:
+        by.setdefault((c.server, c.concurrency, c.client), []).append(c)
+    out: dict[tuple[str, int], list[float]] = {}
+    for (server, conc, name), mine in by.items():
+        base = by.get((server, conc, BASELINE))
+        if name == client and base:
+            out[(server, conc)] = [a.cpu_us / b.cpu_us for a, b in zip(mine, base, strict=False)]
+    return out
+
+
 def targets(cells: Sequence[Cell]) -> list[tuple[str, bool | None, str]]:
     """(target, met, detail) for the issue's two targets; ``met`` is None where a number is
     reported but not judged (req/s on the servers that bound it themselves)."""
@@ -845,11 +859,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     for name, met, detail in results:
         verdict = "REPORTED" if met is None else "MET" if met else "NOT MET"
         print(f"- {verdict}: {name}: {detail}")
+    spread = pass_ratios(raw)
+    print(f"\n{OURS} / {BASELINE} CPU per request in each pass:")
+    for (server, conc), rs in spread.items():
+        print(f"- {server} at {conc}: " + ", ".join(f"{r:.2f}{TIMES}" for r in rs))
     print(f"\n({meta['duration_s']} s)")
     if args.json_path:
         with open(args.json_path, "w") as f:
             json.dump(
-                {"meta": meta, "cells": [_row(c) for c in cells], "passes": [_row(c) for c in raw]},
+                {
+                    "meta": meta,
+                    "cells": [_row(c) for c in cells],
+                    "passes": [_row(c) for c in raw],
+                    "pass_ratios": [
+                        {"server": s, "concurrency": c, "ours_vs_raw_aiohttp_cpu": r} for (s, c), r in spread.items()
+                    ],
+                },
                 f,
                 indent=1,
             )
