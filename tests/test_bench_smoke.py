@@ -12,20 +12,77 @@ import pytest
 
 from rollout_backends._bench import fanout, overhead, report, weightsync
 
+RAW = ("raw aiohttp", "raw httpx", "miles httpx")
 
-def test_smoke_produces_a_table_with_every_client(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+
+@pytest.mark.parametrize("server", overhead.SERVERS)
+def test_smoke_produces_a_table_with_every_client(
+    server: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    if server not in overhead.available_servers():
+        pytest.skip(f"{server} needs ai-dynamo")
     out = tmp_path / "cells.json"
-    assert overhead.main(["--smoke", "--json", str(out)]) == 0
+    assert overhead.main(["--smoke", "--servers", server, "--json", str(out), "--log-dir", str(tmp_path)]) == 0
     printed = capsys.readouterr().out
-    rows = [line for line in printed.splitlines() if line.startswith("| ") and "client" not in line]
-    for client in ("raw aiohttp", "raw httpx", "miles httpx", "ours"):
-        assert any(f"| {client} " in r or f"| {client} (" in r for r in rows), (client, printed)
+    rows = [line for line in printed.splitlines() if line.startswith(f"| {server} |")]
+    for client in (*RAW, "ours", "ours: HttpClient"):
+        for conc in (1, 8):
+            assert any(f"| {conc} | {client} " in r or f"| {conc} | {client} (" in r for r in rows), (client, printed)
     assert "baseline: raw aiohttp" in printed
     data = json.loads(out.read_text())
     cells = data["cells"]
-    assert {c["client"] for c in cells} >= {"raw aiohttp", "raw httpx", "miles httpx", "ours"}
+    assert {c["server"] for c in cells} == {server}
+    assert {c["client"] for c in cells} == set(overhead.CLIENTS)
+    # errors counts answers without the 8 output tokens: every client's body worked on this server.
     assert all(c["requests"] > 0 and c["errors"] == 0 for c in cells)
-    assert data["meta"]["versions"]["aiohttp"]
+    assert all(c["cpu_us"] > 0 and c["server_cpu_us"] >= 0 for c in cells)
+    assert data["meta"]["versions"]["aiohttp"] and server in data["meta"]["servers"]
+    # Ours against raw aiohttp on the same server: a ratio exists at every concurrency and is not
+    # absurd (a smoke run is far too short to judge the 1.05x target; this catches e.g. a client
+    # that measured nothing, or one that pays a second request per call).
+    ratios = overhead.ratios([overhead.Cell(**{k: c[k] for k in _CELL_FIELDS}) for c in cells])
+    assert set(ratios) == {(server, 1), (server, 8)}
+    assert all(0.2 < r < 3.0 for r in ratios.values()), ratios
+
+
+_CELL_FIELDS = ("client", "concurrency", "requests", "wall_s", "cpu_s", "server_cpu_s", "errors", "capped", "server")
+
+
+async def test_every_raw_client_posts_what_our_wire_builds(tmp_path: Path) -> None:
+    """The identical request: the target's URL and body are our adapter's, as plain JSON."""
+    from rollout_backends import GenerateRequest
+
+    async with overhead.reference_server(log_dir=tmp_path) as target:
+        backend = await target.connect()
+        try:
+            req = GenerateRequest(input_ids=target.prompt, sampling=target.sampling, request_id="0" * 32)
+            ours = backend.wire.generate(req, None)
+        finally:
+            await backend.aclose()
+        assert target.url == ours.url and target.url.endswith("/generate")
+        assert target.payload == json.loads(json.dumps(ours.json))
+        assert isinstance(target.payload["input_ids"], list) and len(target.payload["input_ids"]) == 128
+
+
+def _cell(server: str, client: str, conc: int, cpu_us: float, rps: float) -> overhead.Cell:
+    return overhead.Cell(client, conc, 1000, 1000 / rps, cpu_us * 1000 / 1e6, 0.01, server=server)
+
+
+def test_targets_judge_cpu_per_server_and_rps_on_loopback_only() -> None:
+    cells = [
+        _cell("loopback", "raw aiohttp", 64, 100, 9000),
+        _cell("loopback", "ours", 64, 104, 9000),
+        _cell("dynamo", "raw aiohttp", 64, 200, 800),
+        _cell("dynamo", "ours", 64, 230, 800),
+    ]
+    X = overhead.TIMES
+    got = {name: met for name, met, _ in overhead.targets(overhead.summarise(cells))}
+    assert got[f"loopback: ours ≤ 1.05{X} raw aiohttp CPU/request at 64"] is True
+    assert got[f"dynamo: ours ≤ 1.05{X} raw aiohttp CPU/request at 64"] is False
+    assert got["loopback: ours ≥ 5,000 req/s at 64"] is True
+    assert got["dynamo: ours ≥ 5,000 req/s at 64"] is None  # reported, not judged
+    table = overhead.table(overhead.summarise(cells))
+    assert f"| dynamo | 64 | ours | 1000 | 800 | 230 | 1.15{X} |" in table
 
 
 def test_thin_script_imports_the_same_main() -> None:

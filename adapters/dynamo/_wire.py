@@ -27,7 +27,8 @@ import math
 import re
 import struct
 from collections.abc import Mapping
-from typing import Any
+from operator import countOf
+from typing import Any, TypeGuard
 
 import attrs
 
@@ -229,6 +230,15 @@ def _is_int(v: object) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
+def _int_list(value: object) -> TypeGuard[list[int]]:
+    """Whether ``value`` is a list of ints (not bools). JSON ints are exact ``int``: one C-level
+    pass decides (a generator of ``_is_int`` calls cost ~2 µs per answer, ~4 in the overhead
+    benchmark); anything else (int subclasses, bools, other types) gets the per-item rule."""
+    if not isinstance(value, list):
+        return False
+    return countOf(map(type, value), int) == len(value) or all(_is_int(t) for t in value)
+
+
 def _rpc_port_of(instance: Mapping[str, Any]) -> int | None:
     """The request-plane port of a frontend ``/health`` instance (``transport.tcp`` = ``host:port/...``)."""
     transport = instance.get("transport")
@@ -422,7 +432,7 @@ class DynamoWire:
         ids = nvext.get("completion_token_ids")
         if ids is None:
             ids = choice.get("token_ids")
-        if not isinstance(ids, list) or not all(_is_int(t) for t in ids):
+        if not _int_list(ids):
             raise ContractViolation("no integer completion_token_ids in the answer", worker=worker)
         engine_data = nvext.get("engine_data") if isinstance(nvext.get("engine_data"), dict) else {}
         assert isinstance(engine_data, dict)

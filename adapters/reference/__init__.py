@@ -2,7 +2,8 @@
 
 ``ReferenceEngine`` is one engine; ``ReferenceBackend`` is the ``RolloutBackend`` over N of them;
 ``make_tiny_model`` makes the seeded Qwen2 model they (and the GPU servers) load; ``WeightSender``
-is the trainer side of the gloo weight-update group. Importing this package does not import torch.
+is the trainer side of the gloo weight-update group; ``NoComputeEngine`` answers fixed tokens at
+once with no model (``serve-reference --no-compute N``, for benchmarks). Importing this package does not import torch.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 __all__ = [
     "EngineError",
     "EngineHealth",
+    "NoComputeEngine",
     "ReferenceBackend",
     "ReferenceEngine",
     "ReferenceServerCommand",
@@ -27,6 +29,7 @@ if TYPE_CHECKING:
     from ._engine import EngineError, EngineHealth, ReferenceEngine
     from ._launch import ReferenceServerCommand
     from ._model import make_tiny_model
+    from ._no_compute import NoComputeEngine
 
 _WHERE = {
     "ReferenceBackend": "_backend",
@@ -38,6 +41,7 @@ _WHERE = {
     "ReferenceEngine": "_engine",
     "ReferenceServerCommand": "_launch",
     "make_tiny_model": "_model",
+    "NoComputeEngine": "_no_compute",
 }
 
 

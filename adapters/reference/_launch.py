@@ -26,6 +26,9 @@ class ReferenceServerCommand(NativeServerCommand):
     page_size: int = 16
     num_threads: int = 1
     make_model_seed: int | None = None
+    #: ``--no-compute N``: a ``NoComputeEngine`` (no model; N fixed tokens at once); ``model_path``
+    #: is then only the name the server reports.
+    no_compute: int | None = None
     grace: float = 5.0
 
     def build(self, ctx: NodeContext) -> Launch:
@@ -40,6 +43,8 @@ class ReferenceServerCommand(NativeServerCommand):
             "--page-size", str(self.page_size),
             "--num-threads", str(self.num_threads),
         ]  # fmt: skip
+        if self.no_compute is not None:
+            argv += ["--no-compute", str(self.no_compute)]
         if self.make_model_seed is not None:
             argv += ["--make-model", str(self.make_model_seed)]
         argv += self._common_args()

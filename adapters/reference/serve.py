@@ -3,11 +3,16 @@
     python -m rollout_backends.adapters.reference.serve --model-path DIR --host 127.0.0.1 --port P \
         [--worker-id W] [--weight-version v0] [--api-key K] [--admin-api-key K] [--page-size 16] \
         [--with-begin-end] [--make-model SEED] [--fault-injection]
+    python -m rollout_backends.adapters.reference.serve --no-compute 8 --port P
 
 ``--make-model SEED`` first writes a tiny seeded model to ``--model-path`` (if it has no
 ``config.json``) with ``make_tiny_model``. Keys given on the command line are never printed.
 Only ``stream=false`` generation is served (see ``_server``). ``--fault-injection`` (tests only,
 never on by default) adds ``/_faults``, which arms one-shot failures on any route.
+
+``--no-compute N`` serves the same server over a ``NoComputeEngine`` (``_no_compute.py``): no model,
+no torch; every generation answers ``min(N, max_new_tokens)`` fixed tokens with logprobs at once
+(client-overhead benchmarks). ``--model-path`` is then only the name the server reports.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ __all__ = ["load_engine", "main", "parse_args"]
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m rollout_backends.adapters.reference.serve", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
-    p.add_argument("--model-path", required=True)
+    p.add_argument("--model-path", default=None, help="the model to load (with --no-compute: only a name)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=30000)
     p.add_argument("--worker-id", default=None, help="defaults to host:port")
@@ -54,11 +59,33 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         metavar="MODULE:CALLABLE",
         help="build the engine with CALLABLE(args) instead of ReferenceEngine (tests)",
     )
-    return p.parse_args(argv)
+    p.add_argument(
+        "--no-compute",
+        type=int,
+        default=None,
+        metavar="N",
+        help="no model: answer min(N, max_new_tokens) fixed tokens with logprobs at once (benchmarks)",
+    )
+    args = p.parse_args(argv)
+    if args.no_compute is not None:
+        if args.no_compute < 1:
+            p.error(f"--no-compute: must be >= 1, got {args.no_compute}")
+        if args.engine_factory or args.make_model is not None:
+            p.error("--no-compute builds its own engine: it excludes --engine-factory and --make-model")
+        args.model_path = args.model_path or "no-compute"
+    elif args.model_path is None:
+        p.error("--model-path is required (unless --no-compute)")
+    return args
 
 
 def load_engine(args: argparse.Namespace) -> Any:
-    """Build the ``ReferenceEngine`` for ``args`` (imports torch), or call ``--engine-factory``."""
+    """Build the ``ReferenceEngine`` for ``args`` (imports torch), or call ``--engine-factory``, or
+    build the ``NoComputeEngine`` of ``--no-compute`` (no torch)."""
+    worker_id = args.worker_id or f"{args.host}:{args.port}"
+    if args.no_compute is not None:
+        from ._no_compute import NoComputeEngine
+
+        return NoComputeEngine(args.no_compute, worker_id=worker_id, weight_version=args.weight_version)
     if args.engine_factory:
         import importlib
 
@@ -67,7 +94,7 @@ def load_engine(args: argparse.Namespace) -> Any:
     from ._engine import ReferenceEngine
 
     kw: dict[str, Any] = {
-        "worker_id": args.worker_id or f"{args.host}:{args.port}",
+        "worker_id": worker_id,
         "weight_version": args.weight_version,
         "page_size": args.page_size,
     }

@@ -466,3 +466,24 @@ def test_launcher_passes_both_versions_knobs() -> None:
     assert "--enable-rl" in worker_argv(cfg, 0, "ns", ports)  # 1.4.x: call_tokenizer_manager
     ref = DynamoFleet(model_path="/m/tiny", worker_kind="reference", workers=1)
     assert "DYN_SGLANG_ENGINE_ROUTES" not in worker_env(ref, 0, {}, ports)
+
+
+@pytest.mark.parametrize("ids", [[1, True], [1, "2"], [1.0], "12", {"0": 1}])
+def test_completion_token_ids_must_be_ints(ids: Any) -> None:
+    """The one-pass int check (overhead benchmark) keeps the rule: a list of ints, never bools."""
+    wire = _wire(flavor="mocker")
+    req = GenerateRequest(input_ids=[1, 2, 3], sampling=SamplingParams(max_new_tokens=2), return_logprobs=False)
+    with pytest.raises(ContractViolation, match="completion_token_ids"):
+        wire.parse_completion(req, _answer(ids, None), 0.0)
+
+
+def test_completion_token_ids_of_an_int_subclass_still_pass() -> None:
+    import enum
+
+    class Tok(enum.IntEnum):
+        A = 5
+
+    wire = _wire(flavor="mocker")
+    req = GenerateRequest(input_ids=[1, 2, 3], sampling=SamplingParams(max_new_tokens=2), return_logprobs=False)
+    gen = wire.parse_completion(req, _answer([Tok.A, 6], None), 0.0)
+    assert gen.output_ids == (5, 6)
