@@ -300,7 +300,8 @@ class HttpFleetBackend(BackendBase):
 
     @property
     def inflight(self) -> tuple[str, ...]:
-        """Request ids whose ``generate`` call is in flight from this client."""
+        """Request ids whose ``generate`` call is in flight from this client and would be aborted by
+        cancelling it. Empty where the engine aborts by id (no per-request bookkeeping there)."""
         return tuple(self._inflight)
 
     async def _cancelled_generation(
