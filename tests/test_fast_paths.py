@@ -15,6 +15,7 @@ import rollout_backends as rb
 from rollout_backends._types import _checked_token_ids, _token_ids
 from rollout_backends.adapters.sglang._wire import _checked_logprobs, _fast_logprobs, parse_native_generation
 from rollout_backends.kit import HttpClient, HttpRequest
+from tests.aiohttp_app import serving
 
 SETTINGS = settings(max_examples=300, deadline=None, database=None, derandomize=True)
 
@@ -168,19 +169,14 @@ async def test_api_key_rides_on_the_session_and_a_request_header_wins() -> None:
 
     app = web.Application()
     app.router.add_get("/x", handler)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
     client = HttpClient(api_key="k1")
-    try:
-        url = f"http://127.0.0.1:{port}/x"
-        await client.send(HttpRequest("GET", url))
-        await client.send(HttpRequest("GET", url, headers={"Authorization": "Bearer other"}))
-    finally:
-        await client.aclose()
-        await runner.cleanup()
+    async with serving(app) as base:
+        try:
+            url = f"{base}/x"
+            await client.send(HttpRequest("GET", url))
+            await client.send(HttpRequest("GET", url, headers={"Authorization": "Bearer other"}))
+        finally:
+            await client.aclose()
     assert seen == ["Bearer k1", "Bearer other"]
 
 
@@ -194,22 +190,17 @@ async def test_json_bodies_go_out_as_before_and_a_request_content_type_wins() ->
 
     app = web.Application()
     app.router.add_route("*", "/x", handler)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
     client = HttpClient()
     body = {"input_ids": (1, 2, 3), "rid": "r", "sampling_params": {"temperature": 0.5}}
-    try:
-        url = f"http://127.0.0.1:{port}/x"
-        await client.send(HttpRequest("POST", url, json=body))
-        await client.send(HttpRequest("POST", url, json=body, headers={"X-Key": "k"}))
-        await client.send(HttpRequest("POST", url, json=[1], headers={"Content-Type": "application/x-mine"}))
-        await client.send(HttpRequest("GET", url))
-    finally:
-        await client.aclose()
-        await runner.cleanup()
+    async with serving(app) as base:
+        try:
+            url = f"{base}/x"
+            await client.send(HttpRequest("POST", url, json=body))
+            await client.send(HttpRequest("POST", url, json=body, headers={"X-Key": "k"}))
+            await client.send(HttpRequest("POST", url, json=[1], headers={"Content-Type": "application/x-mine"}))
+            await client.send(HttpRequest("GET", url))
+        finally:
+            await client.aclose()
     wire = b'{"input_ids":[1,2,3],"rid":"r","sampling_params":{"temperature":0.5}}'
     assert seen == [
         ("POST", "application/json", wire, None),

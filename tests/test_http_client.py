@@ -10,6 +10,7 @@ from aiohttp import web
 
 from rollout_backends import InvalidRequest
 from rollout_backends._http import HttpClient, HttpRequest, RetryPolicy
+from tests.aiohttp_app import serving
 
 
 @pytest.mark.parametrize("field", ["timeout", "control_timeout"])
@@ -35,15 +36,8 @@ async def compressing_server() -> AsyncIterator[str]:
 
     app = web.Application()
     app.router.add_get("/", handler)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    try:
-        yield f"http://127.0.0.1:{port}/"
-    finally:
-        await runner.cleanup()
+    async with serving(app) as base:
+        yield f"{base}/"
 
 
 async def test_bodies_come_back_uncompressed(compressing_server: str) -> None:

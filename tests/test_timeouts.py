@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 import rollout_backends as rb
 from rollout_backends._timeouts import MAX_SHARED, Deadline, Deadlines
 from rollout_backends.kit import HttpClient, HttpRequest, RetryPolicy
+from tests.aiohttp_app import serving
 
 pytestmark = pytest.mark.skipif(sys.version_info < (3, 11), reason="3.10 uses asyncio.wait_for instead")
 
@@ -192,16 +193,11 @@ async def server() -> Any:
     app = web.Application()
     app.router.add_get("/hang", hang)
     app.router.add_get("/ok", ok)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        release.set()
-        await runner.cleanup()
+    async with serving(app) as base:
+        try:
+            yield base
+        finally:
+            release.set()
 
 
 def _client() -> HttpClient:
