@@ -75,6 +75,16 @@ class IncrementalDetokenizer:
         self._ids.append(token_id)
         return self._delta(final=False)
 
+    def chunk(self, token_ids: Sequence[int], *, last: bool = False) -> tuple[list[str], str]:
+        """One chunk's ``tokens`` (a string per token id, aligned with them) and ``text``. On the
+        ``last`` chunk the held-back tail is folded into the last token's string (into ``text``
+        alone when the chunk has no ids: ``tokens`` must stay aligned with ``token_ids``)."""
+        pieces = [self.step(int(t)) for t in token_ids]
+        tail = self.finish() if last else ""
+        if tail and pieces:
+            pieces[-1] += tail
+        return pieces, "".join(pieces) if pieces else tail
+
     def finish(self) -> str:
         """Return the text still held back at the end of the generation (may contain U+FFFD)."""
         if len(self._ids) == self._read:

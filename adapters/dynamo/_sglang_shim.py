@@ -241,12 +241,9 @@ def patch_token_stream(handler_cls: Any = None) -> bool:
         detok = req.detok if req is not None else None
         async for out in orig_stream(self, tap(), *args, **kwargs):
             if detok is not None:
-                pieces = [detok.step(int(t)) for t in out.get("token_ids") or []]
-                tail = detok.finish() if out.get("finish_reason") else ""
-                if tail and pieces:
-                    pieces[-1] += tail
-                # ``tokens`` stays aligned with ``token_ids`` (logprobs.tokens is built from it).
-                out["tokens"], out["text"] = pieces, "".join(pieces) if pieces else tail
+                # ``tokens`` is what the frontend builds logprobs.tokens from.
+                final = bool(out.get("finish_reason"))
+                out["tokens"], out["text"] = detok.chunk(out.get("token_ids") or [], last=final)
             if out.get("finish_reason"):
                 ed = dict(out.get("engine_data") or {})
                 ed.setdefault("weight_version", seen.get("weight_version"))

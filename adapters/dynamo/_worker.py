@@ -373,15 +373,8 @@ class DynamoWorker:
             return
         skip = bool((request.get("output_options") or {}).get("skip_special_tokens") or False)
         detok = IncrementalDetokenizer(self.text_decoder, request.get("token_ids") or (), skip_special_tokens=skip)
-        for c in chunks:
-            pieces = [detok.step(t) for t in c["token_ids"]]
-            c["tokens"], c["text"] = pieces, "".join(pieces)
-        tail = detok.finish()
-        if tail:
-            last = chunks[-1]
-            if last["tokens"]:
-                last["tokens"][-1] += tail
-            last["text"] += tail
+        for i, c in enumerate(chunks):
+            c["tokens"], c["text"] = detok.chunk(c["token_ids"], last=i == len(chunks) - 1)
 
     # -- engine routes (dynamo.sglang 1.4.2 paths and bodies) --------------------------------------
 
