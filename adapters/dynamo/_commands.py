@@ -27,6 +27,7 @@ from rollout_backends._launch import EngineInfo, Launch, NodeContext, env_map, s
 from rollout_backends._supervisor import ProcessSpec, ReadyCheck
 from rollout_backends.adapters.dynamo._services import DynamoPlanes
 from rollout_backends.adapters.dynamo._wire import generate_instances
+from rollout_backends.adapters.sglang._launch import kv_events_config
 
 __all__ = ["DynamoFrontend", "DynamoWorkerCommand", "generate_instances"]
 
@@ -153,8 +154,7 @@ class DynamoWorkerCommand:
             ports += [(ctx.bind_host, sglang_port), (ctx.bind_host, nccl)]
             if self.kv_events:
                 kv = ctx.port("kv_events", below=PORT_CEILING, any_interface=True)  # tcp://*
-                cfg = {"publisher": "zmq", "topic": "kv-events", "endpoint": f"tcp://*:{kv}"}
-                argv += ["--kv-events-config", json.dumps(cfg, separators=(",", ":"))]
+                argv += ["--kv-events-config", kv_events_config(kv)]
                 extra["kv_events_port"] = kv
             if self.stream_interval is not None:
                 argv += ["--stream-interval", str(self.stream_interval)]

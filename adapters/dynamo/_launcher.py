@@ -222,11 +222,55 @@ class RunningDynamoFleet:
     worker_names: tuple[str, ...]
     supervisor: Supervisor
     run_dir: Path
+    #: Frontends :meth:`add_frontend` started: URL -> router mode.
+    frontends: dict[str, str] = attrs.field(factory=dict)
     _backends: list[HttpFleetBackend] = attrs.field(factory=list)
 
-    async def connect(self, **kwargs: Any) -> HttpFleetBackend:
-        """The ``RolloutBackend`` over this fleet (closed with the fleet)."""
+    async def add_frontend(
+        self,
+        router_mode: str,
+        *,
+        router_predicted_ttl_secs: float | None = None,
+        name: str | None = None,
+        timeout: float = 120.0,
+    ) -> str:
+        """Start one more frontend over the same workers, in ``router_mode``; return its URL.
+
+        It discovers the fleet's workers (same namespace and discovery) and, in ``kv`` mode, reads
+        their KV events like the first one. Stopped with the fleet. For comparing router modes on
+        warm workers without restarting anything (``connect(frontend_url=...)`` reaches it).
+        """
+        cfg = attrs.evolve(
+            self.config, router_mode=router_mode, router_predicted_ttl_secs=router_predicted_ttl_secs
+        )  # validates the mode and the TTL against kv_events
+        name = name or f"frontend-{len(self.frontends)}"
+        planes = fleet_planes(cfg, self.run_dir / "kv")
+        ctx = _node(cfg, -1, self.supervisor.log_dir, set(self.frontends_ports()))
+        engines = [
+            EngineInfo(index=i, name=n, host=cfg.host, node_id=None, node_ip=None, pid=0, generate_url=None,
+                       control_url=u, extra={"rpc_port": self.rpc_ports[u]})
+            for i, (u, n) in enumerate(zip(self.worker_urls, self.worker_names, strict=True))
+        ]  # fmt: skip
+        launch = frontend_command(cfg, self.namespace, planes).build(ctx, engines).named(name)
+        await self.supervisor.start(launch.spec)
+        await self.supervisor.wait_ready([name], timeout=timeout)
+        self.frontends[launch.control_url] = router_mode
+        return launch.control_url
+
+    def frontends_ports(self) -> list[int]:
+        """The HTTP ports of every frontend of this fleet."""
+        return [int(u.rsplit(":", 1)[1]) for u in (self.frontend_url, *self.frontends)]
+
+    async def connect(self, *, frontend_url: str | None = None, **kwargs: Any) -> HttpFleetBackend:
+        """The ``RolloutBackend`` over this fleet (closed with the fleet), through the first
+        frontend or ``frontend_url`` (one :meth:`add_frontend` started)."""
         from rollout_backends.adapters.dynamo._client import connect
+
+        url = frontend_url or self.frontend_url
+        if url != self.frontend_url:
+            if url not in self.frontends:
+                raise InvalidRequest("frontend_url", f"{url!r} is not a frontend of this fleet")
+            kwargs.setdefault("router_mode", self.frontends[url])
 
         # The mocker has no engine routes to probe; dynamo.sglang's routes differ by version (and by
         # whether the shim took): connect() detects them.
@@ -239,7 +283,7 @@ class RunningDynamoFleet:
         kwargs.setdefault("model_path", self.config.model_path)
         if not self.config.native_generate:
             kwargs.setdefault("native_generate", False)
-        backend = await connect(self.frontend_url, workers=list(self.worker_urls), rpc_ports=self.rpc_ports, **kwargs)
+        backend = await connect(url, workers=list(self.worker_urls), rpc_ports=self.rpc_ports, **kwargs)
         self._backends.append(backend)
         return backend
 

@@ -25,7 +25,8 @@
    UTF-8 splits (HTTP 500). Not for requests with text stop sequences (only the frontend matches
    those); ``ROLLOUT_DYN_WORKER_TEXT=0`` turns it off.
 5. **Engine routes** (``register_engine_routes`` wrapped): ``rollout/weight_version`` →
-   ``{"weight_version"}`` (1.4.2 has no route that returns it) and ``rollout/abort`` ``{"rid"}`` |
+   ``{"weight_version"}`` (1.4.2 has no route that returns it), ``rollout/server_args`` (SGLang's
+   resolved ``ServerArgs``, as ``launch_server``'s ``/server_info`` shows them) and ``rollout/abort`` ``{"rid"}`` |
    ``{"abort_all": true}``: aborts one request by *our* id (``nvext.annotations`` ``rid:<id>``,
    mapped to SGLang's id from its first chunk) inside SGLang, so the request still returns its
    partial tokens with finish ``abort`` (cancelling the HTTP call loses them).
@@ -282,12 +283,28 @@ def patch_routes(handler_cls: Any = None) -> bool:
                 return {"success": False, "message": "rid: must be a non-empty string"}
             return {"status": "ok", "found": REQUESTS.abort(rid)}
 
+        async def server_args(body: dict[str, Any]) -> dict[str, Any]:
+            return server_args_dict(self.engine.tokenizer_manager.server_args)
+
         runtime.register_engine_route("rollout/weight_version", weight_version)
         runtime.register_engine_route("rollout/abort", abort)
+        runtime.register_engine_route("rollout/server_args", server_args)
 
     setattr(register_engine_routes, _PATCHED, True)
     handler_cls.register_engine_routes = register_engine_routes
     return True
+
+
+def server_args_dict(server_args: Any) -> dict[str, Any]:
+    """SGLang's resolved ``ServerArgs`` as JSON values (what ``launch_server``'s ``/server_info``
+    shows), so a benchmark can hold a Dynamo worker's engine settings against an SGLang server's."""
+    fields = getattr(server_args, "__dataclass_fields__", None)
+    names = list(fields) if isinstance(fields, dict) else list(vars(server_args))
+    out: dict[str, Any] = {}
+    for name in names:
+        value = getattr(server_args, name, None)
+        out[name] = value if isinstance(value, str | int | float | bool | type(None) | list | dict) else str(value)
+    return out
 
 
 def patch_control_results(mixin_cls: Any = None) -> bool:

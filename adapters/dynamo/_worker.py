@@ -560,6 +560,17 @@ class DynamoWorker:
             "native_generate": True,  # the model card advertises sglang_generate (see run())
         }
 
+    async def _server_args(self, body: dict[str, Any]) -> dict[str, Any]:
+        """The engine settings a benchmark compares across fleets (the shim's route of the same
+        name answers SGLang's resolved ``ServerArgs``)."""
+        return {
+            "page_size": self.kv_cache_block_size,
+            "context_length": self.context_length or getattr(self.engine, "max_context", None),
+            "skip_tokenizer_init": True,
+            "tp_size": 1,
+            "dp_size": 1,
+        }
+
     async def _abort(self, body: dict[str, Any]) -> dict[str, Any]:
         if body.get("abort_all"):
             await self._abort_all()
@@ -583,6 +594,7 @@ class DynamoWorker:
             # Not in dynamo.sglang: read the served version, abort by request id.
             "rollout/weight_version": self._weight_version,
             "rollout/info": self._info,
+            "rollout/server_args": self._server_args,
             "rollout/abort": self._abort,
         }
 

@@ -10,6 +10,7 @@ The reference server's command (CPU) is ``rollout_backends.adapters.reference.Re
 
 from __future__ import annotations
 
+import json
 import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -21,7 +22,15 @@ from rollout_backends._fleet import HttpFleetBackend
 from rollout_backends._launch import EngineInfo, Launch, NodeContext, env_map, str_tuple
 from rollout_backends._supervisor import ProcessSpec, ReadyCheck
 
-__all__ = ["NativeServerCommand", "SGLangServerCommand", "SmgRouter", "connect_engines", "key_args", "server_env"]
+__all__ = [
+    "NativeServerCommand",
+    "SGLangServerCommand",
+    "SmgRouter",
+    "connect_engines",
+    "key_args",
+    "kv_events_config",
+    "server_env",
+]
 
 #: The router modules: ``smg`` (``smg.launch_router``) and ``sglang-router`` (``sglang_router.launch_router``).
 ROUTER_MODULES: Mapping[str, str] = {"smg": "smg.launch_router", "sglang-router": "sglang_router.launch_router"}
@@ -35,6 +44,12 @@ def key_args(api_key: str | None, admin_api_key: str | None = None) -> list[str]
     if admin_api_key:
         out += ["--admin-api-key", admin_api_key]
     return out
+
+
+def kv_events_config(port: int) -> str:
+    """SGLang's ``--kv-events-config`` for a ZMQ publisher on ``port`` (every interface)."""
+    cfg = {"publisher": "zmq", "topic": "kv-events", "endpoint": f"tcp://*:{port}"}
+    return json.dumps(cfg, separators=(",", ":"))
 
 
 def auth_headers(api_key: str | None) -> dict[str, str]:
@@ -129,6 +144,9 @@ class SGLangServerCommand(NativeServerCommand):
     skip_tokenizer_init: bool = False
     random_seed: int | None = None
     weight_version: str | None = None
+    #: Publish KV-cache events (``--kv-events-config``, ZMQ on a port of its own, role ``kv_events``):
+    #: what a KV-aware router outside SGLang (Dynamo's) reads.
+    kv_events: bool = False
     grace: float = 30.0
     ready_path: str = "/health_generate"
 
@@ -164,16 +182,22 @@ class SGLangServerCommand(NativeServerCommand):
             argv.append("--skip-tokenizer-init")
         if self.random_seed is not None:
             argv += ["--random-seed", str(self.random_seed)]
+        ports = [(ctx.bind_host, port), (ctx.bind_host, nccl)]
+        extra: dict[str, Any] = {"nccl_port": nccl}
+        if self.kv_events:
+            kv = ctx.port("kv_events", any_interface=True)  # SGLang binds tcp://*
+            argv += ["--kv-events-config", kv_events_config(kv)]
+            extra["kv_events_port"] = kv
         url = ctx.url(port)
         spec = ProcessSpec(
             name=f"sglang-{ctx.index}",
             argv=[*argv, *self.extra_args],
             env=self._env(ctx),
             ready=self._ready(f"{url}{self.ready_path}"),
-            ports=[(ctx.bind_host, port), (ctx.bind_host, nccl)],
+            ports=ports,
             grace=self.grace,
         )
-        return Launch(spec=spec, generate_url=url, control_url=url, extra={"nccl_port": nccl})
+        return Launch(spec=spec, generate_url=url, control_url=url, extra=extra)
 
 
 @attrs.frozen(kw_only=True)

@@ -121,6 +121,8 @@ class SGLangFleetConfig:
     skip_tokenizer_init: bool = False
     random_seed: int | None = None
     weight_version: str = "default"
+    #: sglang workers: publish KV-cache events (``--kv-events-config``, a ZMQ port each).
+    kv_events: bool = False
     served_model_name: str | None = None
     api_key: str | None = attrs.field(default=None, repr=False)
     admin_api_key: str | None = attrs.field(default=None, repr=False)
