@@ -1,29 +1,43 @@
-"""RL fan-out routing: GRPO-shaped rollouts through every router we support, on the same workers.
+"""RL fan-out routing: GRPO-shaped rollouts through SGLang, smg and Dynamo on the same kind of workers.
+
+What it answers: for the same RL step (same prompts, same per-sample response lengths), how long
+does each router/backend take, relative to a baseline, with a 95 % interval — and where the time
+goes (CPU of every process: client, router/frontend, each worker's main process, scheduler and
+detokenizer).
+
+**Rows** (``--rows``, or a ``--preset``): a row is a fleet, an entry into it and a client:
+
+* fleets: ``sglang`` (SGLang workers behind smg; a second smg router added for cache_aware) and
+  ``dynamo`` (``dynamo.sglang`` workers through our shim behind ``dynamo.frontend``; one frontend per
+  router mode, all over the same workers, so modes switch without a restart); for the layer table
+  also ``dynamo-stock`` (stock ``dynamo.sglang``), ``dynamo-notext`` (shim, worker-side text off),
+  ``dynamo-sidefault`` (SGLang's default stream interval) and ``sglang-nokv`` (no KV events);
+* clients: ``adapter`` (this library: ``generate_group`` for a prompt's samples, ``generate`` after)
+  or ``raw`` (aiohttp posting the same bodies: SGLang's ``/generate``, Dynamo's ``/v1/completions``).
+
+**Method.** Every fleet is started first, all at once, and stays up (their KV pools capped by
+``--max-total-tokens``, schedulers asleep when idle: ``--sleep-on-idle``; what idle fleets spend
+is measured and reported). Every fleet's workers must run the same SGLang arguments: the command
+lines are compared before anything starts and the resolved arguments each engine reports after,
+and the run refuses to go on when they differ (ports, hosts, paths aside; ``--vary`` names what a
+run varies on purpose). Then, per workload, *blocks*: each block is one RL step of the workload,
+run once by every row in a seeded random order; block 0 is a warm-up and is discarded. Before
+each row's step its fleet's prefix caches are flushed, and every row's prompts start with a
+token of its own, so no row ever hits another row's cache. A row's ratio to the baseline is the
+ratio of their wall-clock over the blocks both finished, with a bootstrap interval over blocks
+(``stats.py``); a target is met or missed only when its interval lies on one side of the bound.
 
 Workloads (fixed by ``--seed``):
 
-* ``gsm8k``: ``--prompts`` GSM8K-shaped math questions per step (synthetic, from templates, put in
-  a shared chat template and tokenized with the model's tokenizer), ``--samples`` samples each,
-  sent as one ``rollout_backends.generate_group`` per prompt (siblings share a routing key), every
-  group of a step at once. Each sample's response length is drawn from a lognormal distribution
-  (median ``--length-median``, capped at ``--max-new-tokens``) and enforced with ``max_new_tokens``
-  + ``ignore_eos``, so every backend generates exactly the same number of tokens.
-* ``agentic``: multi-turn: turn 1 as above, then each sample continues on its own for
-  ``--turns - 1`` turns: its previous context + its previous response + a new user turn.
+* ``gsm8k``: ``--prompts`` GSM8K-shaped questions per step (synthetic, in the model's chat
+  template), ``--samples`` samples each, one ``generate_group`` per prompt, every group at once.
+  Each sample's response length is drawn from a lognormal (median ``--length-median``, capped at
+  ``--max-new-tokens``) and enforced with ``max_new_tokens`` + ``ignore_eos``.
+* ``agentic``: turn 1 as above, then each sample continues on its own for ``--turns - 1`` turns
+  (its context + its response + a new user turn).
 
-Backends (rows): SGLang workers behind ``smg --policy round_robin`` (the **baseline**, like Miles'
-own router), the same workers behind ``smg --policy cache_aware``, and Dynamo (frontend + workers)
-with ``--router-mode round-robin``, ``kv``, and ``kv`` + ``--router-predicted-ttl-secs``
-(predict-on-route), the Dynamo rows also with the workers' ``--stream-interval 50``.
-Fleets are started once, all at the same time, and reused: policies are switched by a second smg
-router over the same workers, Dynamo router modes by restarting only the frontend. Every job
-starts from an empty prefix cache (``flush_cache`` first, where the workers have one).
-
-Plus *adapter vs direct*: on the SGLang round-robin fleet, the gsm8k steps through our adapter and
-through raw aiohttp posting the same bodies to the same router, interleaved step by step.
-
-Run: ``python -m rollout_backends._bench.fanout --engine sglang --model-size qwen2.5-0.5b
---workers 2 --gpus 0,1 --out DIR`` (GPU) or ``--engine mocker --smoke`` (CPU, seconds).
+Run: ``rollout-backends bench fanout --engine sglang --gpus 0,0 --preset main --out DIR`` (GPU) or
+``--engine mocker --smoke`` (CPU, seconds: the same code path).
 """
 
 from __future__ import annotations
@@ -31,29 +45,37 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import math
 import random
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, cast
 
 import attrs
 
 from rollout_backends._bench import report
+from rollout_backends._bench.proc import CpuSampler
+from rollout_backends._bench.serverargs import Comparison, compare, flags_of, resolved_of
+from rollout_backends._bench.stats import Interval, Verdict, judge, paired_ratio
 from rollout_backends._errors import RolloutBackendError, Unsupported
 from rollout_backends._protocol import RolloutBackend
 from rollout_backends._transaction import generate_group
 from rollout_backends._types import GenerateRequest, Generation, RoutingKind, SamplingParams
 
 __all__ = [
-    "BACKENDS",
-    "Job",
-    "JobResult",
+    "FLEETS",
+    "PRESETS",
+    "ROWS",
+    "TARGETS",
+    "Row",
+    "RowResult",
     "Workload",
     "main",
     "make_workload",
@@ -61,13 +83,9 @@ __all__ = [
 ]
 
 KEY = "fanout"
-BASELINE = "sglang rr"
-#: Row names in table order.
-BACKENDS = ("sglang rr", "smg cache_aware", "dynamo rr", "dynamo kv", "dynamo kv+predict")
 WORKLOADS = ("gsm8k", "agentic")
 ENGINES = ("sglang", "reference", "mocker")
 TIMES = "\N{MULTIPLICATION SIGN}"
-TARGET_DIRECT_RATIO = 1.01
 PACKAGES = ("torch", "sglang", "ai-dynamo", "ai-dynamo-runtime", "smg", "transformers", "aiohttp", "orjson")
 
 # -- the workload ----------------------------------------------------------------------------------
@@ -249,20 +267,18 @@ class _PerSampleLengths:
 
 
 class Client:
-    """Sends a workload's requests. ``group``: turn 1 of a prompt's samples; ``one``: a later turn."""
+    """Sends a workload's requests. ``group``: turn 1 of a prompt's samples; ``one``: one request."""
 
     name = ""
     reports_cached = True
 
-    async def group(self, g: Group, group_id: str, sampling: SamplingParams, seed: int) -> list[Result]:
+    async def group(
+        self, prompt: Sequence[int], lengths: Sequence[int], group_id: str, sampling: SamplingParams, seed: int
+    ) -> list[Result]:
         raise NotImplementedError
 
     async def one(self, input_ids: Sequence[int], sampling: SamplingParams, request_id: str, key: str) -> Result:
         raise NotImplementedError
-
-    async def flush(self) -> bool:
-        """Empty the workers' prefix caches; False where the workers cannot."""
-        return False
 
     async def abort_all(self) -> None:
         return None
@@ -280,15 +296,16 @@ class AdapterClient(Client):
 
     name = "adapter"
 
-    def __init__(self, backend: RolloutBackend, *, owned: bool = False, can_flush: bool = True) -> None:
+    def __init__(self, backend: RolloutBackend, *, owned: bool = False) -> None:
         self.backend = backend
         self.owned = owned
-        self.can_flush = can_flush
         self.reports_cached = backend.capabilities.cached_tokens
 
-    async def group(self, g: Group, group_id: str, sampling: SamplingParams, seed: int) -> list[Result]:
-        wrapped = cast(RolloutBackend, _PerSampleLengths(self.backend, g.lengths))
-        gens = await generate_group(wrapped, g.prompt, g.samples, sampling, base_seed=seed, group_id=group_id)
+    async def group(
+        self, prompt: Sequence[int], lengths: Sequence[int], group_id: str, sampling: SamplingParams, seed: int
+    ) -> list[Result]:
+        wrapped = cast(RolloutBackend, _PerSampleLengths(self.backend, lengths))
+        gens = await generate_group(wrapped, prompt, len(lengths), sampling, base_seed=seed, group_id=group_id)
         return [_result(x) for x in gens]
 
     async def one(self, input_ids: Sequence[int], sampling: SamplingParams, request_id: str, key: str) -> Result:
@@ -296,19 +313,6 @@ class AdapterClient(Client):
             GenerateRequest(input_ids=input_ids, sampling=sampling, request_id=request_id, routing_key=key)
         )
         return _result(gen)
-
-    async def flush(self) -> bool:
-        if not self.can_flush:
-            return False
-        for _ in range(12):  # a worker refuses while requests are still draining
-            try:
-                await self.backend.flush_cache()
-                return True
-            except Unsupported:
-                return False
-            except RolloutBackendError:
-                await asyncio.sleep(0.25)
-        return False
 
     async def abort_all(self) -> None:
         with contextlib.suppress(Exception):
@@ -319,139 +323,193 @@ class AdapterClient(Client):
             await self.backend.aclose()
 
 
-class RawAiohttpClient(Client):
-    """Direct engine calls: aiohttp posts of the bodies our SGLang wire would send, to the same router."""
+class _RawClient(Client):
+    """aiohttp with no library around it: one session, ``post(json=)``, ``resp.json()``."""
 
     name = "raw aiohttp"
 
     def __init__(self, url: str) -> None:
         import aiohttp
 
-        from rollout_backends.adapters.sglang._wire import ROUTING_KEY_HEADER, sampling_params_body
-
         self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
-        self.url = f"{url}/generate"
-        self.header = ROUTING_KEY_HEADER
-        self._body = sampling_params_body
+        self.url = url
 
-    def _sampling(self, sampling: SamplingParams, length: int, seed: int | None) -> dict[str, Any]:
-        sp = self._body(sampling)
-        sp["max_new_tokens"] = length
-        if seed is not None:
-            sp["sampling_seed"] = seed
-        return sp
-
-    async def _post(self, body: dict[str, Any], key: str) -> Result:
+    async def _post(self, body: dict[str, Any], headers: Mapping[str, str] | None = None) -> tuple[Any, float]:
         t0 = time.perf_counter()
-        async with self.session.post(self.url, json=body, headers={self.header: key}) as resp:
+        async with self.session.post(self.url, json=body, headers=headers) as resp:
             data = await resp.json(content_type=None)
             if resp.status != 200:
                 raise RuntimeError(f"HTTP {resp.status}: {str(data)[:300]}")
-        dt = time.perf_counter() - t0
+        return data, time.perf_counter() - t0
+
+    async def group(
+        self, prompt: Sequence[int], lengths: Sequence[int], group_id: str, sampling: SamplingParams, seed: int
+    ) -> list[Result]:
+        return list(
+            await asyncio.gather(
+                *(
+                    self.one(prompt, sampling.replace(max_new_tokens=n, seed=seed + i), f"{group_id}-{i}", group_id)
+                    for i, n in enumerate(lengths)
+                )
+            )
+        )
+
+    async def aclose(self) -> None:
+        await self.session.close()
+
+
+class RawSGLangClient(_RawClient):
+    """``POST /generate`` with the body our SGLang wire builds, to the same router."""
+
+    def __init__(self, url: str) -> None:
+        from rollout_backends.adapters.sglang._wire import ROUTING_KEY_HEADER, sampling_params_body
+
+        super().__init__(f"{url}/generate")
+        self._header = ROUTING_KEY_HEADER
+        self._sampling = sampling_params_body
+
+    async def one(self, input_ids: Sequence[int], sampling: SamplingParams, request_id: str, key: str) -> Result:
+        body = {
+            "input_ids": list(input_ids),
+            "sampling_params": self._sampling(sampling),
+            "return_logprob": True,
+            "rid": request_id,
+        }
+        data, dt = await self._post(body, {self._header: key})
         meta = data["meta_info"]
         return Result(
-            int(meta.get("prompt_tokens", len(body["input_ids"]))),
+            int(meta.get("prompt_tokens", len(input_ids))),
             int(meta.get("cached_tokens") or 0),
             tuple(data["output_ids"]),
             dt,
             meta.get("weight_version"),
         )
 
-    async def group(self, g: Group, group_id: str, sampling: SamplingParams, seed: int) -> list[Result]:
-        prompt = list(g.prompt)
-        bodies = [
-            {
-                "input_ids": prompt,
-                "sampling_params": self._sampling(sampling, g.lengths[i], seed + i),
-                "return_logprob": True,
-                "rid": f"{group_id}-{i}",
-            }
-            for i in range(g.samples)
-        ]
-        return list(await asyncio.gather(*(self._post(b, group_id) for b in bodies)))
+
+class RawCompletionsClient(_RawClient):
+    """``POST /v1/completions`` to a Dynamo frontend with the body our Dynamo wire builds."""
+
+    def __init__(self, url: str, model: str, *, logprobs: bool) -> None:
+        from rollout_backends.adapters.dynamo._wire import completion_body
+
+        super().__init__(f"{url}/v1/completions")
+        self._model = model
+        self._logprobs = logprobs
+        self._body = completion_body
 
     async def one(self, input_ids: Sequence[int], sampling: SamplingParams, request_id: str, key: str) -> Result:
-        body = {
-            "input_ids": list(input_ids),
-            "sampling_params": self._sampling(sampling, sampling.max_new_tokens, sampling.seed),
-            "return_logprob": True,
-            "rid": request_id,
-        }
-        return await self._post(body, key)
-
-    async def aclose(self) -> None:
-        await self.session.close()
-
-
-# -- steps -----------------------------------------------------------------------------------------
-
-
-@attrs.define
-class StepStat:
-    wall_s: float
-    cpu_s: float
-    requests: int = 0
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    output_tokens: int = 0
-    latencies: list[float] = attrs.field(factory=list)
-    workers: dict[str, int] = attrs.field(factory=dict)
-
-    def add(self, results: Sequence[Result]) -> None:
-        for r in results:
-            self.requests += 1
-            self.prompt_tokens += r.prompt_tokens
-            self.cached_tokens += r.cached_tokens
-            self.output_tokens += len(r.output_ids)
-            self.latencies.append(r.latency_s)
-            if r.worker is not None:
-                self.workers[r.worker] = self.workers.get(r.worker, 0) + 1
+        request = GenerateRequest(input_ids=input_ids, sampling=sampling, request_id=request_id)
+        data, dt = await self._post(self._body(request, self._model, logprobs=self._logprobs))
+        nvext = data.get("nvext") or {}
+        usage = data.get("usage") or {}
+        details = usage.get("prompt_tokens_details") or {}
+        ids = nvext.get("completion_token_ids")
+        if not isinstance(ids, list):
+            raise RuntimeError(f"answer without nvext.completion_token_ids: {str(data)[:300]}")
+        return Result(
+            int(usage.get("prompt_tokens") or len(input_ids)),
+            int(details.get("cached_tokens") or 0),
+            tuple(ids),
+            dt,
+            None if nvext.get("worker_id") is None else str(nvext.get("worker_id")),
+        )
 
 
-async def run_step(client: Client, workload: Workload, step: int, tag: str) -> StepStat:
-    """Every group of one step at once; agentic samples continue turn by turn on their own."""
-    groups = workload.steps[step]
-    base = SamplingParams(max_new_tokens=workload.max_new_tokens, temperature=1.0, top_p=1.0, ignore_eos=True)
-    collected: list[Result] = []
-
-    async def conversation(g: Group) -> None:
-        gid = f"{tag}-s{step}-g{g.index}"
-        first = await client.group(g, gid, base, _group_seed(workload.seed, step, g.index))
-        collected.extend(first)
-        if workload.turns <= 1:
-            return
-
-        async def follow(i: int, r: Result) -> None:
-            context = list(g.prompt) + [t % workload.vocab_size for t in r.output_ids]
-            for turn in range(workload.turns - 1):
-                context += g.user_turns[i][turn]
-                sampling = base.replace(
-                    max_new_tokens=g.later_lengths[i][turn],
-                    seed=_group_seed(workload.seed, step, g.index, turn + 1) + i,
-                )
-                nxt = await client.one(context, sampling, f"{gid}-{i}-t{turn + 2}", f"{gid}-{i}")
-                collected.append(nxt)
-                context += [t % workload.vocab_size for t in nxt.output_ids]
-
-        await asyncio.gather(*(follow(i, r) for i, r in enumerate(first)))
-
-    c0, t0 = time.process_time(), time.perf_counter()
-    await asyncio.gather(*(conversation(g) for g in groups))
-    stat = StepStat(time.perf_counter() - t0, time.process_time() - c0)
-    stat.add(collected)
-    return stat
+# -- rows: a fleet, an entry into it, a client -------------------------------------------------------
 
 
-async def warm_up(client: Client, workload: Workload, n: int, tag: str) -> None:
-    """``n`` short requests at once (not timed): first-request and first-batch costs stay out of the steps."""
-    g = workload.steps[0][0]
-    sampling = SamplingParams(max_new_tokens=16, temperature=1.0, ignore_eos=True, seed=0)
-    await asyncio.gather(
-        *(client.one(g.prompt[: 16 + i], sampling, f"{tag}-warm-{i}", f"{tag}-warm") for i in range(n))
-    )
+@attrs.frozen
+class Row:
+    name: str
+    fleet: str  #: a key of FLEETS
+    entry: str  #: rr | cache_aware (smg) | rr | kv | kv+predict (Dynamo frontends)
+    client: str  #: adapter | raw
+
+
+def _rows(*rows: Row) -> dict[str, Row]:
+    return {r.name: r for r in rows}
+
+
+ROWS: Mapping[str, Row] = _rows(
+    Row("sglang rr", "sglang", "rr", "adapter"),
+    Row("sglang rr raw", "sglang", "rr", "raw"),
+    Row("smg cache_aware", "sglang", "cache_aware", "adapter"),
+    Row("sglang rr raw, no kv events", "sglang-nokv", "rr", "raw"),
+    Row("dynamo rr", "dynamo", "rr", "adapter"),
+    Row("dynamo rr raw", "dynamo", "rr", "raw"),
+    Row("dynamo kv", "dynamo", "kv", "adapter"),
+    Row("dynamo kv+predict", "dynamo", "kv+predict", "adapter"),
+    Row("dynamo rr raw, stock worker", "dynamo-stock", "rr", "raw"),
+    Row("dynamo rr raw, no worker text", "dynamo-notext", "rr", "raw"),
+    Row("dynamo rr raw, default stream interval", "dynamo-sidefault", "rr", "raw"),
+)
+#: Row sets, each with its baseline first.
+PRESETS: Mapping[str, tuple[str, ...]] = {
+    # the routing comparison (targets 1 and 2)
+    "main": ("sglang rr", "smg cache_aware", "dynamo rr", "dynamo kv", "dynamo kv+predict"),
+    # our adapter against raw aiohttp on the same fleets (target 3)
+    "client": ("sglang rr raw", "sglang rr", "dynamo rr raw", "dynamo rr"),
+    # where the Dynamo path's time goes, one layer at a time, against SGLang direct with no library
+    "layers": (
+        "sglang rr raw",
+        "sglang rr",
+        "sglang rr raw, no kv events",
+        "dynamo rr raw",
+        "dynamo rr",
+        "dynamo rr raw, stock worker",
+        "dynamo rr raw, no worker text",
+        "dynamo rr raw, default stream interval",
+    ),
+}
+
+
+@attrs.frozen
+class Target:
+    """``row / against ≤ bound`` on every workload both rows ran."""
+
+    row: str
+    against: str
+    bound: float
+    what: str
+
+    @property
+    def goal(self) -> str:
+        return f"{self.row} ≤ {self.bound:.2f}{TIMES} {self.against} ({self.what})"
+
+
+TARGETS: tuple[Target, ...] = (
+    Target("dynamo rr", "sglang rr", 1.03, "same policy, same workers"),
+    Target("dynamo kv", "smg cache_aware", 1.00, "KV-aware routers"),
+    Target("sglang rr", "sglang rr raw", 1.02, "our adapter vs raw aiohttp, same fleet"),
+    Target("dynamo rr", "dynamo rr raw", 1.02, "our adapter vs raw aiohttp, same fleet"),
+)
 
 
 # -- fleets ----------------------------------------------------------------------------------------
+
+
+@attrs.frozen
+class FleetVariant:
+    """How one fleet differs from the others (``dynamo*``: the worker; ``sglang*``: KV events)."""
+
+    kind: str  #: sglang | dynamo
+    what: str
+    shim: bool = True  #: dynamo: our shim around dynamo.sglang (False: stock)
+    worker_text: bool = True  #: dynamo: worker-side text (ROLLOUT_DYN_WORKER_TEXT)
+    default_interval: bool = False  #: SGLang's default --stream-interval instead of the run's
+    kv_events: bool = True  #: workers publish KV events (the KV router reads them)
+
+
+FLEETS: Mapping[str, FleetVariant] = {
+    "sglang": FleetVariant("sglang", "SGLang workers behind smg (round_robin; cache_aware added)"),
+    "sglang-nokv": FleetVariant("sglang", "SGLang workers behind smg, no KV events", kv_events=False),
+    "dynamo": FleetVariant("dynamo", "dynamo.sglang through our shim behind dynamo.frontend"),
+    "dynamo-stock": FleetVariant("dynamo", "stock dynamo.sglang behind dynamo.frontend", shim=False),
+    "dynamo-notext": FleetVariant("dynamo", "our shim, worker-side text off", worker_text=False),
+    "dynamo-sidefault": FleetVariant("dynamo", "our shim, SGLang's default stream interval", default_interval=True),
+}
+_DYNAMO_MODES = {"rr": "round-robin", "kv": "kv", "kv+predict": "kv"}
+_ENTRY_ORDER = ("rr", "cache_aware", "kv", "kv+predict")
 
 
 @attrs.frozen
@@ -463,42 +521,107 @@ class Settings:
     workers: int
     gpus: tuple[str, ...]
     kv_tokens: int
+    stream_interval: int | None
     predicted_ttl_s: float
     mocker_speedup: float
     startup_timeout_s: float
     log_root: Path
     vocab_size: int
 
+    @property
+    def gpu(self) -> bool:
+        return self.engine == "sglang"
 
-def _sglang_flags(s: Settings) -> list[str]:
-    """SGLang server flags every GPU worker gets (SGLang fleet and Dynamo workers alike).
 
-    Several workers share each GPU (the fleets run side by side), so the KV pool is capped by
-    ``--max-total-tokens`` and ``--mem-fraction-static`` is high: SGLang sizes the pool from the
-    memory free *now* minus ``(1 - fraction)`` of what was free when it started, which
-    concurrent start-ups would otherwise drive below zero.
+#: The recipe proven on the H200 (``SGLangServerCommand``'s defaults), which the Dynamo workers get
+#: as flags since ``dynamo.sglang`` passes SGLang's flags through.
+RECIPE_FLAGS = ("--attention-backend", "triton", "--sampling-backend", "pytorch", "--disable-cuda-graph")
+
+
+def engine_flags(s: Settings) -> list[str]:
+    """SGLang flags every GPU worker of every fleet gets, on top of the recipe and the page size.
+
+    Several fleets share each GPU, so each KV pool is capped by ``--max-total-tokens`` and
+    ``--mem-fraction-static`` is high: SGLang sizes the pool from the memory free *now* minus
+    ``(1 - fraction)`` of what was free when it started, which concurrent start-ups would otherwise
+    drive below zero. ``--sleep-on-idle``: an idle scheduler waits on its socket instead of polling.
+    The run's ``--stream-interval`` is given to every fleet (SGLang sends stream-less requests'
+    output every ``SGLANG_FORCE_STREAM_INTERVAL`` = 50 tokens whatever it says) so that their
+    arguments are the same.
     """
-    return [
-        "--mem-fraction-static", "0.9", "--max-total-tokens", str(s.kv_tokens), "--sleep-on-idle",
-    ]  # fmt: skip
+    return ["--max-total-tokens", str(s.kv_tokens), "--sleep-on-idle"]
+
+
+#: ``--mem-fraction-static`` of every GPU worker (see :func:`engine_flags`).
+MEM_FRACTION = 0.9
 
 
 class Fleet:
-    """One set of workers and the routers in front of it."""
+    """One set of workers and the entries (routers, frontends) in front of it."""
 
-    key = ""
+    def __init__(self, key: str, variant: FleetVariant, entries: set[str], s: Settings) -> None:
+        self.key = key
+        self.variant = variant
+        self.entries = sorted(entries, key=_ENTRY_ORDER.index)
+        self.settings = s
+        self.urls: dict[str, str] = {}
+        self._clients: dict[tuple[str, str], Client] = {}
+
+    @property
+    def stream_interval(self) -> int | None:
+        return None if self.variant.default_interval else self.settings.stream_interval
 
     async def start(self, progress: report.Progress) -> None:
         raise NotImplementedError
 
-    async def client(self, backend: str, raw: bool = False) -> Client:
+    async def client(self, entry: str, kind: str) -> Client:
+        if (entry, kind) not in self._clients:
+            self._clients[(entry, kind)] = await self._client(entry, kind)
+        return self._clients[(entry, kind)]
+
+    async def _client(self, entry: str, kind: str) -> Client:
         raise NotImplementedError
 
-    def log_dirs(self) -> list[Path]:
-        return []
+    def command_lines(self) -> list[list[str]] | None:
+        """Each GPU worker's command line (built, not started); ``None`` for CPU workers."""
+        return None
+
+    async def resolved_args(self) -> list[Mapping[str, Any] | None]:
+        """Each worker's resolved engine arguments as it reports them (``None``: it reports none)."""
+        return [None] * self.settings.workers
+
+    def pids(self) -> dict[str, list[int]]:
+        return {}
+
+    def placement(self) -> list[str]:
+        s = self.settings
+        if not s.gpu:
+            return [f"worker-{i}: CPU" for i in range(s.workers)]
+        return [f"worker-{i}: CUDA_VISIBLE_DEVICES={s.gpus[i]}" for i in range(s.workers)]
+
+    async def flush(self) -> str | None:
+        """Empty the workers' prefix caches: ``None``, or why they were not emptied."""
+        return "the workers cannot flush"
 
     async def aclose(self) -> None:
-        raise NotImplementedError
+        for c in self._clients.values():
+            with contextlib.suppress(Exception):
+                await c.aclose()
+
+
+async def _flush(backend: RolloutBackend) -> str | None:
+    """Empty the workers' prefix caches: ``None``, or why they were not emptied."""
+    last = "unknown"
+    for _ in range(12):  # a worker refuses while requests are still draining
+        try:
+            await backend.flush_cache()
+            return None
+        except Unsupported:
+            return "the workers cannot flush"
+        except RolloutBackendError as exc:
+            last = report.summarise_error(exc, 200)
+            await asyncio.sleep(0.25)
+    return last
 
 
 def _ready_printer(progress: report.Progress, what: str) -> Callable[[Any], None]:
@@ -513,438 +636,735 @@ def _ready_printer(progress: report.Progress, what: str) -> Callable[[Any], None
 
 
 class SGLangSide(Fleet):
-    """SGLang (or reference) workers behind smg: a round_robin router, and a cache_aware one added."""
+    """SGLang (or reference) workers behind smg round_robin; cache_aware as a second smg router."""
 
-    key = "sglang"
-
-    def __init__(self, s: Settings) -> None:
+    def __init__(self, key: str, variant: FleetVariant, entries: set[str], s: Settings) -> None:
         from rollout_backends.adapters.sglang import SGLangFleetConfig
 
-        gpu = s.engine == "sglang"
-        self.settings = s
+        super().__init__(key, variant, entries, s)
+        si = self.stream_interval
         self.config = SGLangFleetConfig(
             model_path=s.model_path,
             workers=s.workers,
-            worker_kind="sglang" if gpu else "reference",
+            worker_kind="sglang" if s.gpu else "reference",
             router="smg",
             router_policy="round_robin",
-            cuda_visible_devices=s.gpus if gpu else None,
-            extra_server_args=_sglang_flags(s) if gpu else (),
-            log_dir=str(s.log_root / "sglang"),
+            cuda_visible_devices=s.gpus if s.gpu else None,
+            mem_fraction_static=MEM_FRACTION if s.gpu else None,
+            kv_events=variant.kv_events and s.gpu,
+            extra_server_args=[*engine_flags(s), *(["--stream-interval", str(si)] if si else [])] if s.gpu else (),
+            log_dir=str(s.log_root / key),
             startup_timeout_s=s.startup_timeout_s,
         )
         self.fleet: Any = None
-        self.cache_aware_url: str | None = None
-        self._clients: dict[tuple[str, bool], Client] = {}
 
     async def start(self, progress: report.Progress) -> None:
         from rollout_backends.adapters.sglang import start_sglang_fleet
 
-        self.fleet = await start_sglang_fleet(self.config, progress=_ready_printer(progress, "sglang fleet"))
+        self.fleet = await start_sglang_fleet(self.config, progress=_ready_printer(progress, f"{self.key} fleet"))
         backend = self.fleet.backend
         # A label per worker: responses then say which worker served them (meta_info.weight_version).
         for i, w in enumerate(backend.workers):
             await backend.set_weight_version(f"w{i}", workers=[w])
-        self.cache_aware_url = await self.fleet.add_router("cache_aware")
+        self.urls["rr"] = self.fleet.router_url
+        if "cache_aware" in self.entries:
+            self.urls["cache_aware"] = await self.fleet.add_router("cache_aware")
 
-    async def client(self, backend: str, raw: bool = False) -> Client:
+    async def _client(self, entry: str, kind: str) -> Client:
         from rollout_backends.adapters.sglang import connect
 
-        if (backend, raw) in self._clients:
-            return self._clients[(backend, raw)]
-        if backend == "sglang rr":
-            client: Client = RawAiohttpClient(self.fleet.router_url) if raw else AdapterClient(self.fleet.backend)
-        elif backend == "smg cache_aware" and not raw:
-            assert self.cache_aware_url is not None
-            b = await connect(
-                self.cache_aware_url,
-                workers=list(self.fleet.worker_urls),
-                routing=RoutingKind.CACHE_AWARE,
-                vocab_size=self.settings.vocab_size,
-            )
-            client = AdapterClient(b, owned=True)
-        else:
-            raise ValueError(f"{self.key} has no backend {backend!r} (raw={raw})")
-        self._clients[(backend, raw)] = client
-        return client
+        if kind == "raw":
+            return RawSGLangClient(self.urls[entry])
+        if entry == "rr":
+            return AdapterClient(self.fleet.backend)
+        b = await connect(
+            self.urls[entry],
+            workers=list(self.fleet.worker_urls),
+            routing=RoutingKind.CACHE_AWARE,
+            vocab_size=self.settings.vocab_size,
+        )
+        return AdapterClient(b, owned=True)
 
-    def log_dirs(self) -> list[Path]:
-        return [self.settings.log_root / "sglang"]
+    def command_lines(self) -> list[list[str]] | None:
+        from rollout_backends.adapters.sglang._launcher import worker_argv
+
+        if not self.settings.gpu:
+            return None
+        return [worker_argv(self.config, i, 30000 + i) for i in range(self.settings.workers)]
+
+    async def resolved_args(self) -> list[Mapping[str, Any] | None]:
+        from rollout_backends._http import get_json
+
+        out: list[Mapping[str, Any] | None] = []
+        for url in self.fleet.worker_urls:
+            status, info = await get_json(f"{url}/server_info", timeout=10.0)
+            out.append(info if status == 200 and isinstance(info, dict) else None)
+        return out
+
+    def pids(self) -> dict[str, list[int]]:
+        return dict(self.fleet.pids()) if self.fleet is not None else {}
+
+    async def flush(self) -> str | None:
+        return await _flush(self.fleet.backend)
 
     async def aclose(self) -> None:
-        for c in self._clients.values():
-            with contextlib.suppress(Exception):
-                await c.aclose()
+        await super().aclose()
         if self.fleet is not None:
             await self.fleet.aclose()
 
 
-_DYNAMO_MODES = {"dynamo rr": "round-robin", "dynamo kv": "kv", "dynamo kv+predict": "kv"}
-
-
 class DynamoSide(Fleet):
-    """Dynamo workers and one frontend; the router mode changes by restarting the frontend only."""
+    """Dynamo workers and one frontend per router mode, all over the same workers."""
 
-    def __init__(self, s: Settings, stream_interval: int | None) -> None:
+    def __init__(self, key: str, variant: FleetVariant, entries: set[str], s: Settings) -> None:
         from rollout_backends.adapters.dynamo import DynamoFleet
 
-        self.settings = s
-        self.stream_interval = stream_interval
-        self.key = "dynamo" if stream_interval is None else f"dynamo-si{stream_interval}"
         kind = {"sglang": "sglang", "reference": "reference", "mocker": "mocker"}[s.engine]
-        base = ["--attention-backend", "triton", "--sampling-backend", "pytorch", "--disable-cuda-graph"]
+        kv_events = variant.kv_events and kind != "reference"  # our reference worker publishes none
+        self.unsupported = {} if kv_events else {"kv+predict": "needs KV events; reference workers publish none"}
+        super().__init__(key, variant, {e for e in entries if e not in self.unsupported} or {"rr"}, s)
+        self.kind = kind
+        first = self.entries[0]
         self.config = DynamoFleet(
             model_path=s.model_path,
             workers=s.workers,
             worker_kind=kind,
-            router_mode="round-robin",
+            router_mode=_DYNAMO_MODES[first],
+            router_predicted_ttl_secs=s.predicted_ttl_s if first == "kv+predict" else None,
             page_size=16,
-            kv_events=kind != "reference",  # our reference worker publishes no KV events
+            kv_events=kv_events,
             gpus=s.gpus if kind == "sglang" else (),
-            stream_interval=stream_interval,
-            sglang_args=[*base, *_sglang_flags(s)] if kind == "sglang" else [],
+            stream_interval=self.stream_interval if kind == "sglang" else None,
+            sglang_args=[*RECIPE_FLAGS, "--mem-fraction-static", str(MEM_FRACTION), *engine_flags(s)]
+            if kind == "sglang"
+            else [],
+            sglang_shim=variant.shim,
+            worker_env={} if variant.worker_text else {"ROLLOUT_DYN_WORKER_TEXT": "0"},
             mocker_speedup_ratio=s.mocker_speedup,
             ready_timeout=s.startup_timeout_s,
         )
-        self.mode = "dynamo rr"
         self._cm: Any = None
         self.fleet: Any = None
-        self._client: Client | None = None
 
-    def supports(self, backend: str) -> str | None:
-        """``None``, or why this fleet cannot serve ``backend``."""
-        if backend == "dynamo kv+predict" and not self.config.kv_events:
-            return "needs KV events; reference workers publish none"
-        return None
-
-    def _config_for(self, backend: str) -> Any:
-        mode = _DYNAMO_MODES[backend]
-        ttl = self.settings.predicted_ttl_s if backend == "dynamo kv+predict" else None
-        return attrs.evolve(self.config, router_mode=mode, router_predicted_ttl_secs=ttl)
+    def supports(self, entry: str) -> str | None:
+        """``None``, or why this fleet cannot serve ``entry``."""
+        return self.unsupported.get(entry)
 
     async def start(self, progress: report.Progress) -> None:
         from rollout_backends.adapters.dynamo import launch_dynamo_fleet
 
         self._cm = launch_dynamo_fleet(
-            self.config,
-            log_dir=self.settings.log_root / self.key,
-            progress=_ready_printer(progress, f"{self.key} fleet"),
+            self.config, log_dir=self.settings.log_root / self.key, progress=_ready_printer(progress, f"{self.key}")
         )
         self.fleet = await self._cm.__aenter__()
+        self.urls[self.entries[0]] = self.fleet.frontend_url
+        for entry in self.entries[1:]:
+            ttl = self.settings.predicted_ttl_s if entry == "kv+predict" else None
+            self.urls[entry] = await self.fleet.add_frontend(
+                _DYNAMO_MODES[entry], router_predicted_ttl_secs=ttl, name=f"frontend-{entry}"
+            )
 
-    async def _switch(self, backend: str) -> None:
-        from rollout_backends._supervisor import port_in_use
-        from rollout_backends.adapters.dynamo._launcher import frontend_argv
+    async def _client(self, entry: str, kind: str) -> Client:
+        if kind == "raw":
+            return RawCompletionsClient(self.urls[entry], self.config.model_name, logprobs=self.kind != "mocker")
+        backend = await self.fleet.connect(frontend_url=self.urls[entry], router_mode=_DYNAMO_MODES[entry])
+        return AdapterClient(backend)
 
-        cfg = self._config_for(backend)
+    def command_lines(self) -> list[list[str]] | None:
+        from rollout_backends.adapters.dynamo._launcher import _WorkerPorts, worker_argv
+
+        if self.kind != "sglang":
+            return None
+        ports = _WorkerPorts(system=21000, rpc=21001, kv_events=21002, sglang=21003, nccl=21004)
+        return [worker_argv(self.config, i, "ns", ports) for i in range(self.settings.workers)]
+
+    async def resolved_args(self) -> list[Mapping[str, Any] | None]:
+        from rollout_backends._http import HttpClient, HttpRequest
+
+        out: list[Mapping[str, Any] | None] = []
+        client = HttpClient(control_timeout=10.0)
+        try:
+            for url in self.fleet.worker_urls:
+                try:
+                    resp = await client.send(
+                        HttpRequest("POST", f"{url}/engine/rollout/server_args", json={}, timeout=10.0)
+                    )
+                    data = resp.json() if resp.ok else None
+                except (RolloutBackendError, ValueError):
+                    data = None
+                out.append(data if isinstance(data, dict) and data else None)
+        finally:
+            await client.aclose()
+        return out
+
+    def pids(self) -> dict[str, list[int]]:
+        if self.fleet is None:
+            return {}
         sup = self.fleet.supervisor
-        spec = sup.process("frontend").spec
-        port = int(self.fleet.frontend_url.rsplit(":", 1)[1])
-        await sup.stop("frontend")
-        deadline = time.monotonic() + 15.0
-        while port_in_use(cfg.host, port) and time.monotonic() < deadline:
-            await asyncio.sleep(0.1)
-        await sup.start(attrs.evolve(spec, argv=frontend_argv(cfg, self.fleet.namespace, port)))
-        await sup.wait_ready(["frontend"], timeout=120.0)
-        self.mode = backend
+        return {n: sup.group_pids(n) for n in sup.names}
 
-    async def client(self, backend: str, raw: bool = False) -> Client:
-        if raw or backend not in _DYNAMO_MODES:
-            raise ValueError(f"{self.key} has no backend {backend!r} (raw={raw})")
-        if self._client is not None and self.mode == backend:
-            return self._client
-        if self.mode != backend:
-            await self._switch(backend)
-        # A fresh client per frontend process: pooled connections to the old one are dead.
-        backend_ = await self.fleet.connect(router_mode=self._config_for(backend).router_mode)
-        self._client = AdapterClient(backend_, can_flush=self.config.worker_kind != "mocker")
-        return self._client
-
-    def log_dirs(self) -> list[Path]:
-        return [self.settings.log_root / self.key]
+    async def flush(self) -> str | None:
+        if self.kind == "mocker":
+            return "dynamo.mocker has no flush"
+        client = await self.client(self.entries[0], "adapter")
+        assert isinstance(client, AdapterClient)
+        return await _flush(client.backend)
 
     async def aclose(self) -> None:
+        await super().aclose()
         if self._cm is not None:
             cm, self._cm = self._cm, None
             await cm.__aexit__(None, None, None)
 
 
-# -- jobs ------------------------------------------------------------------------------------------
+def make_fleet(key: str, entries: set[str], s: Settings) -> Fleet:
+    variant = FLEETS[key]
+    return (SGLangSide if variant.kind == "sglang" else DynamoSide)(key, variant, entries, s)
 
 
-@attrs.frozen
-class Job:
-    backend: str
-    fleet: str  #: Fleet.key
-    workload: str
-    stream_interval: int | None = None
-    paired: bool = False  #: adapter vs raw aiohttp, interleaved (sglang rr only)
+# -- steps -----------------------------------------------------------------------------------------
 
-    @property
-    def label(self) -> str:
-        si = f", stream interval {self.stream_interval}" if self.stream_interval else ""
-        return f"{self.backend}{si}"
+#: A token ahead of every prompt of row ``k``: ``_SALT + k`` (mod the vocabulary). Rows sharing a
+#: fleet then never hit each other's prefix cache (nor a KV router's memory of it: SGLang 0.5.16's
+#: ``flush_cache`` sends no "all blocks cleared" KV event), while every row does the same work.
+_SALT = 1000
 
 
 @attrs.define
-class JobResult:
-    backend: str
+class StepStat:
+    wall_s: float
+    requests: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    output_tokens: int = 0
+    latencies: list[float] = attrs.field(factory=list)
+    workers: dict[str, int] = attrs.field(factory=dict)
+    #: CPU seconds during the step by ``fleet/process/role`` (``client/client/client``: this process)
+    cpu: dict[str, float] = attrs.field(factory=dict)
+    #: ``None``: the fleet's prefix caches were flushed before the step; else why not
+    not_flushed: str | None = None
+
+    def add(self, results: Sequence[Result]) -> None:
+        for r in results:
+            self.requests += 1
+            self.prompt_tokens += r.prompt_tokens
+            self.cached_tokens += r.cached_tokens
+            self.output_tokens += len(r.output_ids)
+            self.latencies.append(r.latency_s)
+            if r.worker is not None:
+                self.workers[r.worker] = self.workers.get(r.worker, 0) + 1
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "wall_s": round(self.wall_s, 4),
+            "requests": self.requests,
+            "prompt_tokens": self.prompt_tokens,
+            "cached_tokens": self.cached_tokens,
+            "output_tokens": self.output_tokens,
+            "p50_s": round(statistics.median(self.latencies), 4) if self.latencies else None,
+            "workers": dict(self.workers),
+            "cpu_s": {k: round(v, 3) for k, v in sorted(self.cpu.items())},
+            "not_flushed": self.not_flushed,
+        }
+
+
+async def run_step(client: Client, workload: Workload, step: int, tag: str, salt: int) -> tuple[list[Result], float]:
+    """Every group of one step at once; agentic samples continue turn by turn on their own."""
+    groups = workload.steps[step]
+    base = SamplingParams(max_new_tokens=workload.max_new_tokens, temperature=1.0, top_p=1.0, ignore_eos=True)
+    head = ((_SALT + salt) % workload.vocab_size,)
+    collected: list[Result] = []
+
+    async def conversation(g: Group) -> None:
+        gid = f"{tag}-s{step}-g{g.index}"
+        prompt = head + g.prompt
+        first = await client.group(prompt, g.lengths, gid, base, _group_seed(workload.seed, step, g.index))
+        collected.extend(first)
+        if workload.turns <= 1:
+            return
+
+        async def follow(i: int, r: Result) -> None:
+            context = list(prompt) + [t % workload.vocab_size for t in r.output_ids]
+            for turn in range(workload.turns - 1):
+                context += g.user_turns[i][turn]
+                sampling = base.replace(
+                    max_new_tokens=g.later_lengths[i][turn],
+                    seed=_group_seed(workload.seed, step, g.index, turn + 1) + i,
+                )
+                nxt = await client.one(context, sampling, f"{gid}-{i}-t{turn + 2}", f"{gid}-{i}")
+                collected.append(nxt)
+                context += [t % workload.vocab_size for t in nxt.output_ids]
+
+        await asyncio.gather(*(follow(i, r) for i, r in enumerate(first)))
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(conversation(g) for g in groups))
+    return collected, time.perf_counter() - t0
+
+
+async def warm_up(client: Client, workload: Workload, n: int, tag: str) -> None:
+    """``n`` short requests at once (not timed): connections and first-request costs stay out of the steps."""
+    g = workload.steps[0][0]
+    sampling = SamplingParams(max_new_tokens=16, temperature=1.0, ignore_eos=True, seed=0)
+    await asyncio.gather(
+        *(client.one(g.prompt[: 16 + i], sampling, f"{tag}-warm-{i}", f"{tag}-warm") for i in range(n))
+    )
+
+
+# -- the run ---------------------------------------------------------------------------------------
+
+
+@attrs.define
+class RowResult:
+    row: Row
     workload: str
-    client: str
-    stream_interval: int | None
-    status: str = "ok"  #: ok | cut (budget) | skipped: ... | failed: ...
-    steps: list[StepStat] = attrs.field(factory=list)
-    flushed: bool = False
+    #: measured steps by block index (1, 2, ...); block 0 is the discarded warm-up
+    steps: dict[int, StepStat] = attrs.field(factory=dict)
+    warm: StepStat | None = None
+    status: str = "ok"  #: ok | n/a: ... | failed: ...
     reports_cached: bool = True
-    switch_s: float = 0.0
 
-    @property
-    def label(self) -> str:
-        si = f", stream interval {self.stream_interval}" if self.stream_interval else ""
-        return f"{self.backend}{si}"
+    def blocks(self) -> list[int]:
+        return sorted(self.steps)
 
-    @property
-    def wall_s(self) -> float:
-        return sum(s.wall_s for s in self.steps)
+    def wall(self, blocks: Sequence[int]) -> list[float]:
+        return [self.steps[b].wall_s for b in blocks]
 
     @property
     def step_s(self) -> float:
-        return self.wall_s / len(self.steps) if self.steps else float("nan")
+        return statistics.fmean(s.wall_s for s in self.steps.values()) if self.steps else math.nan
 
     @property
-    def output_tokens(self) -> int:
-        return sum(s.output_tokens for s in self.steps)
+    def step_spread(self) -> float:
+        """Coefficient of variation of the step times (across blocks: different prompts and lengths)."""
+        w = [s.wall_s for s in self.steps.values()]
+        return statistics.pstdev(w) / statistics.fmean(w) if len(w) >= 2 else math.nan
+
+    def _sum(self, field: str) -> int:
+        return sum(int(getattr(s, field)) for s in self.steps.values())
 
     @property
     def tokens_per_s(self) -> float:
-        return self.output_tokens / self.wall_s if self.wall_s > 0 else float("nan")
+        wall = sum(s.wall_s for s in self.steps.values())
+        return self._sum("output_tokens") / wall if wall > 0 else math.nan
 
     @property
     def prefix_hit(self) -> float | None:
-        prompt = sum(s.prompt_tokens for s in self.steps)
+        prompt = self._sum("prompt_tokens")
         if not self.reports_cached or not prompt:
             return None
-        return sum(s.cached_tokens for s in self.steps) / prompt
-
-    @property
-    def requests(self) -> int:
-        return sum(s.requests for s in self.steps)
+        return self._sum("cached_tokens") / prompt
 
     def latency(self, q: float) -> float:
-        lat = sorted(x for s in self.steps for x in s.latencies)
+        lat = sorted(x for s in self.steps.values() for x in s.latencies)
         if not lat:
-            return float("nan")
+            return math.nan
         return lat[min(len(lat) - 1, max(0, math.ceil(q * len(lat)) - 1))]
-
-    @property
-    def cpu_us_per_request(self) -> float:
-        n = self.requests
-        return 1e6 * sum(s.cpu_s for s in self.steps) / n if n else float("nan")
 
     @property
     def busiest_share(self) -> float | None:
         counts: Counter[str] = Counter()
-        for s in self.steps:
+        for s in self.steps.values():
             counts.update(s.workers)
         total = sum(counts.values())
-        return max(counts.values()) / total if total and len(counts) > 0 else None
+        return max(counts.values()) / total if total else None
+
+    def cpu_per_step(self) -> dict[str, float]:
+        """Mean CPU seconds per step by ``fleet/process/role``."""
+        if not self.steps:
+            return {}
+        keys = {k for s in self.steps.values() for k in s.cpu}
+        n = len(self.steps)
+        return {k: sum(s.cpu.get(k, 0.0) for s in self.steps.values()) / n for k in sorted(keys)}
 
     def as_dict(self) -> dict[str, Any]:
         return {
-            "backend": self.backend,
+            "row": self.row.name,
+            "fleet": self.row.fleet,
+            "entry": self.row.entry,
+            "client": self.row.client,
             "workload": self.workload,
-            "client": self.client,
-            "stream_interval": self.stream_interval,
             "status": self.status,
-            "flushed": self.flushed,
-            "frontend_switch_s": round(self.switch_s, 2),
-            "step_s": [round(s.wall_s, 4) for s in self.steps],
-            "tokens_per_s": self.tokens_per_s if self.steps else None,
+            "blocks": self.blocks(),
+            "step_s": [round(self.steps[b].wall_s, 4) for b in self.blocks()],
+            "warm_up_s": None if self.warm is None else round(self.warm.wall_s, 4),
+            "tokens_per_s": None if not self.steps else self.tokens_per_s,
             "prefix_hit": self.prefix_hit,
-            "p50_s": self.latency(0.5) if self.steps else None,
-            "p99_s": self.latency(0.99) if self.steps else None,
-            "requests": self.requests,
-            "output_tokens": self.output_tokens,
-            "client_cpu_us_per_request": self.cpu_us_per_request if self.steps else None,
-            "workers": [dict(s.workers) for s in self.steps],
+            "p50_s": None if not self.steps else self.latency(0.5),
+            "p99_s": None if not self.steps else self.latency(0.99),
+            "busiest_worker": self.busiest_share,
+            "cpu_s_per_step": {k: round(v, 3) for k, v in self.cpu_per_step().items()},
+            "steps": {str(b): self.steps[b].as_dict() for b in self.blocks()},
         }
 
 
+@attrs.define
+class RunResult:
+    rows: list[RowResult] = attrs.field(factory=list)
+    #: fleet key -> what happened at start-up (seconds, or the error)
+    fleets: dict[str, str] = attrs.field(factory=dict)
+    placement: dict[str, list[str]] = attrs.field(factory=dict)
+    gpu_memory: list[str] = attrs.field(factory=list)
+    command_args: Comparison | None = None
+    resolved_args: Comparison | None = None
+    refused: str | None = None
+    #: fleet key -> the frontend's /metrics lines worth keeping (Dynamo)
+    metrics: dict[str, list[str]] = attrs.field(factory=dict)
+    profiles: dict[str, Any] = attrs.field(factory=dict)
+    notes: list[str] = attrs.field(factory=list)
+    #: workload -> the rows' order in each block (block 0 first)
+    orders: dict[str, list[list[str]]] = attrs.field(factory=dict)
+
+    def by(self, row: str, workload: str) -> RowResult | None:
+        return next((r for r in self.rows if r.row.name == row and r.workload == workload), None)
+
+
 class Budget:
-    """The run's deadline, and a per-workload estimate of a step's length from what ran already."""
+    """The run's deadline, shared out between workloads as they come."""
 
     def __init__(self, seconds: float, reserve_s: float) -> None:
         self.deadline = time.monotonic() + seconds - reserve_s
-        self.step_s: dict[str, float] = {}
 
     def left(self) -> float:
         return self.deadline - time.monotonic()
 
-    def learn(self, workload: str, step_s: float) -> None:
-        self.step_s[workload] = max(self.step_s.get(workload, 0.0), step_s)
 
-    def fits(self, workload: str, steps: int, overhead_s: float = 5.0) -> bool:
-        left = self.left()
-        if left <= 0:
-            return False
-        known = self.step_s.get(workload)
-        return known is None or steps * known * 1.15 + overhead_s <= left
+def _columns(fleets: Mapping[str, Fleet]) -> list[str]:
+    return [f"{k} w{i}" for k, f in fleets.items() for i in range(f.settings.workers)]
 
 
-async def _run_job(
-    job: Job,
-    fleet: Fleet,
-    workload: Workload,
-    steps: int,
-    tag: str,
-    budget: Budget,
-    progress: report.Progress,
-) -> list[JobResult]:
-    """One job: its steps, each timed; a paired job interleaves adapter and raw aiohttp."""
-    t_switch = time.monotonic()
-    clients = [await fleet.client(job.backend)]
-    if job.paired:
-        clients.append(await fleet.client(job.backend, raw=True))
-    switch_s = time.monotonic() - t_switch
-    names = ["adapter (paired)", "raw aiohttp (paired)"] if job.paired else ["adapter"]
-    results = [
-        JobResult(job.backend, job.workload, n, job.stream_interval, reports_cached=c.reports_cached, switch_s=switch_s)
-        for n, c in zip(names, clients, strict=True)
-    ]
-    for k, c in enumerate(clients):
-        await asyncio.wait_for(warm_up(c, workload, 4, f"{tag}{k}"), max(1.0, budget.left()))
-    if not job.paired:
-        results[0].flushed = await clients[0].flush()
+def check_command_lines(fleets: Mapping[str, Fleet], vary: Sequence[str]) -> Comparison | None:
+    """The SGLang flags of every GPU worker of every fleet, compared (``None`` on CPU workers)."""
+    lines = {k: f.command_lines() for k, f in fleets.items()}
+    if all(v is None for v in lines.values()):
+        return None
+    cols: list[str] = []
+    flags: list[Mapping[str, str] | None] = []
+    for k, argvs in lines.items():
+        for i, argv in enumerate(argvs or []):
+            cols.append(f"{k} w{i}")
+            flags.append(flags_of(argv))
+    return compare(cols, flags, allowed=vary, absent="(not set)")
+
+
+async def check_resolved(fleets: Mapping[str, Fleet], vary: Sequence[str]) -> Comparison:
+    cols = _columns(fleets)
+    got: list[Mapping[str, str] | None] = []
+    for f in fleets.values():
+        for info in await f.resolved_args():
+            got.append(None if info is None else resolved_of(info))
+    keys = [v.lstrip("-").replace("-", "_") for v in vary]
+    return compare(cols, got, allowed=keys)
+
+
+def gpu_memory() -> list[str]:
+    """Per-process GPU memory (``nvidia-smi``), and each GPU's total; empty without a GPU."""
     try:
-        for step in range(steps):
-            order = list(range(len(clients)))
-            if step % 2 == 1:
-                order.reverse()
-            for k in order:
-                if job.paired:  # every paired step starts cold: the two clients see the same cache
-                    results[k].flushed = await clients[0].flush()
-                timeout = budget.left()
-                if timeout <= 0:
-                    raise asyncio.TimeoutError
-                stat = await asyncio.wait_for(run_step(clients[k], workload, step, f"{tag}{k}"), timeout)
-                results[k].steps.append(stat)
-                budget.learn(job.workload, stat.wall_s)
-                hit = results[k].prefix_hit
-                progress(
-                    f"{job.label} [{results[k].client}] {job.workload} step {step + 1}/{steps}: "
-                    f"{stat.wall_s:.2f} s, {stat.output_tokens / stat.wall_s:,.0f} tok/s, "
-                    f"prefix hit {'-' if hit is None else f'{hit:.1%}'}, "
-                    f"p50 {statistics.median(stat.latencies):.2f} s, {stat.requests} requests"
-                )
-    except asyncio.TimeoutError:
-        for r in results:
-            r.status = "cut (budget)"
-        await clients[0].abort_all()
-        progress(f"{job.label} {job.workload}: cut by the time budget")
-    return results
+        apps = subprocess.run(
+            ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader"],
+            capture_output=True, text=True, timeout=20,
+        )  # fmt: skip
+        gpus = subprocess.run(
+            ["nvidia-smi", "--query-gpu=index,memory.used,memory.total,utilization.gpu", "--format=csv,noheader"],
+            capture_output=True, text=True, timeout=20,
+        )  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return []
+    if apps.returncode != 0:
+        return []
+    return [f"gpu {line.strip()}" for line in gpus.stdout.splitlines() if line.strip()] + [
+        f"pid {line.strip()}" for line in apps.stdout.splitlines() if line.strip()
+    ]
 
 
-def plan(
-    workloads: Sequence[str],
-    backends: Sequence[str],
-    stream_intervals: Sequence[int | None],
-    direct_steps: int,
-) -> list[Job]:
-    """Jobs in priority order (a tight budget drops the tail), per workload (gsm8k first): the SGLang
-    rows, then the Dynamo rows at each stream interval, a set one (Miles #1648's 50, the
-    configuration of its headline numbers) before the default; adapter vs direct right after the
-    first gsm8k Dynamo rows. SGLang rows have one stream interval: a non-streamed ``/generate``
-    ignores ``--stream-interval``."""
-    dynamo_sis = sorted(stream_intervals, key=lambda si: si is None)
-    jobs: list[Job] = []
-    for wl in workloads:
-        jobs += [Job(b, "sglang", wl) for b in backends if not b.startswith("dynamo")]
-        for i, si in enumerate(dynamo_sis):
-            fleet = "dynamo" if si is None else f"dynamo-si{si}"
-            jobs += [Job(b, fleet, wl, si) for b in backends if b.startswith("dynamo")]
-            if i == 0 and wl == "gsm8k" and direct_steps > 0 and BASELINE in backends:
-                jobs.append(Job(BASELINE, "sglang", wl, paired=True))
-    return jobs
+def _pid_owner(fleets: Mapping[str, Fleet]) -> dict[int, str]:
+    out: dict[int, str] = {}
+    for k, f in fleets.items():
+        for name, pids in f.pids().items():
+            for p in pids:
+                out[p] = f"{k}/{name}"
+    return out
+
+
+async def _frontend_metrics(fleet: Fleet) -> list[str]:
+    """The Dynamo frontends' request counters and duration sums (``/metrics``), one line each."""
+    from rollout_backends._http import HttpClient, HttpRequest
+
+    if not isinstance(fleet, DynamoSide):
+        return []
+    keep: list[str] = []
+    client = HttpClient(control_timeout=10.0)
+    try:
+        for entry, url in fleet.urls.items():
+            try:
+                resp = await client.send(HttpRequest("GET", f"{url}/metrics", timeout=10.0, idempotent=True))
+            except RolloutBackendError:
+                continue
+            for line in resp.text.splitlines():
+                if line.startswith("#") or not ("_sum" in line or "_count" in line or "_total" in line):
+                    continue
+                keep.append(f"{entry}: {line}")
+    finally:
+        await client.aclose()
+    return keep[:400]
+
+
+class Profiler:
+    """``py-spy record`` of the hottest processes of a row's fleet during one measured step."""
+
+    def __init__(self, rows: Sequence[str], out_dir: Path, seconds: float, top: int = 2) -> None:
+        self.rows = set(rows)
+        self.out_dir = out_dir
+        self.seconds = seconds
+        self.top = top
+        self.done: set[str] = set()
+        self.results: dict[str, Any] = {}
+
+    def wants(self, row: str, block: int) -> bool:
+        return row in self.rows and row not in self.done and block >= 1
+
+    def start(self, row: str, hot: Sequence[tuple[str, int]]) -> list[tuple[str, subprocess.Popen[bytes], Path]]:
+        import shutil
+
+        spy = shutil.which("py-spy")
+        self.done.add(row)
+        if spy is None:
+            self.results[row] = "py-spy is not installed"
+            return []
+        procs: list[tuple[str, subprocess.Popen[bytes], Path]] = []
+        for label, pid in hot[: self.top]:
+            path = self.out_dir / f"pyspy-{len(self.results)}-{len(procs)}.txt"
+            cmd = [spy, "record", "--pid", str(pid), "--duration", str(int(self.seconds)), "--rate", "200",
+                   "--format", "raw", "--output", str(path), "--nonblocking"]  # fmt: skip
+            procs.append((label, subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE), path))
+        return procs
+
+    def finish(self, row: str, procs: Sequence[tuple[str, subprocess.Popen[bytes], Path]]) -> None:
+        summary: dict[str, Any] = {}
+        for label, proc, path in procs:
+            try:
+                _, err = proc.communicate(timeout=self.seconds + 30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                err = b"timed out"
+            summary[label] = summarize_stacks(path) if path.exists() else f"no profile: {err.decode()[-300:]}"
+        self.results[row] = summary
+
+
+def summarize_stacks(path: Path, top: int = 25) -> dict[str, Any]:
+    """The most-sampled functions of a ``py-spy --format raw`` file: self and inclusive shares."""
+    own: Counter[str] = Counter()
+    incl: Counter[str] = Counter()
+    total = 0
+    for line in path.read_text(errors="replace").splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not stack or not count.isdigit():
+            continue
+        n = int(count)
+        total += n
+        frames = stack.split(";")
+        own[frames[-1]] += n
+        for f in set(frames):
+            incl[f] += n
+    if not total:
+        return {"samples": 0}
+    return {
+        "samples": total,
+        "self": [[f, round(c / total, 4)] for f, c in own.most_common(top)],
+        "inclusive": [[f, round(c / total, 4)] for f, c in incl.most_common(top)],
+    }
 
 
 async def run(
     settings: Settings,
-    workloads: dict[str, Workload],
-    jobs: Sequence[Job],
-    steps: dict[str, int],
-    direct_steps: int,
+    rows: Sequence[Row],
+    workloads: Mapping[str, Workload],
+    *,
+    blocks: int,
+    shares: Mapping[str, float],
     budget: Budget,
     progress: report.Progress,
-) -> tuple[list[JobResult], dict[str, str]]:
-    """Start the fleets the jobs need (all at once), run the jobs in order, stop every fleet."""
-    fleets: dict[str, Fleet] = {}
-    for job in jobs:
-        if job.fleet not in fleets:
-            fleets[job.fleet] = (
-                SGLangSide(settings) if job.fleet == "sglang" else DynamoSide(settings, job.stream_interval)
-            )
+    seed: int = 0,
+    vary: Sequence[str] = (),
+    refuse_on_differ: bool = True,
+    profiler: Profiler | None = None,
+) -> RunResult:
+    """Start every fleet the rows need (all at once), check their arguments, run the blocks, stop."""
+    result = RunResult()
+    entries: dict[str, set[str]] = {}
+    for r in rows:
+        entries.setdefault(r.fleet, set()).add(r.entry)
+    fleets = {k: make_fleet(k, e, settings) for k, e in entries.items()}
+    result.placement = {k: f.placement() for k, f in fleets.items()}
+    result.command_args = check_command_lines(fleets, vary)
+    if result.command_args is not None and not result.command_args.same:
+        why = "the fleets' SGLang command lines differ: " + ", ".join(result.command_args.differing)
+        if refuse_on_differ:
+            result.refused = why
+            progress(f"refusing to run: {why}")
+            return result
+        result.notes.append(f"ran although {why} (--args-differ warn)")
     errors: dict[str, str] = {}
-    results: list[JobResult] = []
-    started: dict[str, float] = {}
 
     async def start(f: Fleet) -> None:
         t0 = time.monotonic()
         try:
             await asyncio.wait_for(f.start(progress), max(1.0, budget.left()))
-            started[f.key] = time.monotonic() - t0
-            progress(f"{f.key} fleet ready in {started[f.key]:.1f} s")
+            result.fleets[f.key] = f"ready in {time.monotonic() - t0:.1f} s"
+            progress(f"{f.key} fleet {result.fleets[f.key]}")
         except BaseException as exc:
             errors[f.key] = report.summarise_error(exc)
+            result.fleets[f.key] = f"failed: {errors[f.key]}"
             progress(f"{f.key} fleet failed to start: {errors[f.key]}")
             if not isinstance(exc, Exception | asyncio.TimeoutError):
                 raise
 
+    sampler = CpuSampler(lambda: {k: f.pids() for k, f in fleets.items() if k not in errors})
     try:
         progress(f"starting {len(fleets)} fleet(s) at once: {', '.join(fleets)}")
         await asyncio.gather(*(start(f) for f in fleets.values()))
-        first = workloads[jobs[0].workload] if jobs else None
-        for f in fleets.values():
-            if f.key in errors or first is None:
-                continue
-            backend = next(j.backend for j in jobs if j.fleet == f.key)
-            try:  # a burst through each fleet: kernels and pools are ready before anything is timed
-                await asyncio.wait_for(
-                    warm_up(await f.client(backend), first, 16, f"w{f.key}"), max(1.0, budget.left())
-                )
-            except Exception as exc:
-                errors[f.key] = f"warm-up failed: {report.summarise_error(exc)}"
-                progress(f"{f.key} fleet: {errors[f.key]}")
-        for n, job in enumerate(jobs):
-            fleet = fleets[job.fleet]
-            n_steps = direct_steps if job.paired else steps[job.workload]
-            names = ["adapter (paired)", "raw aiohttp (paired)"] if job.paired else ["adapter"]
-
-            def skipped(status: str, job: Job = job, names: list[str] = names) -> list[JobResult]:
-                return [JobResult(job.backend, job.workload, c, job.stream_interval, status=status) for c in names]
-
-            if job.fleet in errors:
-                results += skipped(f"failed: fleet did not start ({errors[job.fleet]})")
-                continue
-            why = fleet.supports(job.backend) if isinstance(fleet, DynamoSide) else None
-            if why:
-                results += skipped(f"n/a: {why}")
-                continue
-            if not budget.fits(job.workload, n_steps * len(names)):
-                results += skipped("skipped: time budget")
-                progress(f"{job.label} {job.workload}: skipped (time budget, {budget.left():.0f} s left)")
+        live = {k: f for k, f in fleets.items() if k not in errors}
+        result.resolved_args = await check_resolved(live, vary)
+        if not result.resolved_args.same:
+            why = "the engines' resolved arguments differ: " + ", ".join(result.resolved_args.differing)
+            if refuse_on_differ:
+                result.refused = why
+                progress(f"refusing to run: {why}")
+                return result
+            result.notes.append(f"ran although {why} (--args-differ warn)")
+            progress(f"WARNING: {why}")
+        for k in live:
+            if not any(c.startswith(f"{k} w") for c in result.resolved_args.columns):
+                result.notes.append(f"{k}: its workers report no engine arguments (not compared)")
+        owners = _pid_owner(live)
+        for line in gpu_memory():
+            if line.startswith("pid "):
+                pid = line[4:].split(",")[0].strip()
+                line = f"{line} ({owners.get(int(pid), '?') if pid.isdigit() else '?'})"
+            result.gpu_memory.append(line)
+        first = next(iter(workloads.values()))
+        for r in rows:  # a burst through every row's client: connections and kernels ready first
+            f = fleets[r.fleet]
+            if r.fleet in errors or (isinstance(f, DynamoSide) and f.supports(r.entry)):
                 continue
             try:
-                results += await _run_job(job, fleet, workloads[job.workload], n_steps, f"j{n}", budget, progress)
-            except Exception as exc:  # one broken backend must not lose the others' rows
-                msg = report.summarise_error(exc)
-                progress(f"{job.label} {job.workload}: failed: {msg}")
-                results += skipped(f"failed: {msg}")
+                c = await f.client(r.entry, r.client)
+                await asyncio.wait_for(warm_up(c, first, 16, f"w{r.fleet}-{r.entry}-{r.client}"), 120.0)
+            except Exception as exc:
+                errors[f"{r.fleet}:{r.entry}:{r.client}"] = f"warm-up failed: {report.summarise_error(exc)}"
+                progress(f"{r.name}: warm-up failed: {report.summarise_error(exc)}")
+        names = list(workloads)
+        for wi, wl in enumerate(names):
+            share = shares[wl] / sum(shares[n] for n in names[wi:])
+            wl_deadline = time.monotonic() + budget.left() * share
+            await _run_workload(
+                rows, fleets, errors, workloads[wl], result, sampler, blocks, wl_deadline, budget, progress, seed,
+                profiler,
+            )  # fmt: skip
+        for k, f in live.items():
+            with contextlib.suppress(Exception):
+                result.metrics[k] = await _frontend_metrics(f)
     finally:
         progress("stopping the fleets")
         await asyncio.gather(*(f.aclose() for f in fleets.values()), return_exceptions=True)
-    for key, secs in started.items():
-        errors.setdefault(f"{key} start-up", f"{secs:.1f} s")
-    return results, errors
+        if profiler is not None:
+            result.profiles = profiler.results
+    return result
+
+
+async def _run_workload(
+    rows: Sequence[Row],
+    fleets: Mapping[str, Fleet],
+    errors: Mapping[str, str],
+    workload: Workload,
+    result: RunResult,
+    sampler: CpuSampler,
+    max_blocks: int,
+    deadline: float,
+    budget: Budget,
+    progress: report.Progress,
+    seed: int,
+    profiler: Profiler | None,
+) -> None:
+    results: dict[str, RowResult] = {}
+    active: list[tuple[int, Row]] = []
+    for k, r in enumerate(rows):
+        rr = RowResult(r, workload.name)
+        result.rows.append(rr)
+        results[r.name] = rr
+        fleet = fleets[r.fleet]
+        why = fleet.supports(r.entry) if isinstance(fleet, DynamoSide) else None
+        if r.fleet in errors:
+            rr.status = f"failed: fleet did not start ({errors[r.fleet]})"
+        elif f"{r.fleet}:{r.entry}:{r.client}" in errors:
+            rr.status = f"failed: {errors[f'{r.fleet}:{r.entry}:{r.client}']}"
+        elif why:
+            rr.status = f"n/a: {why}"
+        else:
+            rr.reports_cached = (await fleet.client(r.entry, r.client)).reports_cached
+            active.append((k, r))
+    block_s: float | None = None
+    n_steps = len(workload.steps)
+    for block in range(min(max_blocks + 1, n_steps)):
+        left = min(deadline, budget.deadline) - time.monotonic()
+        if block > 0 and block_s is not None and block_s * 1.15 > left:
+            progress(f"{workload.name}: stopping after {block - 1} measured blocks ({left:.0f} s left)")
+            break
+        order = list(active)
+        random.Random(f"{seed}-{workload.name}-{block}").shuffle(order)
+        result.orders.setdefault(workload.name, []).append([r.name for _, r in order])
+        t_block = time.monotonic()
+        for k, r in order:
+            rr = results[r.name]
+            if not rr.status.startswith("ok"):
+                continue
+            fleet = fleets[r.fleet]
+            client = await fleet.client(r.entry, r.client)
+            not_flushed = await fleet.flush()
+            spy: list[tuple[str, subprocess.Popen[bytes], Path]] = []
+            if profiler is not None and profiler.wants(r.name, block) and rr.warm is not None:
+                own = {key: v for key, v in rr.warm.cpu.items() if key.startswith(f"{r.fleet}/")}
+                hot = sorted(own, key=lambda key: -own[key])
+                pids = fleet.pids()
+                spy = profiler.start(r.name, [(key, p) for key in hot for p in _pids_of_role(pids, key)])
+            before = sampler.sample()
+            try:
+                out, wall = await asyncio.wait_for(
+                    run_step(client, workload, block, f"b{block}r{k}", salt=k), max(1.0, budget.left())
+                )
+            except Exception as exc:
+                rr.status = f"failed: {report.summarise_error(exc)}"
+                progress(f"{r.name} {workload.name} block {block}: {rr.status}")
+                await client.abort_all()
+                continue
+            finally:
+                if spy and profiler is not None:
+                    await asyncio.to_thread(profiler.finish, r.name, spy)
+            after = sampler.sample()
+            stat = StepStat(wall, not_flushed=not_flushed)
+            stat.add(out)
+            stat.cpu = {"/".join(key): v for key, v in CpuSampler.delta(before, after).items() if v > 0}
+            if block == 0:
+                rr.warm = stat
+            else:
+                rr.steps[block] = stat
+            hit = stat.cached_tokens / stat.prompt_tokens if stat.prompt_tokens and rr.reports_cached else None
+            progress(
+                f"{workload.name} block {block}{' (warm-up)' if block == 0 else ''} {r.name}: {wall:.2f} s, "
+                f"{stat.output_tokens / wall:,.0f} tok/s, prefix hit {'-' if hit is None else f'{hit:.1%}'}, "
+                f"{stat.requests} requests"
+            )
+        block_s = time.monotonic() - t_block
+        if all(not results[r.name].status.startswith("ok") for _, r in active):
+            break
+
+
+def _pids_of_role(pids: Mapping[str, list[int]], key: str) -> list[int]:
+    """The pids behind a ``fleet/process/role`` CPU key (the first one is profiled)."""
+    from rollout_backends._bench.proc import role_of
+
+    _, process, role = key.split("/", 2)
+    return [p for p in pids.get(process, []) if role_of(p) == role][:1]
 
 
 # -- reporting -------------------------------------------------------------------------------------
@@ -956,138 +1376,175 @@ def _fmt(x: float | None, spec: str, none: str = "—") -> str:
     return format(x, spec)
 
 
-def tables(results: Sequence[JobResult]) -> dict[str, str]:
-    """One Markdown table per workload (ratios against ``sglang rr`` on it) and the adapter-vs-direct table."""
+def ratio(result: RunResult, row: str, against: str, workload: str) -> Interval | None:
+    """``row / against`` on ``workload`` over the blocks both finished (``None``: one did not run)."""
+    a, b = result.by(row, workload), result.by(against, workload)
+    if a is None or b is None or not a.steps or not b.steps:
+        return None
+    common = sorted(set(a.steps) & set(b.steps))
+    return paired_ratio(a.wall(common), b.wall(common), seed=f"{row}/{against}/{workload}")
+
+
+def verdicts(result: RunResult) -> list[tuple[str, Verdict]]:
+    out = []
+    for t in TARGETS:
+        for wl in WORKLOADS:
+            iv = ratio(result, t.row, t.against, wl)
+            if iv is not None:
+                out.append((wl, judge(t.goal, iv, t.bound)))
+    return out
+
+
+#: CPU roles in table order: where a worker's time goes.
+ROLES = ("main", "scheduler", "detokenizer")
+
+
+def cpu_columns(rr: RowResult) -> tuple[float, float, dict[str, float], float]:
+    """Client, router/frontend, per-role worker CPU seconds per step of a row's own fleet, and what
+    every *other* fleet (idle during this row's steps) spent."""
+    client = entry = idle = 0.0
+    roles = dict.fromkeys(ROLES, 0.0)
+    for key, secs in rr.cpu_per_step().items():
+        fleet, process, role = key.split("/", 2)
+        if fleet == "client":
+            client += secs
+        elif fleet != rr.row.fleet:
+            idle += secs
+        elif process.startswith(("worker", "dynamo")) and not process.startswith("dynamo-frontend"):
+            roles[role] = roles.get(role, 0.0) + secs
+        else:
+            entry += secs
+    return client, entry, roles, idle
+
+
+def tables(result: RunResult, baseline: str) -> dict[str, str]:
+    """One Markdown table per workload: time with its interval against ``baseline``, and CPU per step."""
     out: dict[str, str] = {}
     for wl in WORKLOADS:
-        rows_r = [r for r in results if r.workload == wl and r.client == "adapter"]
-        if not rows_r:
+        rs = [r for r in result.rows if r.workload == wl]
+        if not rs:
             continue
-        base = next((r for r in rows_r if r.backend == BASELINE and r.stream_interval is None and r.steps), None)
         rows = []
-        for r in rows_r:
+        for r in rs:
             if not r.steps:
-                rows.append([r.label, "0", "—", "—", "—", "—", "—", "—", "—", "—", r.status])
+                rows.append([r.row.name, "0", "—", "—", "—", "—", "—", "—", "—", "—", "—", "—", "—", r.status])
                 continue
-            vs = f"{r.step_s / base.step_s:.2f}{TIMES}" if base else "—"
-            tvs = f"{r.tokens_per_s / base.tokens_per_s:.2f}{TIMES}" if base else "—"
+            iv = ratio(result, r.row.name, baseline, wl)
+            client, entry, roles, idle = cpu_columns(r)
             note = [] if r.status == "ok" else [r.status]
-            if not r.flushed:
-                note.append("cache not flushed first")
+            why = sorted({s.not_flushed for s in r.steps.values() if s.not_flushed})
+            if why:
+                note.append(f"caches not flushed: {'; '.join(why)}")
             rows.append(
                 [
-                    r.label,
+                    r.row.name,
                     str(len(r.steps)),
                     f"{r.step_s:.2f}",
+                    "baseline" if r.row.name == baseline else (iv.format() if iv else "—"),
                     f"{r.tokens_per_s:,.0f}",
                     _fmt(r.prefix_hit, ".1%"),
-                    f"{r.latency(0.5):.2f}",
-                    f"{r.latency(0.99):.2f}",
+                    f"{r.latency(0.5):.2f} / {r.latency(0.99):.2f}",
                     _fmt(r.busiest_share, ".0%"),
-                    vs,
-                    tvs,
+                    f"{client:.2f}",
+                    f"{entry:.2f}",
+                    " / ".join(f"{roles[k]:.2f}" for k in ROLES),
+                    f"{idle:.2f}",
+                    _fmt(r.step_spread, ".0%"),
                     "; ".join(note),
                 ]
             )
         out[wl] = report.md_table(
             [
-                "backend",
-                "steps",
-                "wall s/step",
+                "row",
+                "blocks",
+                "s/step",
+                f"vs {baseline} [95% CI]",
                 "output tok/s",
                 "prefix hit",
-                "p50 latency s",
-                "p99 latency s",
+                "p50 / p99 latency s",
                 "busiest worker",
-                "step time vs baseline",
-                "tok/s vs baseline",
+                "client CPU s/step",
+                "router CPU s/step",
+                "workers CPU s/step main / scheduler / detok",
+                "idle fleets CPU s/step",
+                "step spread",
                 "note",
             ],
             rows,
-            "lrrrrrrrrrl",
-        )
-    paired = [r for r in results if r.client.endswith("(paired)")]
-    if paired:
-        direct = next((r for r in paired if r.client.startswith("raw") and r.steps), None)
-        rows = []
-        for r in paired:
-            if not r.steps:
-                rows.append([r.client, "0", "—", "—", "—", "—", "—", "—", r.status])
-                continue
-            ratio = f"{r.wall_s / direct.wall_s:.3f}{TIMES}" if direct and len(direct.steps) == len(r.steps) else "—"
-            rows.append(
-                [
-                    r.client,
-                    str(len(r.steps)),
-                    f"{r.step_s:.2f}",
-                    f"{r.tokens_per_s:,.0f}",
-                    f"{r.latency(0.5):.2f}",
-                    f"{r.latency(0.99):.2f}",
-                    f"{r.cpu_us_per_request:,.0f}",
-                    ratio,
-                    "" if r.status == "ok" else r.status,
-                ]
-            )
-        out["direct"] = report.md_table(
-            [
-                "client (sglang rr fleet)",
-                "steps",
-                "wall s/step",
-                "output tok/s",
-                "p50 latency s",
-                "p99 latency s",
-                "client CPU µs/request",
-                "wall vs raw aiohttp",
-                "note",
-            ],
-            rows,
-            "lrrrrrrrl",
+            "lrrrrrrrrrrrrl",
         )
     return out
 
 
-def direct_target(results: Sequence[JobResult]) -> tuple[bool, str] | None:
-    ours = next((r for r in results if r.client == "adapter (paired)" and r.steps), None)
-    raw = next((r for r in results if r.client == "raw aiohttp (paired)" and r.steps), None)
-    if ours is None or raw is None or len(ours.steps) != len(raw.steps):
-        return None
-    ratio = ours.wall_s / raw.wall_s
-    return ratio <= TARGET_DIRECT_RATIO, f"{ratio:.3f}{TIMES} ({ours.wall_s:.2f} s vs {raw.wall_s:.2f} s)"
+def args_table(cmp: Comparison, title: str) -> list[str]:
+    lines = [f"**{title}** ({len(cmp.table)} settings compared)"]
+    if cmp.same and not cmp.allowed and not cmp.partial:
+        return [*lines, "", "Identical on every worker of every fleet.", ""]
+    lines += ["", report.md_table(["setting", *cmp.columns], cmp.rows(), "l" * (1 + len(cmp.columns))), ""]
+    if cmp.differing:
+        lines.append(f"Differing: {', '.join(cmp.differing)}.")
+    if cmp.allowed:
+        lines.append(f"Differing on purpose (`--vary`) or set by the engine's wrapper: {', '.join(cmp.allowed)}.")
+    if cmp.partial:
+        lines.append(f"Reported by some workers only (not judged): {', '.join(cmp.partial)}.")
+    return [*lines, ""]
 
 
-def plot(results: Sequence[JobResult], path: str, title: str) -> bool:
-    """Write the PNG; False (and no file) when nothing ran."""
+def plot(result: RunResult, baseline: str, path: str, title: str) -> bool:
+    """Ratio with its interval per row, every step's time per block, CPU per role per row."""
     import matplotlib  # type: ignore[import-not-found,unused-ignore]
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # type: ignore[import-not-found,unused-ignore]
 
-    shown = [r for r in results if r.client == "adapter" and r.steps]
-    wls = [w for w in WORKLOADS if any(r.workload == w for r in shown)]
+    wls = [w for w in WORKLOADS if any(r.workload == w and r.steps for r in result.rows)]
     if not wls:
         return False
-    fig, axes = plt.subplots(len(wls), 3, figsize=(15, 3.2 + 2.2 * len(wls)), squeeze=False)
-    for row, wl in enumerate(wls):
-        rs = [r for r in shown if r.workload == wl]
-        labels = [r.label.replace(", stream interval ", "\nsi ") for r in rs]
+    fig, axes = plt.subplots(len(wls), 3, figsize=(17, 3.6 + 2.6 * len(wls)), squeeze=False)
+    for row_i, wl in enumerate(wls):
+        rs = [r for r in result.rows if r.workload == wl and r.steps]
+        labels = [r.row.name.replace(", ", ",\n") for r in rs]
         xs = list(range(len(rs)))
-        panels: list[tuple[str, list[float]]] = [
-            (f"{wl}: wall-clock s per step (lower is better)", [r.step_s for r in rs]),
-            (f"{wl}: prefix hit rate, cached / prompt tokens", [r.prefix_hit or 0.0 for r in rs]),
-        ]
-        for col, (name, ys) in enumerate(panels):
-            ax = axes[row][col]
-            ax.bar(xs, ys, color=["#777777" if r.backend == BASELINE else "#3b75af" for r in rs])
-            ax.set_title(name, fontsize=9)
-            ax.set_xticks(xs)
-            ax.set_xticklabels(labels, fontsize=7, rotation=30, ha="right")
-        ax = axes[row][2]
-        ax.bar([x - 0.2 for x in xs], [r.latency(0.5) for r in rs], 0.4, label="p50")
-        ax.bar([x + 0.2 for x in xs], [r.latency(0.99) for r in rs], 0.4, label="p99")
-        ax.set_title(f"{wl}: request latency s", fontsize=9)
+        ax = axes[row_i][0]
+        for x, r in zip(xs, rs, strict=True):
+            iv = ratio(result, r.row.name, baseline, wl)
+            if iv is None:
+                continue
+            lo = iv.estimate - iv.low if math.isfinite(iv.low) else 0.0
+            hi = iv.high - iv.estimate if math.isfinite(iv.high) else 0.0
+            ax.errorbar(
+                [x],
+                [iv.estimate],
+                yerr=[[lo], [hi]],
+                fmt="o",
+                capsize=4,
+                color="#777777" if r.row.name == baseline else "#3b75af",
+            )
+        ax.axhline(1.0, color="#999999", lw=0.8, ls="--")
+        ax.set_title(f"{wl}: step time vs {baseline}, 95% CI (lower is better)", fontsize=9)
         ax.set_xticks(xs)
-        ax.set_xticklabels(labels, fontsize=7, rotation=30, ha="right")
-        ax.legend(fontsize=7)
+        ax.set_xticklabels(labels, fontsize=6, rotation=35, ha="right")
+        ax = axes[row_i][1]
+        for r in rs:
+            ax.plot(r.blocks(), r.wall(r.blocks()), marker=".", lw=0.8, label=r.row.name)
+        ax.set_title(f"{wl}: s per step, by block (same block = same work)", fontsize=9)
+        ax.set_xlabel("block", fontsize=8)
+        ax.legend(fontsize=6)
+        ax = axes[row_i][2]
+        bottom = [0.0] * len(rs)
+        parts: list[tuple[str, list[float]]] = []
+        cols = [cpu_columns(r) for r in rs]
+        parts.append(("client", [c[0] for c in cols]))
+        parts.append(("router/frontend", [c[1] for c in cols]))
+        for role in ROLES:
+            parts.append((f"workers: {role}", [c[2][role] for c in cols]))
+        for name, ys in parts:
+            ax.bar(xs, ys, bottom=bottom, label=name)
+            bottom = [b + y for b, y in zip(bottom, ys, strict=True)]
+        ax.set_title(f"{wl}: CPU s per step by process", fontsize=9)
+        ax.set_xticks(xs)
+        ax.set_xticklabels(labels, fontsize=6, rotation=35, ha="right")
+        ax.legend(fontsize=6)
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
@@ -1095,48 +1552,56 @@ def plot(results: Sequence[JobResult], path: str, title: str) -> bool:
     return True
 
 
-def markdown(
-    meta: dict[str, Any], settings: dict[str, Any], results: Sequence[JobResult], notes: dict[str, str], png: str | None
-) -> str:
-    lines = ["## RL fan-out routing", ""]
+def markdown(meta: dict[str, Any], info: dict[str, Any], result: RunResult, baseline: str, png: str | None) -> str:
+    lines = [f"## RL fan-out routing ({info['preset']})", ""]
     lines += report.meta_lines(meta)
     lines += [
-        f"- **Workers:** {settings['workers']} x {settings['engine']} ({settings['model']}), GPUs {settings['gpus']}; "
-        f"SGLang/Dynamo-worker flags {settings['worker_flags']}",
-        f"- **Workloads:** {'; '.join(f'{k}: {v}' for k, v in settings['workloads'].items())}",
-        "- **Fleets:** "
-        + "; ".join(f"{k}: {v}" for k, v in notes.items())
-        + ". All fleets start together and stay up; one job at a time; each job starts after a "
-        "`flush_cache` (Dynamo: after the frontend restarts in the job's router mode).",
-        "- SGLang rows have no stream-interval variant: SGLang sends a non-streamed `/generate` answer "
-        "only when it finishes (and every `SGLANG_FORCE_STREAM_INTERVAL`=50 tokens internally), "
-        "whatever `--stream-interval` says.",
-        "",
+        f"- **Workers:** {info['workers']} x {info['engine']} per fleet ({info['model']}); "
+        f"SGLang flags of every GPU worker: `{info['worker_flags']}`",
+        "- **Placement:** "
+        + "; ".join(f"{k}: {', '.join(v)}" for k, v in result.placement.items())
+        + ". All fleets start together and stay up; one row runs at a time.",
+        f"- **Workloads:** {'; '.join(f'{k}: {v}' for k, v in info['workloads'].items())}",
+        "- **Fleets:** " + "; ".join(f"{k} ({FLEETS[k].what}): {v}" for k, v in result.fleets.items()),
+        f"- **Blocks:** one RL step each, every row once in a seeded random order (seed {info['seed']}); "
+        "block 0 is a warm-up, discarded; every row's step starts after its fleet's `flush_cache` "
+        "with prompts of its own (a leading token per row). Ratios: total wall-clock over the blocks "
+        "both rows finished, 95 % bootstrap interval over blocks.",
     ]
-    t = tables(results)
+    if result.gpu_memory:
+        lines.append("- **GPU memory after start-up:** " + "; ".join(result.gpu_memory))
+    lines.append("")
+    if result.refused:
+        lines += [f"**REFUSED:** {result.refused}", ""]
+    if result.notes:
+        lines += [f"- {n}" for n in result.notes] + [""]
+    if info["engine"] != "sglang":
+        lines += [
+            f"*CPU run ({info['engine']} workers): this exercises the benchmark's code; its ratios say nothing "
+            "about GPU engines.*",
+            "",
+        ]
+    for cmp, title in (
+        (result.command_args, "SGLang flags on the command lines"),
+        (result.resolved_args, "Resolved engine arguments, as each worker reports them"),
+    ):
+        if cmp is not None:
+            lines += args_table(cmp, title)
+    t = tables(result, baseline)
     for wl in WORKLOADS:
         if wl in t:
             lines += [f"### {wl}", "", t[wl], ""]
-    if "direct" in t:
-        lines += [
-            "### Adapter vs direct engine calls (same fleet, same bodies, steps interleaved)",
-            "",
-            t["direct"],
-            "",
-        ]
-        target = direct_target(results)
-        if target is not None:
-            met, detail = target
-            lines += [
-                f"- {'MET' if met else 'NOT MET'}: adapter ≤ {TARGET_DIRECT_RATIO:.2f}{TIMES} raw aiohttp "
-                f"wall-clock: {detail}",
-                "",
-            ]
+    vs = verdicts(result)
+    if vs:
+        lines += ["### Targets", ""] + [f"- {wl}: {v.format()}" for wl, v in vs] + [""]
     lines += [
-        "*wall s/step*: the step's wall-clock (every group sent at once, until the last sample ends); "
-        "*output tok/s*: output tokens / wall; *prefix hit*: cached / prompt tokens as the workers report "
-        "them (— where they do not); latencies are per request, as the client saw them; *busiest worker*: "
-        "its share of the requests; ratios are against `sglang rr` on the same workload.",
+        "*s/step*: mean wall-clock of a step (every group sent at once, until the last sample ends); "
+        "*step spread*: variation of a row's step times across blocks (different prompts and lengths: "
+        "the ratios pair blocks, so this spread does not enter them); *prefix hit*: cached / prompt "
+        "tokens as the workers report them; *CPU s/step*: user + system seconds of the processes "
+        "(from /proc), per step: the client (this process), the row's router or frontend, its "
+        "workers by role (main = HTTP server or Dynamo handler with SGLang's tokenizer manager), and "
+        "every other fleet together (idle while this row ran).",
         "",
     ]
     if png:
@@ -1148,8 +1613,6 @@ def markdown(
 
 
 def _vocab_size(model_path: str) -> int:
-    import json
-
     cfg = json.loads((Path(model_path) / "config.json").read_text())
     return int(cfg["vocab_size"])
 
@@ -1157,22 +1620,34 @@ def _vocab_size(model_path: str) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="rollout-backends bench fanout",
-        description="RL fan-out routing: GRPO-shaped rollouts through smg and Dynamo routers on the same workers.",
+        description="RL fan-out routing: GRPO-shaped rollouts through smg and Dynamo routers, interleaved, "
+        "with intervals.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument("--engine", choices=ENGINES, default="reference", help="worker kind (sglang = real, on GPUs)")
     p.add_argument("--model-size", default=None, help="qwen2.5-0.5b (GPU default) or tiny (CPU default)")
     p.add_argument("--model-path", help="an existing model folder (default: make one with make_tiny_model)")
-    p.add_argument("--workers", type=int, default=2)
-    p.add_argument("--gpus", default="0,1", help="CUDA_VISIBLE_DEVICES of each worker, comma-separated")
+    p.add_argument("--workers", type=int, default=2, help="workers per fleet")
+    p.add_argument("--gpus", default="0,1", help="CUDA_VISIBLE_DEVICES of each worker of every fleet")
+    p.add_argument("--preset", choices=sorted(PRESETS), default="main", help="a set of rows, baseline first")
+    p.add_argument("--rows", nargs="+", choices=list(ROWS), metavar="ROW", help="rows instead of a preset")
+    p.add_argument("--baseline", choices=list(ROWS), help="default: the first row")
     p.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=list(WORKLOADS))
-    p.add_argument("--backends", nargs="+", choices=BACKENDS, default=list(BACKENDS), metavar="BACKEND")
-    p.add_argument("--stream-interval", type=int, default=None, help="the Dynamo variant (GPU default 50; 0: none)")
+    p.add_argument("--shares", type=float, nargs="+", help="budget share of each workload (default 0.6 0.4)")
+    p.add_argument("--blocks", type=int, default=30, help="most measured blocks per workload (the budget decides)")
+    p.add_argument("--stream-interval", type=int, default=None, help="every worker's (GPU default 50; 0: leave out)")
     p.add_argument(
-        "--no-default-interval",
-        action="store_true",
-        help="Dynamo rows at --stream-interval only (no fleet at SGLang's default interval)",
+        "--vary",
+        nargs="*",
+        default=None,
+        help="settings that may differ between fleets (layers: --stream-interval --kv-events-config)",
     )
-    p.add_argument("--steps", type=int, default=2)
+    p.add_argument(
+        "--args-differ",
+        choices=("refuse", "warn"),
+        default="refuse",
+        help="when the fleets' SGLang arguments differ: refuse to run, or run and say so in the report",
+    )
     p.add_argument("--prompts", type=int, default=16)
     p.add_argument("--samples", type=int, default=32)
     p.add_argument("--max-new-tokens", type=int, default=512)
@@ -1180,29 +1655,34 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--length-sigma", type=float, default=0.6)
     p.add_argument("--agentic-prompts", type=int, default=8)
     p.add_argument("--agentic-samples", type=int, default=8)
-    p.add_argument("--agentic-steps", type=int, default=1)
     p.add_argument("--turns", type=int, default=3)
     p.add_argument("--turn-median", type=float, default=100.0)
     p.add_argument("--turn-max-new-tokens", type=int, default=256)
-    p.add_argument("--direct-steps", type=int, default=2, help="interleaved steps per client (0: no comparison)")
     p.add_argument("--predicted-ttl-s", type=float, default=5.0, help="--router-predicted-ttl-secs of kv+predict")
     p.add_argument("--kv-tokens", type=int, default=300_000, help="--max-total-tokens of each SGLang worker")
     p.add_argument("--mocker-speedup", type=float, default=10.0)
     p.add_argument("--startup-timeout-s", type=float, default=None)
     p.add_argument("--budget-s", type=float, default=420.0, help="the whole run, fleets' start-up included")
+    p.add_argument("--profile", nargs="*", default=(), metavar="ROW", help="py-spy the hottest processes of ROW")
+    p.add_argument("--profile-s", type=float, default=8.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", help="output folder (benchmarks.md, results.json, fanout.png, fanout-logs.tar.gz)")
-    p.add_argument("--smoke", action="store_true", help="CPU: tiny model, 2 prompts x 4 samples x 2 steps")
+    p.add_argument("--smoke", action="store_true", help="CPU: tiny model, 2 prompts x 4 samples, 3 blocks")
     args = p.parse_args(argv)
     gpu = args.engine == "sglang"
+    row_names = list(args.rows or PRESETS[args.preset])
+    baseline = args.baseline or row_names[0]
+    if baseline not in row_names:
+        row_names.insert(0, baseline)
     if args.smoke:
         if gpu:
             p.error("--smoke is for --engine reference or mocker")
-        args.prompts, args.samples, args.steps = 2, 4, 2
+        args.prompts, args.samples, args.blocks = 2, 4, 3
         args.max_new_tokens, args.length_median, args.turn_max_new_tokens, args.turn_median = 8, 5.0, 6, 4.0
-        args.agentic_prompts, args.agentic_samples, args.agentic_steps, args.turns = 2, 2, 1, 2
-        args.direct_steps = 1
-        args.budget_s = min(args.budget_s, 90.0)
+        args.agentic_prompts, args.agentic_samples, args.turns = 2, 2, 2
+        args.budget_s = min(args.budget_s, 150.0)
+    layer_vary = ["--stream-interval", "--kv-events-config"]
+    vary = list(args.vary) if args.vary is not None else (layer_vary if args.preset == "layers" else [])
     size = args.model_size or ("qwen2.5-0.5b" if gpu else "tiny")
     stream_interval = args.stream_interval if args.stream_interval is not None else (50 if gpu else 0)
     if gpu:
@@ -1213,6 +1693,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     gpus = tuple(x.strip() for x in args.gpus.split(",") if x.strip())
     if gpu and len(gpus) != args.workers:
         p.error(f"--gpus names {len(gpus)} GPUs for {args.workers} workers")
+    shares_in = args.shares or ([0.6, 0.4] if len(args.workloads) == 2 else [1.0] * len(args.workloads))
+    if len(shares_in) != len(args.workloads) or any(x <= 0 for x in shares_in):
+        p.error("--shares: one positive number per workload")
+    shares = dict(zip(args.workloads, shares_in, strict=True))
 
     with tempfile.TemporaryDirectory(prefix="rb-fanout-") as tmp:
         model_path = args.model_path
@@ -1225,93 +1709,140 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         tokenizer = AutoTokenizer.from_pretrained(model_path)
         vocab = _vocab_size(model_path)
-        workloads = {
-            "gsm8k": make_workload(
-                tokenizer,
-                name="gsm8k",
-                steps=args.steps,
-                prompts=args.prompts,
-                samples=args.samples,
-                max_new_tokens=args.max_new_tokens,
-                length_median=args.length_median,
-                length_sigma=args.length_sigma,
-                vocab_size=vocab,
-                seed=args.seed,
+        steps = args.blocks + 1  # block 0 is the warm-up
+        makers = {
+            "gsm8k": lambda: make_workload(
+                tokenizer, name="gsm8k", steps=steps, prompts=args.prompts, samples=args.samples,
+                max_new_tokens=args.max_new_tokens, length_median=args.length_median,
+                length_sigma=args.length_sigma, vocab_size=vocab, seed=args.seed,
                 min_new_tokens=min(8, args.max_new_tokens),
             ),
-            "agentic": make_workload(
-                tokenizer,
-                name="agentic",
-                steps=args.agentic_steps,
-                prompts=args.agentic_prompts,
-                samples=args.agentic_samples,
-                max_new_tokens=args.turn_max_new_tokens,
-                length_median=args.turn_median,
-                length_sigma=args.length_sigma,
-                turns=args.turns,
-                vocab_size=vocab,
-                seed=args.seed,
-                min_new_tokens=min(8, args.turn_max_new_tokens),
+            "agentic": lambda: make_workload(
+                tokenizer, name="agentic", steps=steps, prompts=args.agentic_prompts,
+                samples=args.agentic_samples, max_new_tokens=args.turn_max_new_tokens,
+                length_median=args.turn_median, length_sigma=args.length_sigma, turns=args.turns,
+                vocab_size=vocab, seed=args.seed, min_new_tokens=min(8, args.turn_max_new_tokens),
             ),
-        }
-        workloads = {k: v for k, v in workloads.items() if k in args.workloads}
+        }  # fmt: skip
+        workloads = {k: makers[k]() for k in args.workloads}
         for w in workloads.values():
-            progress(f"workload {w.name}: {w.describe()}")
+            progress(f"workload {w.name}: {w.describe()} (block 0 is the warm-up)")
         settings = Settings(
             engine=args.engine,
             model_path=model_path,
             workers=args.workers,
             gpus=gpus,
             kv_tokens=args.kv_tokens,
+            stream_interval=stream_interval or None,
             predicted_ttl_s=args.predicted_ttl_s,
             mocker_speedup=args.mocker_speedup,
             startup_timeout_s=args.startup_timeout_s or (600.0 if gpu else 120.0),
             log_root=Path(tmp) / "logs",
             vocab_size=vocab,
         )
-        sis: list[int | None] = [None]
-        if stream_interval and args.engine == "sglang":
-            sis = [stream_interval] if args.no_default_interval else [None, stream_interval]
-        jobs = plan(list(workloads), args.backends, sis, args.direct_steps)
-        steps = {k: len(w.steps) for k, w in workloads.items()}
-        results, notes = asyncio.run(run(settings, workloads, jobs, steps, args.direct_steps, budget, progress))
+        out_dir = Path(args.out) if args.out else Path(tmp)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        profiler = Profiler(args.profile, Path(tmp), args.profile_s) if args.profile else None
+        rows = [ROWS[n] for n in row_names]
+        result = asyncio.run(
+            run(
+                settings,
+                rows,
+                workloads,
+                blocks=args.blocks,
+                shares=shares,
+                budget=budget,
+                progress=progress,
+                seed=args.seed,
+                vary=vary,
+                profiler=profiler,
+            )
+        )
 
-        m = report.meta("python -m rollout_backends._bench.fanout", argv, PACKAGES, started)
+        m = report.meta("rollout-backends bench fanout", argv, PACKAGES, started)
         m["duration_s"] = round(time.time() - started, 1)
-        s_info = {
+        flags = [*RECIPE_FLAGS, "--page-size", "16", *engine_flags(settings)]
+        if stream_interval:
+            flags += ["--stream-interval", str(stream_interval)]
+        info = {
+            "preset": args.preset if not args.rows else "rows",
             "engine": args.engine,
             "model": f"{size} ({model_path})" if args.model_path else size,
             "workers": args.workers,
             "gpus": ",".join(gpus) if gpu else "none",
-            "worker_flags": " ".join(_sglang_flags(settings)) if gpu else "(CPU workers)",
+            "worker_flags": " ".join(flags) + " --kv-events-config <zmq, a port each>" if gpu else "(CPU workers)",
             "workloads": {k: w.describe() for k, w in workloads.items()},
             "planned_output_tokens": {k: w.planned_output_tokens() for k, w in workloads.items()},
-            "predicted_ttl_s": args.predicted_ttl_s,
             "seed": args.seed,
+            "baseline": baseline,
+            "vary": vary,
         }
-        t = tables(results)
+        t = tables(result, baseline)
         print(f"\nRL fan-out routing, {m['date']}, {m['machine']}, GPU: {m['gpu']}")
+        if result.refused:
+            print(f"\nREFUSED: {result.refused}")
+        for n in result.notes:
+            print(f"- {n}")
+        for cmp, title in ((result.command_args, "command lines"), (result.resolved_args, "resolved arguments")):
+            if cmp is not None and (cmp.differing or cmp.allowed):
+                print("\n".join(args_table(cmp, title)))
         for k, text in t.items():
             print(f"\n{k}\n{text}")
-        target = direct_target(results)
-        if target is not None:
-            verdict = "MET" if target[0] else "NOT MET"
-            print(f"\n- {verdict}: adapter ≤ {TARGET_DIRECT_RATIO}{TIMES} raw aiohttp wall-clock: {target[1]}")
+        for wl, v in verdicts(result):
+            print(f"- {wl}: {v.format()}")
         print(f"\n({m['duration_s']} s)")
         if args.out:
             title = f"{m['gpu'] if m['gpu'] != 'none' else m['machine']}; {m['date']}"
+
+            def _cmp(c: Comparison | None) -> Any:
+                return (
+                    None
+                    if c is None
+                    else {"columns": c.columns, "table": dict(c.table), "differing": c.differing, "allowed": c.allowed}
+                )
+
+            data = {
+                "meta": m,
+                "settings": info,
+                "fleets": result.fleets,
+                "placement": result.placement,
+                "gpu_memory": result.gpu_memory,
+                "command_args": _cmp(result.command_args),
+                "resolved_args": _cmp(result.resolved_args),
+                "refused": result.refused,
+                "results": [r.as_dict() for r in result.rows],
+                "ratios": {
+                    f"{r.row.name} / {baseline} / {r.workload}": attrs.asdict(iv)
+                    for r in result.rows
+                    if (iv := ratio(result, r.row.name, baseline, r.workload)) is not None
+                },
+                "targets": [
+                    {
+                        "workload": wl,
+                        "goal": v.goal,
+                        "state": v.state,
+                        "more_blocks": v.more_blocks,
+                        "interval": attrs.asdict(v.interval),
+                    }
+                    for wl, v in verdicts(result)
+                ],
+                "orders": result.orders,
+                "notes": result.notes,
+                "frontend_metrics": result.metrics,
+                "profiles": result.profiles,
+            }
             report.write_outputs(
                 args.out,
                 KEY,
-                plot=lambda path: plot(results, path, title),
-                markdown=lambda png: markdown(m, s_info, results, notes, png),
-                data={"meta": m, "settings": s_info, "notes": notes, "results": [r.as_dict() for r in results]},
+                plot=lambda path: plot(result, baseline, path, title),
+                markdown=lambda png: markdown(m, info, result, baseline, png),
+                data=data,
                 log_dirs=[settings.log_root],
             )
-            out = Path(args.out)
-            progress(f"wrote {', '.join(sorted(x.name for x in out.iterdir()))} in {out}")
-    ok = any(r.steps for r in results)
-    return 0 if ok else 1
+            progress(f"wrote {', '.join(sorted(x.name for x in out_dir.iterdir()))} in {out_dir}")
+    if result.refused:
+        return 2
+    return 0 if any(r.steps for r in result.rows) else 1
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import json
 import types
 from typing import Any
 
@@ -226,8 +227,16 @@ def test_abort_by_our_request_id_reaches_sglang_with_its_id() -> None:
 
     outs, _ = asyncio.run(run())
     assert outs[-1]["engine_data"]["finish_reason"] == "abort"
-    assert set(rt.routes) == {"control/update_weight_version", "rollout/weight_version", "rollout/abort"}
+    assert set(rt.routes) == {
+        "control/update_weight_version",
+        "rollout/weight_version",
+        "rollout/abort",
+        "rollout/server_args",
+    }
     assert asyncio.run(rt.routes["rollout/weight_version"]({})) == {"weight_version": "v9"}
+    # SGLang's resolved arguments, as JSON values (what launch_server's /server_info shows)
+    args = asyncio.run(rt.routes["rollout/server_args"]({}))
+    assert args["weight_version"] == "v9" and json.dumps(args)
 
 
 def test_msgspec_control_results_keep_success() -> None:

@@ -1,0 +1,198 @@
+"""The fan-out benchmark's method: paired intervals, verdicts, argument checks, CPU sampling, and a
+CPU run of the same code path that a GPU run takes (real smg and a real Dynamo frontend)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rollout_backends._bench import fanout
+from rollout_backends._bench.proc import CpuSampler, cpu_seconds, role_of
+from rollout_backends._bench.serverargs import compare, flags_of, resolved_of
+from rollout_backends._bench.stats import judge, paired_ratio
+
+# -- intervals and verdicts --------------------------------------------------------------------------
+
+
+def test_paired_ratio_is_the_ratio_of_sums_and_its_interval_holds_it() -> None:
+    a = [10.0, 12.0, 9.0, 15.0, 11.0]
+    b = [9.0, 11.5, 8.0, 14.0, 10.0]
+    iv = paired_ratio(a, b, seed=1)
+    assert iv.estimate == pytest.approx(sum(a) / sum(b))
+    assert iv.low <= iv.estimate <= iv.high and iv.blocks == 5
+    assert paired_ratio(a, b, seed=1) == iv  # seeded
+
+
+def test_pairing_removes_the_spread_between_blocks() -> None:
+    """Blocks that differ 2x in length but keep a steady 1.05 ratio: a narrow interval around 1.05."""
+    b = [5.0, 10.0, 7.0, 12.0, 6.0, 9.0, 11.0, 8.0]
+    a = [x * 1.05 * (1 + 0.005 * (-1) ** i) for i, x in enumerate(b)]
+    iv = paired_ratio(a, b)
+    assert iv.low > 1.04 and iv.high < 1.06
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.floats(0.1, 100.0), st.floats(0.1, 100.0)),
+        min_size=2,
+        max_size=12,
+    )
+)
+def test_the_interval_lies_within_the_blocks_ratios(pairs: list[tuple[float, float]]) -> None:
+    a, b = [x for x, _ in pairs], [y for _, y in pairs]
+    iv = paired_ratio(a, b, resamples=400)
+    lo, hi = min(x / y for x, y in pairs), max(x / y for x, y in pairs)
+    assert lo - 1e-9 <= iv.low <= iv.estimate <= iv.high <= hi + 1e-9
+
+
+def test_paired_ratio_refuses_unpaired_or_empty_samples() -> None:
+    with pytest.raises(ValueError):
+        paired_ratio([1.0, 2.0], [1.0])
+    assert math.isnan(paired_ratio([], []).estimate)
+    one = paired_ratio([2.0], [1.0])
+    assert one.estimate == 2.0 and one.low == -math.inf and one.high == math.inf
+
+
+def test_a_target_is_judged_only_when_its_interval_is_on_one_side() -> None:
+    met = judge("x", paired_ratio([1.0, 1.01, 0.99, 1.0], [1.0, 1.0, 1.0, 1.0]), 1.03)
+    assert met.state == "met" and met.format().startswith("MET")
+    missed = judge("x", paired_ratio([1.2, 1.25, 1.22], [1.0, 1.0, 1.0]), 1.03)
+    assert missed.state == "missed" and missed.format().startswith("MISSED")
+    wide = judge("x", paired_ratio([0.9, 1.2, 1.0, 1.1], [1.0, 1.0, 1.0, 1.0]), 1.10)
+    assert wide.state == "not decided" and wide.more_blocks is not None and wide.more_blocks >= 1
+    assert "more blocks needed" in wide.format()
+    assert judge("x", paired_ratio([1.0], [1.0]), 1.03).state == "not decided"
+
+
+# -- the fleets' arguments ---------------------------------------------------------------------------
+
+
+def test_flags_drop_identity_and_wrapper_flags_and_read_the_last_occurrence() -> None:
+    argv = ["python", "-m", "dynamo.sglang", "--model-path", "/m", "--port", "1", "--namespace", "ns", "--enable-rl",
+            "--mem-fraction-static", "0.4", "--mem-fraction-static", "0.9", "--disable-cuda-graph", "--tp", "1",
+            "--kv-events-config", '{"publisher":"zmq","endpoint":"tcp://*:5"}']  # fmt: skip
+    assert flags_of(argv) == {
+        "--mem-fraction-static": "0.9",
+        "--disable-cuda-graph": "",
+        "--kv-events-config": '{"publisher": "zmq"}',
+    }
+
+
+def test_a_flag_missing_on_one_fleet_is_a_difference_unless_varied() -> None:
+    a = {"--page-size": "16", "--stream-interval": "50"}
+    b = {"--page-size": "16"}
+    cmp = compare(["a", "b"], [a, b], absent="(not set)")
+    assert not cmp.same and cmp.differing == ("--stream-interval",)
+    assert compare(["a", "b"], [a, b], absent="(not set)", allowed=["--stream-interval"]).same
+    # resolved arguments: a key one engine does not report is listed, not judged
+    partial = compare(["a", "b"], [{"x": "1", "y": "2"}, {"x": "1"}])
+    assert partial.same and partial.partial == ("y",)
+
+
+def test_resolved_arguments_leave_out_what_names_a_process() -> None:
+    info = {"port": 1, "host": "h", "model_path": "/m", "random_seed": 7, "weight_version": "w0",
+            "page_size": 16, "internal_states": [], "nested": {"worker_id": "x", "vocab_size": 5},
+            "kv_events_config": '{"publisher": "zmq", "endpoint": "tcp://*:9"}'}  # fmt: skip
+    assert resolved_of(info) == {
+        "page_size": "16",
+        "nested.vocab_size": "5",
+        "kv_events_config": json.dumps('{"publisher": "zmq"}'),
+    }
+
+
+def _gpu_settings(tmp_path: Path) -> fanout.Settings:
+    return fanout.Settings(
+        engine="sglang", model_path=str(tmp_path / "m"), workers=2, gpus=("0", "0"), kv_tokens=300_000,
+        stream_interval=50, predicted_ttl_s=5.0, mocker_speedup=10.0, startup_timeout_s=600.0,
+        log_root=tmp_path, vocab_size=1000,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("preset", sorted(fanout.PRESETS))
+def test_every_gpu_preset_gives_its_fleets_the_same_sglang_flags(tmp_path: Path, preset: str) -> None:
+    """What a GPU run checks before it starts anything, run here on the same command lines."""
+    s = _gpu_settings(tmp_path)
+    entries: dict[str, set[str]] = {}
+    for name in fanout.PRESETS[preset]:
+        r = fanout.ROWS[name]
+        entries.setdefault(r.fleet, set()).add(r.entry)
+    fleets = {k: fanout.make_fleet(k, e, s) for k, e in entries.items()}
+    vary = ["--stream-interval", "--kv-events-config"] if preset == "layers" else []
+    cmp = fanout.check_command_lines(fleets, vary)
+    assert cmp is not None and cmp.same, cmp.rows()
+    assert len(cmp.columns) == 2 * len(fleets)
+    shared = {row[0]: row[1] for row in cmp.rows(every_setting=True)}
+    assert shared["--page-size"] == "16" and shared["--attention-backend"] == "triton"
+    assert shared["--mem-fraction-static"] == "0.9" and "--sleep-on-idle" in shared
+    if preset == "layers":  # what the layers vary is the only difference
+        assert set(cmp.allowed) == {"--stream-interval", "--kv-events-config"}
+        assert not fanout.check_command_lines(fleets, []).same  # and it is caught without --vary
+
+
+# -- CPU sampling --------------------------------------------------------------------------------------
+
+
+def test_cpu_seconds_reads_this_process_and_its_growth() -> None:
+    before = cpu_seconds(os.getpid())
+    assert before is not None
+    t = time.process_time()
+    while time.process_time() - t < 0.15:
+        pass
+    after = cpu_seconds(os.getpid())
+    assert after is not None and after - before >= 0.1
+    assert cpu_seconds(2**22 + 12345) is None
+    assert role_of(os.getpid()) == "main"
+    sampler = CpuSampler(lambda: {"f": {"p": [os.getpid()]}})
+    d = CpuSampler.delta(sampler.sample(), sampler.sample())
+    assert set(d) == {("client", "client", "client"), ("f", "p", "main")}
+
+
+# -- the whole benchmark on CPU -------------------------------------------------------------------------
+
+
+def test_fanout_smoke_interleaves_every_row_and_reports_intervals(tmp_path: Path) -> None:
+    """Reference workers behind real smg, and two Dynamo mockers behind real frontends (one per mode)."""
+    pytest.importorskip("smg")
+    pytest.importorskip("dynamo.frontend")
+    assert fanout.main(["--engine", "mocker", "--smoke", "--out", str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "results.json").read_text())["fanout"]
+    rows = {(r["row"], r["workload"]): r for r in data["results"]}
+    baseline = fanout.PRESETS["main"][0]
+    for workload in ("gsm8k", "agentic"):
+        for name in fanout.PRESETS["main"]:
+            r = rows[(name, workload)]
+            assert r["status"] == "ok", r
+            assert r["blocks"] == [1, 2, 3] and r["warm_up_s"] > 0  # block 0 ran and was set apart
+            assert all(s > 0 for s in r["step_s"]) and r["tokens_per_s"] > 0
+            # ignore_eos + per-sample max_new_tokens: the same tokens on every row, block by block
+            base = rows[(baseline, workload)]
+            for b in ("1", "2", "3"):
+                assert r["steps"][b]["output_tokens"] == base["steps"][b]["output_tokens"] > 0
+                cpu = r["steps"][b]["cpu_s"]
+                assert "client/client/client" in cpu  # the client's own CPU is in every step
+            if name != baseline:
+                key = f"{name} / {baseline} / {workload}"
+                iv = data["ratios"][key]
+                assert iv["blocks"] == 3 and iv["low"] <= iv["estimate"] <= iv["high"]
+    # every block ran every row, in orders that differ between blocks (seeded shuffles)
+    for workload in ("gsm8k", "agentic"):
+        orders = data["orders"][workload]
+        assert len(orders) == 4 and all(sorted(o) == sorted(fanout.PRESETS["main"]) for o in orders)
+        assert len({tuple(o) for o in orders}) > 1
+    assert {t["state"] for t in data["targets"]} <= {"met", "missed", "not decided"}
+    assert any(t["goal"].startswith("dynamo kv ≤") for t in data["targets"])
+    assert data["refused"] is None
+    assert "dynamo: its workers report no engine arguments (not compared)" in data["notes"]
+    md = (tmp_path / "benchmarks.md").read_text()
+    assert "## RL fan-out routing (main)" in md and "[95% CI]" in md and "### Targets" in md
+    assert "CPU run (mocker workers)" in md
+    assert (tmp_path / "fanout.png").stat().st_size > 0
+    assert len(list(tmp_path.iterdir())) <= 6
