@@ -41,6 +41,7 @@ subprocesses are not involved. Each feature-detects and is a no-op where the lay
 from __future__ import annotations
 
 import inspect
+import json
 import logging
 import runpy
 import sys
@@ -302,8 +303,8 @@ def server_args_dict(server_args: Any) -> dict[str, Any]:
     names = list(fields) if isinstance(fields, dict) else list(vars(server_args))
     out: dict[str, Any] = {}
     for name in names:
-        value = getattr(server_args, name, None)
-        out[name] = value if isinstance(value, str | int | float | bool | type(None) | list | dict) else str(value)
+        # Round-tripped through JSON: a nested value the route's encoder cannot take becomes its str().
+        out[name] = json.loads(json.dumps(getattr(server_args, name, None), default=str))
     return out
 
 

@@ -19,7 +19,7 @@
 # Stages (`rollout-backends bench fanout`, both workers of every fleet on GPU 0 with one GPU):
 #   client  our adapter vs raw aiohttp on the SGLang fleet (gsm8k)             BUDGET 300 s
 #   main    sglang rr, smg cache_aware, dynamo rr / kv / kv+predict, gsm8k and
-#           agentic; py-spy on the Dynamo fleet's hottest processes             BUDGET 540 s
+#           agentic; py-spy on the Dynamo fleet's hottest processes             BUDGET 520 s
 #   layers  where the Dynamo path's time goes (stock worker, worker text, stream
 #           interval, KV events, adapter vs raw), gsm8k at <= 256 new tokens    BUDGET 480 s
 set -uo pipefail
@@ -63,7 +63,7 @@ case "$stage" in
     ;;
   main)
     need sglang; need dynamo.frontend; need smg; model
-    fanout main "${BUDGET:-540}" --preset main --args-differ warn --profile "dynamo rr"
+    fanout main "${BUDGET:-520}" --preset main --args-differ warn --profile "dynamo rr"
     ;;
   layers)
     need sglang; need dynamo.frontend; need smg; model
