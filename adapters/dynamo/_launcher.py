@@ -42,7 +42,7 @@ from rollout_backends._fleet import HttpFleetBackend
 from rollout_backends._http import get_json
 from rollout_backends._launch import EngineInfo, Launch, NodeContext, carry, env_map, str_tuple
 from rollout_backends._supervisor import Supervisor
-from rollout_backends.adapters.dynamo._commands import DynamoFrontend, DynamoWorkerCommand
+from rollout_backends.adapters.dynamo._commands import DEFAULT_STREAM_INTERVAL, DynamoFrontend, DynamoWorkerCommand
 from rollout_backends.adapters.dynamo._services import DynamoPlanes
 from rollout_backends.adapters.dynamo._wire import generate_instances
 
@@ -103,7 +103,8 @@ class DynamoFleet:
     mocker_args: tuple[str, ...] = attrs.field(factory=tuple, converter=str_tuple)
     #: sglang: one CUDA_VISIBLE_DEVICES value per worker (default "0", "1", ...).
     gpus: tuple[str, ...] = attrs.field(factory=tuple, converter=str_tuple)
-    stream_interval: int | None = None
+    #: sglang workers' ``--stream-interval`` (``None``: SGLang's default, 1; see ``DynamoWorkerCommand``).
+    stream_interval: int | None = DEFAULT_STREAM_INTERVAL
     sglang_args: tuple[str, ...] = attrs.field(factory=tuple, converter=str_tuple)
     #: the shim (logprob fix + engine_data); False runs stock ``python -m dynamo.sglang``.
     sglang_shim: bool = True

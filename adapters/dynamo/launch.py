@@ -15,6 +15,7 @@ from collections.abc import Awaitable, Callable, Sequence
 
 from rollout_backends._launch import run_launcher_cli, split_passthrough
 from rollout_backends._supervisor import stderr_progress
+from rollout_backends.adapters.dynamo._commands import DEFAULT_STREAM_INTERVAL
 from rollout_backends.adapters.dynamo._launcher import ROUTER_MODES, WORKER_KINDS, DynamoFleet, launch_dynamo_fleet
 
 __all__ = ["config_from_args", "main", "parse_args"]
@@ -32,7 +33,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--no-kv-events", action="store_true", help="approximate KV routing (--no-router-kv-events)")
     p.add_argument("--router-predicted-ttl-secs", type=float, default=None, help="predict-on-route")
-    p.add_argument("--stream-interval", type=int, default=None, help="SGLang --stream-interval for the workers")
+    p.add_argument(
+        "--stream-interval",
+        type=int,
+        default=DEFAULT_STREAM_INTERVAL,
+        help=f"SGLang --stream-interval of sglang workers (default {DEFAULT_STREAM_INTERVAL}; 0: SGLang's own, 1)",
+    )
     p.add_argument("--gpus", nargs="+", default=None, help="CUDA_VISIBLE_DEVICES per worker, e.g. 0 1")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--http-port", type=int, default=None)
@@ -54,7 +60,7 @@ def config_from_args(args: argparse.Namespace) -> DynamoFleet:
         page_size=args.page_size,
         kv_events=not args.no_kv_events,
         router_predicted_ttl_secs=args.router_predicted_ttl_secs,
-        stream_interval=args.stream_interval,
+        stream_interval=args.stream_interval or None,
         gpus=tuple(args.gpus or ()),
         host=args.host,
         http_port=args.http_port,

@@ -862,6 +862,7 @@ class StepStat:
             "cached_tokens": self.cached_tokens,
             "output_tokens": self.output_tokens,
             "p50_s": round(statistics.median(self.latencies), 4) if self.latencies else None,
+            "latencies_s": [round(x, 4) for x in self.latencies],
             "workers": dict(self.workers),
             "cpu_s": {k: round(v, 3) for k, v in sorted(self.cpu.items())},
             "not_flushed": self.not_flushed,
@@ -1385,6 +1386,33 @@ def ratio(result: RunResult, row: str, against: str, workload: str) -> Interval 
     return paired_ratio(a.wall(common), b.wall(common), seed=f"{row}/{against}/{workload}")
 
 
+def own_cpu(rr: RowResult, block: int, role: str | None) -> float:
+    """CPU seconds of a row's own fleet in one block: its workers' ``role`` (``None``: every
+    process of the fleet and the client)."""
+    total = 0.0
+    for key, secs in rr.steps[block].cpu.items():
+        fleet, _, r = key.split("/", 2)
+        if role is None:
+            total += secs if fleet in ("client", rr.row.fleet) else 0.0
+        elif fleet == rr.row.fleet and r == role:
+            total += secs
+    return total
+
+
+def cpu_ratio(result: RunResult, row: str, against: str, workload: str, role: str | None) -> Interval | None:
+    """Like :func:`ratio`, over CPU seconds: the engines' work (``role="scheduler"``) is far less
+    noisy than wall-clock, which round-robin placement of the longest samples dominates."""
+    a, b = result.by(row, workload), result.by(against, workload)
+    if a is None or b is None or not a.steps or not b.steps:
+        return None
+    common = sorted(set(a.steps) & set(b.steps))
+    x = [own_cpu(a, k, role) for k in common]
+    y = [own_cpu(b, k, role) for k in common]
+    if any(v <= 0 for v in y):
+        return None
+    return paired_ratio(x, y, seed=f"cpu/{role}/{row}/{against}/{workload}")
+
+
 def verdicts(result: RunResult) -> list[tuple[str, Verdict]]:
     out = []
     for t in TARGETS:
@@ -1427,9 +1455,11 @@ def tables(result: RunResult, baseline: str) -> dict[str, str]:
         rows = []
         for r in rs:
             if not r.steps:
-                rows.append([r.row.name, "0", "—", "—", "—", "—", "—", "—", "—", "—", "—", "—", "—", r.status])
+                rows.append([r.row.name, "0", *["—"] * 13, r.status])
                 continue
             iv = ratio(result, r.row.name, baseline, wl)
+            sched = cpu_ratio(result, r.row.name, baseline, wl, "scheduler")
+            every = cpu_ratio(result, r.row.name, baseline, wl, None)
             client, entry, roles, idle = cpu_columns(r)
             note = [] if r.status == "ok" else [r.status]
             why = sorted({s.not_flushed for s in r.steps.values() if s.not_flushed})
@@ -1441,6 +1471,8 @@ def tables(result: RunResult, baseline: str) -> dict[str, str]:
                     str(len(r.steps)),
                     f"{r.step_s:.2f}",
                     "baseline" if r.row.name == baseline else (iv.format() if iv else "—"),
+                    "baseline" if r.row.name == baseline else (sched.format(2) if sched else "—"),
+                    "baseline" if r.row.name == baseline else (every.format(2) if every else "—"),
                     f"{r.tokens_per_s:,.0f}",
                     _fmt(r.prefix_hit, ".1%"),
                     f"{r.latency(0.5):.2f} / {r.latency(0.99):.2f}",
@@ -1459,6 +1491,8 @@ def tables(result: RunResult, baseline: str) -> dict[str, str]:
                 "blocks",
                 "s/step",
                 f"vs {baseline} [95% CI]",
+                "scheduler CPU vs baseline",
+                "all CPU vs baseline",
                 "output tok/s",
                 "prefix hit",
                 "p50 / p99 latency s",
@@ -1471,7 +1505,7 @@ def tables(result: RunResult, baseline: str) -> dict[str, str]:
                 "note",
             ],
             rows,
-            "lrrrrrrrrrrrrl",
+            "lrrrrrrrrrrrrrrl",
         )
     return out
 
@@ -1601,12 +1635,69 @@ def markdown(meta: dict[str, Any], info: dict[str, Any], result: RunResult, base
         "tokens as the workers report them; *CPU s/step*: user + system seconds of the processes "
         "(from /proc), per step: the client (this process), the row's router or frontend, its "
         "workers by role (main = HTTP server or Dynamo handler with SGLang's tokenizer manager), and "
-        "every other fleet together (idle while this row ran).",
+        "every other fleet together (idle while this row ran); *scheduler CPU* / *all CPU vs baseline*: "
+        "the same paired ratio over the CPU seconds of the row's SGLang schedulers (the engines' "
+        "own work) and of every process of its fleet plus the client.",
         "",
     ]
     if png:
         lines += [f"![fan-out routing]({png})", ""]
     return "\n".join(lines)
+
+
+# -- reading a run back ----------------------------------------------------------------------------
+
+
+def load_result(path: str | Path) -> tuple[RunResult, str]:
+    """A run's rows and baseline from its ``results.json`` (what ``--reanalyze`` reads)."""
+    data = json.loads(Path(path).read_text())[KEY]
+    result = RunResult(refused=data.get("refused"), notes=list(data.get("notes") or []))
+    for r in data["results"]:
+        row = ROWS.get(r["row"]) or Row(r["row"], r["fleet"], r["entry"], r["client"])
+        rr = RowResult(row, r["workload"], status=r["status"], reports_cached=r.get("prefix_hit") is not None)
+        for b, st in (r.get("steps") or {}).items():
+            rr.steps[int(b)] = StepStat(
+                wall_s=float(st["wall_s"]),
+                requests=int(st["requests"]),
+                prompt_tokens=int(st["prompt_tokens"]),
+                cached_tokens=int(st["cached_tokens"]),
+                output_tokens=int(st["output_tokens"]),
+                latencies=[float(x) for x in st.get("latencies_s") or ([st["p50_s"]] if st.get("p50_s") else [])],
+                workers={str(k): int(v) for k, v in (st.get("workers") or {}).items()},
+                cpu={str(k): float(v) for k, v in (st.get("cpu_s") or {}).items()},
+                not_flushed=st.get("not_flushed"),
+            )
+        result.rows.append(rr)
+    return result, str(data["settings"]["baseline"])
+
+
+def pool(results: Sequence[RunResult]) -> RunResult:
+    """Several runs as one: a row's blocks from run ``k`` are numbered ``k * 1000 + block``, so pairs
+    stay within their run (runs of the same workload and engine settings only)."""
+    out = RunResult()
+    for k, res in enumerate(results):
+        for rr in res.rows:
+            mine = out.by(rr.row.name, rr.workload)
+            if mine is None:
+                mine = RowResult(rr.row, rr.workload, status=rr.status, reports_cached=rr.reports_cached)
+                out.rows.append(mine)
+            for b, st in rr.steps.items():
+                mine.steps[k * 1000 + b] = st
+    return out
+
+
+def reanalyze(paths: Sequence[str]) -> int:
+    """Print the tables and verdicts of saved runs (pooled when several are given)."""
+    loaded = [load_result(p) for p in paths]
+    baselines = {b for _, b in loaded}
+    baseline = loaded[0][1] if len(baselines) == 1 else "sglang rr"
+    result = loaded[0][0] if len(loaded) == 1 else pool([r for r, _ in loaded])
+    print(f"{len(paths)} run(s){' pooled' if len(paths) > 1 else ''}; baseline {baseline}")
+    for wl, text in tables(result, baseline).items():
+        print(f"\n{wl}\n{text}")
+    for wl, v in verdicts(result):
+        print(f"- {wl}: {v.format()}")
+    return 0
 
 
 # -- main ------------------------------------------------------------------------------------------
@@ -1668,7 +1759,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", help="output folder (benchmarks.md, results.json, fanout.png, fanout-logs.tar.gz)")
     p.add_argument("--smoke", action="store_true", help="CPU: tiny model, 2 prompts x 4 samples, 3 blocks")
+    p.add_argument(
+        "--reanalyze",
+        nargs="+",
+        metavar="RESULTS_JSON",
+        help="print the tables of saved runs (several: pooled, blocks paired within each run); runs nothing",
+    )
     args = p.parse_args(argv)
+    if args.reanalyze:
+        return reanalyze(args.reanalyze)
     gpu = args.engine == "sglang"
     row_names = list(args.rows or PRESETS[args.preset])
     baseline = args.baseline or row_names[0]
@@ -1815,6 +1914,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                     f"{r.row.name} / {baseline} / {r.workload}": attrs.asdict(iv)
                     for r in result.rows
                     if (iv := ratio(result, r.row.name, baseline, r.workload)) is not None
+                },
+                "cpu_ratios": {
+                    f"{r.row.name} / {baseline} / {r.workload} / {role or 'all'}": attrs.asdict(iv)
+                    for r in result.rows
+                    for role in ("scheduler", None)
+                    if (iv := cpu_ratio(result, r.row.name, baseline, r.workload, role)) is not None
                 },
                 "targets": [
                     {

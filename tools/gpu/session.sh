@@ -63,12 +63,12 @@ case "$stage" in
     ;;
   main)
     need sglang; need dynamo.frontend; need smg; model
-    fanout main "${BUDGET:-520}" --preset main --args-differ warn --profile "dynamo rr"
+    fanout main "${BUDGET:-520}" --preset main --args-differ warn --profile "dynamo rr" "${@:2}"
     ;;
   layers)
     need sglang; need dynamo.frontend; need smg; model
     fanout layers "${BUDGET:-480}" --preset layers --workloads gsm8k --max-new-tokens 256 --length-median 125 \
-      --args-differ warn --profile "dynamo rr raw, stock worker"
+      --args-differ warn --profile "dynamo rr raw, stock worker" "${@:2}"
     ;;
   weightsync)
     need sglang; need rollout_backends._bench.weightsync; model
