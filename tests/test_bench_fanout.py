@@ -196,3 +196,15 @@ def test_fanout_smoke_interleaves_every_row_and_reports_intervals(tmp_path: Path
     assert "CPU run (mocker workers)" in md
     assert (tmp_path / "fanout.png").stat().st_size > 0
     assert len(list(tmp_path.iterdir())) <= 6
+    # A saved run reads back as it was measured, and two runs pool with their blocks kept apart.
+    loaded, base = fanout.load_result(tmp_path / "results.json")
+    assert base == baseline and len(loaded.rows) == len(data["results"])
+    again = fanout.ratio(loaded, "dynamo rr", baseline, "gsm8k")
+    assert again is not None and again.estimate == pytest.approx(
+        data["ratios"][f"dynamo rr / {baseline} / gsm8k"]["estimate"],
+        rel=2e-3,  # times are saved to 0.1 ms
+    )
+    pooled = fanout.pool([loaded, loaded])
+    both = pooled.by("dynamo rr", "gsm8k")
+    assert both is not None and sorted(both.steps) == [1, 2, 3, 1001, 1002, 1003]
+    assert fanout.main(["--reanalyze", str(tmp_path / "results.json"), str(tmp_path / "results.json")]) == 0
