@@ -40,6 +40,7 @@ subprocesses are not involved. Each feature-detects and is a no-op where the lay
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import json
 import logging
@@ -303,8 +304,11 @@ def server_args_dict(server_args: Any) -> dict[str, Any]:
     names = list(fields) if isinstance(fields, dict) else list(vars(server_args))
     out: dict[str, Any] = {}
     for name in names:
+        value = getattr(server_args, name, None)
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            value = dataclasses.asdict(value)  # nested configs, as /server_info shows them
         # Round-tripped through JSON: a nested value the route's encoder cannot take becomes its str().
-        out[name] = json.loads(json.dumps(getattr(server_args, name, None), default=str))
+        out[name] = json.loads(json.dumps(value, default=str))
     return out
 
 

@@ -317,3 +317,26 @@ def test_patches_on_the_real_1_4_2_handler(tiny_model: Any) -> None:
     # A refused flush stays refused; tuples as before.
     assert r["flush_result"]["success"] is False and r["flush_result"]["message"] == "not idle"
     assert r["tuple_result"] == {"success": True, "message": "ok"}
+
+
+def test_server_args_come_back_as_json_values_with_nested_configs_as_objects() -> None:
+    """What ``rollout/server_args`` answers: nested dataclass configs as objects (as SGLang's own
+    ``/server_info`` shows them, so the two can be compared key by key), anything else as its str()."""
+    import dataclasses
+
+    from rollout_backends.adapters.dynamo._sglang_shim import server_args_dict
+
+    @dataclasses.dataclass
+    class Phase:
+        backend: str = "disabled"
+        bs: list[int] = dataclasses.field(default_factory=lambda: [1, 2])
+
+    @dataclasses.dataclass
+    class Args:
+        cuda_graph_config: Phase = dataclasses.field(default_factory=Phase)
+        page_size: int = 16
+        odd: object = dataclasses.field(default_factory=lambda: frozenset({1}))
+
+    got = server_args_dict(Args())
+    assert got == {"cuda_graph_config": {"backend": "disabled", "bs": [1, 2]}, "page_size": 16, "odd": "frozenset({1})"}
+    assert json.loads(json.dumps(got)) == got
