@@ -6,9 +6,9 @@ to each worker's system port (``/engine/<route>``), which the frontend never pro
 under the shared supervisor. See ``docs/dynamo.md``.
 """
 
-from rollout_backends.adapters.dynamo._client import connect, detect_flavor, open_from_url
-from rollout_backends.adapters.dynamo._launcher import DynamoFleet, RunningDynamoFleet, launch_dynamo_fleet
-from rollout_backends.adapters.dynamo._wire import DynamoWire, completion_body
+from ._client import connect, detect_flavor, open_from_url
+from ._launcher import DynamoFleet, RunningDynamoFleet, launch_dynamo_fleet
+from ._wire import DynamoWire, completion_body
 
 __all__ = [
     "DynamoFleet",
