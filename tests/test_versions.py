@@ -130,11 +130,16 @@ async def _served(backend: Any) -> set[str | None]:
     return set((await backend.weight_versions()).values())
 
 
+async def _expect_v1_then_load_v2(subject: Subject) -> None:
+    """The start of the drift scenario: a declared version, then a whole-fleet load labelled anew."""
+    subject.backend.expect_version("v1")
+    await subject.backend.update_weights_from_disk(subject.weights, version="v2")
+
+
 @pytest.mark.parametrize("subject", _over(http=_HTTP_LOAD, fake=_FAKE, scripted=_SCRIPTED), indirect=True)
 async def test_a_whole_fleet_load_with_a_version_moves_the_expected_version(subject: Subject) -> None:
     b = subject.backend
-    b.expect_version("v1")
-    await b.update_weights_from_disk(subject.weights, version="v2")
+    await _expect_v1_then_load_v2(subject)
     assert await _served(b) == {"v2"}
     report = await b.health()
     assert report.expected_version == "v2"
@@ -144,8 +149,7 @@ async def test_a_whole_fleet_load_with_a_version_moves_the_expected_version(subj
 @pytest.mark.parametrize("subject", _over(fake=_FAKE, scripted=_SCRIPTED), indirect=True)
 async def test_a_whole_fleet_relabel_moves_the_expected_version(subject: Subject) -> None:
     b = subject.backend
-    b.expect_version("v1")
-    await b.update_weights_from_disk(subject.weights, version="v2")
+    await _expect_v1_then_load_v2(subject)
     await b.set_weight_version("v3")
     assert await _served(b) == {"v3"}
     report = await b.health()
