@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from rollout_backends._transaction import generate_group
-from rollout_backends._types import FinishReason, GenerateRequest, Generation, SamplingParams
+from rollout_backends import FinishReason, GenerateRequest, Generation, SamplingParams, generate_group
 
 from ._core import (
     CheckContext,

@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import asyncio
 
-from rollout_backends._errors import ControlFailed
-from rollout_backends._types import FinishReason, GenerateRequest, Generation, PauseMode
+from rollout_backends import ControlFailed, FinishReason, GenerateRequest, Generation, PauseMode
 
 from ._core import (
     CheckContext,

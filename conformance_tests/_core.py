@@ -29,14 +29,14 @@ from typing import Any, NoReturn, TypeVar, overload
 
 import attrs
 
-from rollout_backends._errors import RolloutBackendError
-from rollout_backends._protocol import RolloutBackend
-from rollout_backends._types import (
+from rollout_backends import (
     Capabilities,
     FinishReason,
     GenerateRequest,
     Generation,
     PauseMode,
+    RolloutBackend,
+    RolloutBackendError,
     SamplingParams,
     VersionSource,
     WeightTransport,

@@ -13,8 +13,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import attrs
 
-from rollout_backends._protocol import RolloutBackend
-from rollout_backends._types import WeightBucket, WeightGroup
+from rollout_backends import RolloutBackend, WeightBucket, WeightGroup
 
 __all__ = ["BackendFactory", "Harness", "WeightSender", "load_safetensors_dir"]
 

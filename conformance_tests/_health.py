@@ -5,8 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from rollout_backends._errors import InvalidRequest, StaleWeights
-from rollout_backends._types import GenerateRequest, PauseMode, SamplingParams
+from rollout_backends import GenerateRequest, InvalidRequest, PauseMode, SamplingParams, StaleWeights
 
 from ._core import CheckContext, CheckFailed, check, expect, requires
 

@@ -14,8 +14,7 @@ from typing import Any
 
 import attrs
 
-from rollout_backends._protocol import RolloutBackend
-from rollout_backends._types import GenerateRequest, Generation, SamplingParams
+from rollout_backends import GenerateRequest, Generation, RolloutBackend, SamplingParams
 
 from ._core import (
     CheckContext,

@@ -15,8 +15,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, unquote, urlparse
 
-from rollout_backends._protocol import RolloutBackend
-from rollout_backends._types import WeightGroup
+from rollout_backends import RolloutBackend, WeightGroup
 
 from ._harness import BackendFactory, Harness, WeightSender
 
@@ -34,9 +33,8 @@ def _options(url: str) -> tuple[Path | None, dict[str, str]]:
 
 def reference_harness(url: str, *, alt_seed: int | None = None, **changes: Any) -> Harness:
     """The harness for ``url`` (a ``reference://`` URL); ``changes`` override any field."""
-    from rollout_backends.adapters.reference import ReferenceBackend, free_port
-    from rollout_backends.adapters.reference import WeightSender as GlooSender
-    from rollout_backends.adapters.reference._backend import cached_tiny_model
+    from ..adapters.reference import ReferenceBackend, cached_tiny_model, free_port
+    from ..adapters.reference import WeightSender as GlooSender
 
     path, opts = _options(url)
     size = opts.get("size", "tiny")
@@ -60,7 +58,7 @@ def reference_harness(url: str, *, alt_seed: int | None = None, **changes: Any) 
 
     @contextlib.asynccontextmanager
     async def inject_failure(backend: RolloutBackend, worker: str) -> AsyncIterator[None]:
-        from rollout_backends.adapters.reference import EngineError
+        from ..adapters.reference import EngineError
 
         engine: Any = backend.engine(worker)  # type: ignore[attr-defined]
         names = ("update_weights_from_disk", "update_weights_from_tensors", "update_weights_from_distributed")

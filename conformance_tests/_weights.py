@@ -8,10 +8,15 @@ import os
 import tempfile
 from collections.abc import Awaitable, Callable, Sequence
 
-from rollout_backends._errors import WeightUpdateFailed
-from rollout_backends._protocol import RolloutBackend
-from rollout_backends._transaction import WeightUpdateTransaction
-from rollout_backends._types import Generation, PauseMode, WeightBucket, WeightTransport
+from rollout_backends import (
+    Generation,
+    PauseMode,
+    RolloutBackend,
+    WeightBucket,
+    WeightTransport,
+    WeightUpdateFailed,
+    WeightUpdateTransaction,
+)
 
 from ._core import (
     CheckContext,

@@ -59,10 +59,17 @@ from typing import Any
 
 import attrs
 
-from rollout_backends._errors import ControlFailed, WorkerFailure
-from rollout_backends._fleet import HttpFleetBackend, Op
-from rollout_backends._protocol import RolloutBackend
-from rollout_backends._types import GenerateRequest, Generation, SamplingParams, WeightBucket, WeightGroup
+from rollout_backends import (
+    ControlFailed,
+    GenerateRequest,
+    Generation,
+    RolloutBackend,
+    SamplingParams,
+    WeightBucket,
+    WeightGroup,
+    WorkerFailure,
+)
+from rollout_backends.kit import HttpFleetBackend, Op
 
 from ._core import Check, CheckResult, HarnessError, Outcome, run_check, select_checks
 from ._harness import BackendFactory, Harness, WeightSender
@@ -539,7 +546,7 @@ class _Tier:
     # -- models --
 
     async def make_models(self) -> None:
-        from rollout_backends.adapters.reference import make_tiny_model
+        from ..adapters.reference import make_tiny_model
 
         t = time.monotonic()
         await asyncio.to_thread(make_tiny_model, self.base, 0)
@@ -557,8 +564,8 @@ class _Tier:
         return ("--max-total-tokens", str(self.cfg.max_total_tokens)) if self.cfg.sglang else ()
 
     async def _start_sglang(self, key: str, model: Path, workers: int) -> _Running:
-        from rollout_backends.adapters.sglang import SGLangFleetConfig, start_sglang_fleet
-        from rollout_backends.adapters.sglang import connect as sglang_connect
+        from ..adapters.sglang import SGLangFleetConfig, start_sglang_fleet
+        from ..adapters.sglang import connect as sglang_connect
 
         name = self.result.oracle.name if key == ORACLE else BACKENDS[key]
         c = self.cfg
@@ -603,7 +610,7 @@ class _Tier:
         )
 
     async def _start_dynamo(self) -> _Running:
-        from rollout_backends.adapters.dynamo import DynamoFleet, launch_dynamo_fleet
+        from ..adapters.dynamo import DynamoFleet, launch_dynamo_fleet
 
         c = self.cfg
         name = BACKENDS["dynamo"]
@@ -728,8 +735,8 @@ class _Tier:
     def _sender_factory(self) -> Callable[[int], tuple[WeightGroup, WeightSender]]:
         import uuid
 
-        from rollout_backends.adapters.reference import WeightSender as GlooSender
-        from rollout_backends.adapters.reference import free_port
+        from ..adapters.reference import WeightSender as GlooSender
+        from ..adapters.reference import free_port
 
         c = self.cfg
 

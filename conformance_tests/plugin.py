@@ -83,7 +83,7 @@ def backend_urls(config: Any = None) -> list[str]:
 
 
 def selected_checks(config: Any = None) -> list[Any]:
-    from rollout_backends.conformance import select_checks
+    from . import select_checks
 
     config = config or _CONFIG
     patterns = list(config.getoption("rb_check") or []) if config is not None else []
@@ -102,14 +102,14 @@ def _load(target: str) -> Callable[[str], Any]:
 
 def harness_for(url: str, config: Any = None) -> Any:
     """The ``Harness`` for one backend URL: ``--rb-harness``, else derived (``reference://``), plus overrides."""
-    from rollout_backends.conformance import Harness
+    from . import Harness
 
     config = config or _CONFIG
     target = config.getoption("rb_harness") if config is not None else None
     if target:
         harness = _load(target)(url)
     elif url.split("://", 1)[0].lower() == "reference":
-        from rollout_backends.conformance._reference import reference_harness
+        from ._reference import reference_harness
 
         harness = reference_harness(url)
     else:

@@ -15,7 +15,7 @@ from typing import Any
 
 from hypothesis import strategies as st
 
-from rollout_backends._types import SamplingParams
+from rollout_backends import SamplingParams
 
 __all__ = ["prompts", "sampling_params"]
 

@@ -7,7 +7,8 @@
         async with backend.weight_update("step-1") as tx:
             await tx.update_from_disk("/ckpt/step-1")
 
-Adapter authors: see ``rollout_backends.kit``. Errors: see ``rollout_backends._errors``.
+Adapter authors: see ``rollout_backends.kit``; starting engines and routers: ``rollout_backends.launch``.
+Errors: the ``RolloutBackendError`` tree below (``docs/errors.md``).
 """
 
 from rollout_backends._errors import (

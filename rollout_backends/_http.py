@@ -48,6 +48,10 @@ else:  # its C functions themselves: no Python frame per call
     _dumps = _orjson.dumps
     _loads = _orjson.loads
 
+#: JSON bytes to a value, with orjson where it is installed: for adapters parsing bodies that are
+#: not one JSON object (an SSE stream's events), the same parser ``HttpResponse.json`` uses.
+json_loads: Callable[[bytes], Any] = _loads
+
 
 __all__ = [
     "AiohttpTransport",
@@ -58,6 +62,7 @@ __all__ = [
     "RetryPolicy",
     "Transport",
     "get_json",
+    "json_loads",
     "normalise_url",
     "worker_id_of",
 ]

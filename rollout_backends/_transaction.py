@@ -25,6 +25,7 @@ import attrs
 from rollout_backends._errors import (
     BackendUnavailable,
     ControlFailed,
+    InvalidRequest,
     RolloutBackendError,
     StaleWeights,
     WeightUpdateFailed,
@@ -98,8 +99,6 @@ async def weight_update(
     Raises ``WeightUpdateFailed`` (the version is not advanced; every worker is resumed).
     """
     if not isinstance(version, str) or not version:
-        from rollout_backends._errors import InvalidRequest
-
         raise InvalidRequest("version", "must be a non-empty string")
     mode = PauseMode(mode)
     caps = backend.capabilities
@@ -226,8 +225,6 @@ async def generate_group(
     If any request fails, the others are aborted and the first error is raised: no sample is
     silently dropped or left running.
     """
-    from rollout_backends._errors import InvalidRequest
-
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise InvalidRequest("n", f"must be an int >= 1, got {n!r}")
     sampling = sampling or SamplingParams()

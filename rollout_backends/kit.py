@@ -3,6 +3,10 @@
 An HTTP adapter is a ``Wire``: pure request builders and response parsers. ``HttpFleetBackend``
 owns I/O, fan-out, retries, timeouts, versions and health. A non-HTTP backend subclasses
 ``BackendBase`` and gets the weight-update transaction, readiness and selection for free.
+
+The protocol, its value types and the error tree are ``rollout_backends`` itself; starting
+processes (supervisor, engine and entry commands) is ``rollout_backends.launch``. An adapter
+imports the core through those three doors only (``tests/test_import_contract.py``).
 """
 
 from rollout_backends._base import BackendBase, fan_out
@@ -15,8 +19,13 @@ from rollout_backends._http import (
     MockTransport,
     RetryPolicy,
     Transport,
+    get_json,
+    json_loads,
+    normalise_url,
+    worker_id_of,
 )
 from rollout_backends._tensors import deserialize_named_tensors, serialize_named_tensors
+from rollout_backends._types import ensure_tags
 
 __all__ = [
     "AiohttpTransport",
@@ -32,6 +41,11 @@ __all__ = [
     "Wire",
     "Worker",
     "deserialize_named_tensors",
+    "ensure_tags",
     "fan_out",
+    "get_json",
+    "json_loads",
+    "normalise_url",
     "serialize_named_tensors",
+    "worker_id_of",
 ]

@@ -9,11 +9,19 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
-from rollout_backends._errors import BackendUnavailable, InvalidRequest, RolloutBackendError, Unsupported
-from rollout_backends._fleet import HttpFleetBackend, Worker
-from rollout_backends._http import HttpClient, HttpRequest, HttpResponse, get_json, normalise_url, worker_id_of
-from rollout_backends._types import VersionSource
-from rollout_backends.adapters.dynamo._wire import FLAVORS, DynamoWire, generate_instances
+from rollout_backends import BackendUnavailable, InvalidRequest, RolloutBackendError, Unsupported, VersionSource
+from rollout_backends.kit import (
+    HttpClient,
+    HttpFleetBackend,
+    HttpRequest,
+    HttpResponse,
+    Worker,
+    get_json,
+    normalise_url,
+    worker_id_of,
+)
+
+from ._wire import FLAVORS, DynamoWire, generate_instances
 
 __all__ = ["connect", "detect_flavor", "detect_native_generate", "open_from_url", "worker_id_of"]
 

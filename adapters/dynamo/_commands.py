@@ -1,4 +1,4 @@
-"""Dynamo workers and the frontend as launch commands (``rollout_backends._launch``), for any node.
+"""Dynamo workers and the frontend as launch commands (``rollout_backends.launch``), for any node.
 
 * :class:`DynamoWorkerCommand`: one worker process per engine: ``dynamo.mocker`` (CPU),
   ``dynamo.sglang`` (GPU; through the logprob shim when the adapter ships it), or any module
@@ -20,14 +20,13 @@ from typing import Any
 
 import attrs
 
-from rollout_backends._errors import InvalidRequest
-from rollout_backends._fleet import HttpFleetBackend
-from rollout_backends._http import get_json
-from rollout_backends._launch import EngineInfo, Launch, NodeContext, env_map, str_tuple
-from rollout_backends._supervisor import ProcessSpec, ReadyCheck
-from rollout_backends.adapters.dynamo._services import DynamoPlanes
-from rollout_backends.adapters.dynamo._wire import generate_instances
-from rollout_backends.adapters.sglang._launch import kv_events_config
+from rollout_backends import InvalidRequest
+from rollout_backends.kit import HttpFleetBackend, get_json
+from rollout_backends.launch import EngineInfo, Launch, NodeContext, ProcessSpec, ReadyCheck, env_map, str_tuple
+
+from ..sglang._launch import kv_events_config
+from ._services import DynamoPlanes
+from ._wire import generate_instances
 
 __all__ = ["DEFAULT_STREAM_INTERVAL", "DynamoFrontend", "DynamoWorkerCommand", "generate_instances"]
 
@@ -259,7 +258,7 @@ class DynamoFrontend:
     async def connect(self, entry_url: str, engines: Sequence[EngineInfo], **kwargs: Any) -> HttpFleetBackend:
         """The Dynamo backend (``rollout_backends.adapters.dynamo.connect``) over the frontend and
         every worker's system port (instance ids mapped through each worker's ``DYN_TCP_RPC_PORT``)."""
-        from rollout_backends.adapters.dynamo import _client
+        from . import _client
 
         workers = [e.control_url for e in engines]
         rpc_ports = {e.control_url: int(e.extra["rpc_port"]) for e in engines if "rpc_port" in e.extra}

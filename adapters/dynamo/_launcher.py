@@ -37,14 +37,13 @@ from typing import Any
 
 import attrs
 
-from rollout_backends._errors import InvalidRequest
-from rollout_backends._fleet import HttpFleetBackend
-from rollout_backends._http import get_json
-from rollout_backends._launch import EngineInfo, Launch, NodeContext, carry, env_map, str_tuple
-from rollout_backends._supervisor import Supervisor
-from rollout_backends.adapters.dynamo._commands import DEFAULT_STREAM_INTERVAL, DynamoFrontend, DynamoWorkerCommand
-from rollout_backends.adapters.dynamo._services import DynamoPlanes
-from rollout_backends.adapters.dynamo._wire import generate_instances
+from rollout_backends import InvalidRequest
+from rollout_backends.kit import HttpFleetBackend, get_json
+from rollout_backends.launch import EngineInfo, Launch, NodeContext, Supervisor, carry, env_map, str_tuple
+
+from ._commands import DEFAULT_STREAM_INTERVAL, DynamoFrontend, DynamoWorkerCommand
+from ._services import DynamoPlanes
+from ._wire import generate_instances
 
 __all__ = [
     "DynamoFleet",
@@ -265,7 +264,7 @@ class RunningDynamoFleet:
     async def connect(self, *, frontend_url: str | None = None, **kwargs: Any) -> HttpFleetBackend:
         """The ``RolloutBackend`` over this fleet (closed with the fleet), through the first
         frontend or ``frontend_url`` (one :meth:`add_frontend` started)."""
-        from rollout_backends.adapters.dynamo._client import connect
+        from ._client import connect
 
         url = frontend_url or self.frontend_url
         if url != self.frontend_url:
@@ -335,7 +334,7 @@ async def launch_dynamo_fleet(
     try:
         if cfg.start_etcd:
             # etcd (and NATS for a nats plane) under this fleet's supervisor; stopped with the fleet.
-            from rollout_backends.adapters.dynamo._services import EtcdNats
+            from ._services import EtcdNats
 
             services = await EtcdNats.start(
                 etcd_endpoints=cfg.etcd_endpoints or None,

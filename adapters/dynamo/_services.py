@@ -33,9 +33,8 @@ from typing import Any
 
 import attrs
 
-from rollout_backends._errors import BackendUnavailable, InvalidRequest
-from rollout_backends._launch import pick_port
-from rollout_backends._supervisor import ProcessSpec, ReadyCheck, Supervisor
+from rollout_backends import BackendUnavailable, InvalidRequest
+from rollout_backends.launch import ProcessSpec, ReadyCheck, Supervisor, pick_port
 
 __all__ = ["DynamoPlanes", "EtcdNats", "find_binary"]
 

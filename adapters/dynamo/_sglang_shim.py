@@ -50,13 +50,8 @@ import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
-from rollout_backends.adapters.dynamo._detok import (
-    IncrementalDetokenizer,
-    TextDecoder,
-    load_text_decoder,
-    worker_text_enabled,
-)
-from rollout_backends.adapters.dynamo._wire import rid_from_annotations
+from ._detok import IncrementalDetokenizer, TextDecoder, load_text_decoder, worker_text_enabled
+from ._wire import rid_from_annotations
 
 logger = logging.getLogger("rollout_backends.dynamo_sglang_shim")
 

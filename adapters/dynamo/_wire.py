@@ -32,28 +32,26 @@ from typing import Any, TypeGuard
 
 import attrs
 
-from rollout_backends._errors import (
+from rollout_backends import (
     BackendUnavailable,
+    Capabilities,
     ConnectionFailed,
     ContractViolation,
     ControlFailed,
-    InvalidRequest,
-    Overloaded,
-    WorkerFailure,
-)
-from rollout_backends._fleet import Op, Worker
-from rollout_backends._http import HttpRequest, HttpResponse, _loads
-from rollout_backends._types import (
-    Capabilities,
     FinishReason,
     GenerateRequest,
     Generation,
+    InvalidRequest,
+    Overloaded,
     PauseMode,
     RoutingKind,
     VersionSource,
     WeightTransport,
+    WorkerFailure,
 )
-from rollout_backends.adapters.sglang._wire import parse_native_generation, sampling_params_body
+from rollout_backends.kit import HttpRequest, HttpResponse, Op, Worker, json_loads
+
+from ..sglang._wire import parse_native_generation, sampling_params_body
 
 __all__ = ["FLAVORS", "DynamoWire", "completion_body", "generate_instances", "is_uuid", "native_body", "sse_events"]
 
@@ -189,7 +187,7 @@ def sse_events(body: bytes) -> list[Any]:
         if data == b"[DONE]":
             break
         try:
-            events.append(_loads(data))
+            events.append(json_loads(data))
         except ValueError as exc:
             raise ContractViolation(f"/generate sent an event that is not JSON: {data[:200]!r}") from exc
     return events

@@ -55,20 +55,10 @@ import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
-from rollout_backends._types import (
-    FinishReason,
-    GenerateRequest,
-    Generation,
-    PauseMode,
-    SamplingParams,
-)
-from rollout_backends.adapters.dynamo._detok import (
-    IncrementalDetokenizer,
-    TextDecoder,
-    load_text_decoder,
-    worker_text_enabled,
-)
-from rollout_backends.adapters.dynamo._wire import rid_from_annotations
+from rollout_backends import FinishReason, GenerateRequest, Generation, PauseMode, SamplingParams
+
+from ._detok import IncrementalDetokenizer, TextDecoder, load_text_decoder, worker_text_enabled
+from ._wire import rid_from_annotations
 
 __all__ = [
     "DynamoWorker",
@@ -398,7 +388,7 @@ class DynamoWorker:
         # SGLang's body: serialized_named_tensors = one base64 string per TP rank, each a
         # ForkingPickler dump of [(name, tensor), ...]. TP = 1 here.
         try:
-            from rollout_backends._tensors import deserialize_named_tensors
+            from rollout_backends.kit import deserialize_named_tensors
 
             payload = body["serialized_named_tensors"]
             blob = payload[0] if isinstance(payload, list) else payload
@@ -650,7 +640,7 @@ def reference_engine(arg: str) -> Any:
     ``arg`` is a JSON object: ``model_path`` (required) and any ``ReferenceEngine`` keyword
     (``worker_id``, ``weight_version``, ``page_size``, ``num_threads``).
     """
-    from rollout_backends.adapters.reference import ReferenceEngine
+    from ..reference import ReferenceEngine
 
     kw = dict(json.loads(arg)) if arg else {}
     path = kw.pop("model_path")

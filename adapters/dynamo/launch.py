@@ -13,10 +13,10 @@ import argparse
 import sys
 from collections.abc import Awaitable, Callable, Sequence
 
-from rollout_backends._launch import run_launcher_cli, split_passthrough
-from rollout_backends._supervisor import stderr_progress
-from rollout_backends.adapters.dynamo._commands import DEFAULT_STREAM_INTERVAL
-from rollout_backends.adapters.dynamo._launcher import ROUTER_MODES, WORKER_KINDS, DynamoFleet, launch_dynamo_fleet
+from rollout_backends.launch import run_launcher_cli, split_passthrough, stderr_progress
+
+from ._commands import DEFAULT_STREAM_INTERVAL
+from ._launcher import ROUTER_MODES, WORKER_KINDS, DynamoFleet, launch_dynamo_fleet
 
 __all__ = ["config_from_args", "main", "parse_args"]
 

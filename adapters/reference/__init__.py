@@ -1,7 +1,8 @@
 """The reference adapter: a deterministic in-process CPU engine with SGLang's control semantics.
 
 ``ReferenceEngine`` is one engine; ``ReferenceBackend`` is the ``RolloutBackend`` over N of them;
-``make_tiny_model`` makes the seeded Qwen2 model they (and the GPU servers) load; ``WeightSender``
+``make_tiny_model`` makes the seeded Qwen2 model they (and the GPU servers) load, and
+``cached_tiny_model`` makes one once per seed under the cache directory; ``WeightSender``
 is the trainer side of the gloo weight-update group; ``NoComputeEngine`` answers fixed tokens at
 once with no model (``serve-reference --no-compute N``, for benchmarks). Importing this package does not import torch.
 """
@@ -18,13 +19,14 @@ __all__ = [
     "ReferenceEngine",
     "ReferenceServerCommand",
     "WeightSender",
+    "cached_tiny_model",
     "free_port",
     "make_tiny_model",
     "open_from_url",
 ]
 
 if TYPE_CHECKING:
-    from ._backend import ReferenceBackend, open_from_url
+    from ._backend import ReferenceBackend, cached_tiny_model, open_from_url
     from ._dist import WeightSender, free_port
     from ._engine import EngineError, EngineHealth, ReferenceEngine
     from ._launch import ReferenceServerCommand
@@ -34,6 +36,7 @@ if TYPE_CHECKING:
 _WHERE = {
     "ReferenceBackend": "_backend",
     "open_from_url": "_backend",
+    "cached_tiny_model": "_backend",
     "WeightSender": "_dist",
     "free_port": "_dist",
     "EngineError": "_engine",

@@ -15,13 +15,13 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, unquote, urlparse
 
-from rollout_backends._base import BackendBase, fan_out
-from rollout_backends._errors import BackendUnavailable, InvalidRequest
-from rollout_backends._types import (
+from rollout_backends import (
+    BackendUnavailable,
     Capabilities,
     GenerateRequest,
     Generation,
     HealthReport,
+    InvalidRequest,
     MemoryTag,
     PauseMode,
     RoutingKind,
@@ -31,13 +31,13 @@ from rollout_backends._types import (
     WeightGroup,
     WeightTransport,
     WorkerHealth,
-    ensure_tags,
 )
+from rollout_backends.kit import BackendBase, ensure_tags, fan_out
 
 from ._engine import EngineError, ReferenceEngine
 from ._model import SIZES, make_tiny_model
 
-__all__ = ["ReferenceBackend", "default_cache_dir", "open_from_url"]
+__all__ = ["ReferenceBackend", "cached_tiny_model", "default_cache_dir", "open_from_url"]
 
 _PROBE_TIMEOUT_S = 10.0
 

@@ -20,7 +20,7 @@ from typing import Any
 
 import attrs
 
-from rollout_backends._types import WeightBucket
+from rollout_backends import WeightBucket
 
 __all__ = ["GlooGroup", "WeightSender", "free_port", "open_gloo_group", "torch_dtype"]
 

@@ -36,11 +36,11 @@ from typing import Any
 
 import attrs
 
-from rollout_backends._errors import InvalidRequest
-from rollout_backends._types import (
+from rollout_backends import (
     FinishReason,
     GenerateRequest,
     Generation,
+    InvalidRequest,
     MemoryTag,
     PauseMode,
     SamplingParams,

@@ -6,9 +6,9 @@ import sys
 
 import attrs
 
-from rollout_backends._launch import Launch, NodeContext
-from rollout_backends._supervisor import ProcessSpec
-from rollout_backends.adapters.sglang._launch import NativeServerCommand
+from rollout_backends.launch import Launch, NodeContext, ProcessSpec
+
+from ..sglang._launch import NativeServerCommand
 
 __all__ = ["ReferenceServerCommand"]
 

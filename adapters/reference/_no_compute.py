@@ -24,8 +24,7 @@ import asyncio
 from collections.abc import Sequence
 from typing import Any
 
-from rollout_backends._errors import InvalidRequest
-from rollout_backends._types import FinishReason, GenerateRequest, Generation, MemoryTag, PauseMode
+from rollout_backends import FinishReason, GenerateRequest, Generation, InvalidRequest, MemoryTag, PauseMode
 
 from ._engine import EngineError
 

@@ -30,9 +30,16 @@ from typing import Any
 
 from aiohttp import web
 
-from rollout_backends._errors import InvalidRequest
-from rollout_backends._tensors import deserialize_named_tensors, serialize_named_tensors
-from rollout_backends._types import FinishReason, GenerateRequest, Generation, MemoryTag, PauseMode, SamplingParams
+from rollout_backends import (
+    FinishReason,
+    GenerateRequest,
+    Generation,
+    InvalidRequest,
+    MemoryTag,
+    PauseMode,
+    SamplingParams,
+)
+from rollout_backends.kit import deserialize_named_tensors, serialize_named_tensors
 
 __all__ = [
     "SAMPLING_PARAM_KEYS",

@@ -5,15 +5,10 @@ because routers forward none of them. ``launch_sglang_fleet`` starts workers (re
 reference servers) and a router and hands back the connected backend.
 """
 
-from rollout_backends.adapters.sglang._client import connect, open_from_url
-from rollout_backends.adapters.sglang._launch import SGLangServerCommand, SmgRouter, connect_engines
-from rollout_backends.adapters.sglang._launcher import (
-    SGLangFleet,
-    SGLangFleetConfig,
-    launch_sglang_fleet,
-    start_sglang_fleet,
-)
-from rollout_backends.adapters.sglang._wire import SGLangWire, sampling_params_body
+from ._client import connect, open_from_url
+from ._launch import SGLangServerCommand, SmgRouter, connect_engines
+from ._launcher import SGLangFleet, SGLangFleetConfig, launch_sglang_fleet, start_sglang_fleet
+from ._wire import SGLangWire, sampling_params_body
 
 __all__ = [
     "SGLangFleet",

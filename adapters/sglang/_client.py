@@ -6,11 +6,10 @@ from collections.abc import Sequence
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
-from rollout_backends._errors import BackendUnavailable, InvalidRequest, RolloutBackendError
-from rollout_backends._fleet import HttpFleetBackend, Worker
-from rollout_backends._http import HttpClient, get_json, normalise_url, worker_id_of
-from rollout_backends._types import RoutingKind
-from rollout_backends.adapters.sglang._wire import SGLangWire
+from rollout_backends import BackendUnavailable, InvalidRequest, RolloutBackendError, RoutingKind
+from rollout_backends.kit import HttpClient, HttpFleetBackend, Worker, get_json, normalise_url, worker_id_of
+
+from ._wire import SGLangWire
 
 __all__ = ["connect", "open_from_url", "worker_id_of"]
 

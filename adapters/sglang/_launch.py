@@ -1,4 +1,4 @@
-"""Launch commands for SGLang-native engines and the smg router (see ``rollout_backends._launch``).
+"""Launch commands for SGLang-native engines and the smg router (see ``rollout_backends.launch``).
 
 * :class:`SGLangServerCommand`: ``python -m sglang.launch_server`` on the engine's GPUs.
 * :class:`SmgRouter`: ``python -m smg.launch_router`` in front of the engines (the fleet's
@@ -17,10 +17,9 @@ from typing import Any
 
 import attrs
 
-from rollout_backends._errors import InvalidRequest
-from rollout_backends._fleet import HttpFleetBackend
-from rollout_backends._launch import EngineInfo, Launch, NodeContext, env_map, str_tuple
-from rollout_backends._supervisor import ProcessSpec, ReadyCheck
+from rollout_backends import InvalidRequest
+from rollout_backends.kit import HttpFleetBackend
+from rollout_backends.launch import EngineInfo, Launch, NodeContext, ProcessSpec, ReadyCheck, env_map, str_tuple
 
 __all__ = [
     "NativeServerCommand",
@@ -79,7 +78,7 @@ def server_env(
 async def connect_engines(entry_url: str | None, engines: Sequence[EngineInfo], **kwargs: Any) -> HttpFleetBackend:
     """The SGLang backend: generation to ``entry_url`` (a router) or, without one, to engine 0;
     control calls to every engine."""
-    from rollout_backends.adapters.sglang._client import connect
+    from ._client import connect
 
     urls = [e.generate_url for e in engines]
     if any(u is None for u in urls):

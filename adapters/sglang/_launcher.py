@@ -6,7 +6,7 @@
     # every process (workers, router, their children) is gone here
 
 Order: every worker (and an ``smg`` router, which needs none at start) is spawned at once by the
-shared :class:`~rollout_backends._supervisor.Supervisor`; the launcher waits until each worker
+shared :class:`~rollout_backends.launch.Supervisor`; the launcher waits until each worker
 answers its health route (progress through ``progress``; on timeout the error names what is not
 ready with the tail of its log), registers the workers with the router (``POST /workers`` on
 ``smg``; ``--worker-urls`` on ``sglang-router``, started after the workers), waits until the
@@ -30,14 +30,22 @@ from typing import Any
 
 import attrs
 
-from rollout_backends._errors import BackendUnavailable, InvalidRequest, RolloutBackendError
-from rollout_backends._fleet import HttpFleetBackend
-from rollout_backends._http import HttpClient, HttpRequest
-from rollout_backends._launch import EngineCommand, EngineInfo, Launch, NodeContext, carry, str_tuple
-from rollout_backends._supervisor import ReadyProgress, Supervisor, port_in_use
-from rollout_backends._types import RoutingKind
-from rollout_backends.adapters.sglang._client import connect, worker_id_of
-from rollout_backends.adapters.sglang._launch import SGLangServerCommand, SmgRouter
+from rollout_backends import BackendUnavailable, InvalidRequest, RolloutBackendError, RoutingKind
+from rollout_backends.kit import HttpClient, HttpFleetBackend, HttpRequest
+from rollout_backends.launch import (
+    EngineCommand,
+    EngineInfo,
+    Launch,
+    NodeContext,
+    ReadyProgress,
+    Supervisor,
+    carry,
+    port_in_use,
+    str_tuple,
+)
+
+from ._client import connect, worker_id_of
+from ._launch import SGLangServerCommand, SmgRouter
 
 __all__ = [
     "ROUTER_POLICIES",
@@ -233,7 +241,7 @@ def engine_command(config: SGLangFleetConfig, index: int) -> EngineCommand:
     c = config
     common: dict[str, Any] = {"extra_args": c.extra_server_args, "grace": c.worker_grace_s}
     if c.worker_kind == "reference":
-        from rollout_backends.adapters.reference._launch import ReferenceServerCommand
+        from ..reference._launch import ReferenceServerCommand
 
         return carry(ReferenceServerCommand, c, num_threads=c.reference_threads, **common)
     return carry(SGLangServerCommand, c, mem_fraction_static=c.worker_mem_fraction(index), **common)

@@ -15,29 +15,26 @@ from typing import Any
 
 import attrs
 
-from rollout_backends._errors import (
+from rollout_backends import (
     BackendUnavailable,
+    Capabilities,
     ConnectionFailed,
     ContractViolation,
     ControlFailed,
-    InvalidRequest,
-    Overloaded,
-    RolloutBackendError,
-    WorkerFailure,
-)
-from rollout_backends._fleet import Op, Worker
-from rollout_backends._http import HttpRequest, HttpResponse
-from rollout_backends._types import (
-    Capabilities,
     FinishReason,
     GenerateRequest,
     Generation,
+    InvalidRequest,
+    Overloaded,
     PauseMode,
+    RolloutBackendError,
     RoutingKind,
     SamplingParams,
     VersionSource,
     WeightTransport,
+    WorkerFailure,
 )
+from rollout_backends.kit import HttpRequest, HttpResponse, Op, Worker
 
 __all__ = ["SGLangWire", "sampling_params_body"]
 

@@ -14,9 +14,9 @@ import sys
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-from rollout_backends._launch import run_launcher_cli, split_passthrough
-from rollout_backends._supervisor import stderr_progress
-from rollout_backends.adapters.sglang._launcher import ROUTERS, WORKER_KINDS, SGLangFleetConfig, launch_sglang_fleet
+from rollout_backends.launch import run_launcher_cli, split_passthrough, stderr_progress
+
+from ._launcher import ROUTERS, WORKER_KINDS, SGLangFleetConfig, launch_sglang_fleet
 
 __all__ = ["config_from_args", "main", "parse_args"]
 

@@ -18,8 +18,7 @@ import tempfile
 from typing import Any
 
 from rollout_backends import GenerateRequest, SamplingParams
-from rollout_backends._launch import EngineCommand
-from rollout_backends._supervisor import Supervisor
+from rollout_backends.launch import EngineCommand, Supervisor
 
 
 def engine_command(args: argparse.Namespace, model_path: str) -> EngineCommand:

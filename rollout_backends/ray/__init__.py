@@ -17,10 +17,11 @@ try:
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError("rollout_backends.ray needs Ray: pip install 'rollout-backends[ray]' (or 'ray>=2.30')") from exc
 
-from rollout_backends._launch import EngineCommand, EngineInfo, EntryCommand, Launch, NodeContext
-from rollout_backends.ray._actor import EngineActor
-from rollout_backends.ray._cluster import node_resource, start_local_cluster
-from rollout_backends.ray._fleet import RayFleet, RayFleetSpec
+from rollout_backends.launch import EngineCommand, EngineInfo, EntryCommand, Launch, NodeContext
+
+from ._actor import EngineActor
+from ._cluster import node_resource, start_local_cluster
+from ._fleet import RayFleet, RayFleetSpec
 
 __all__ = [
     "EngineActor",

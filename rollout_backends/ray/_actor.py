@@ -20,9 +20,8 @@ import signal
 import tempfile
 from typing import Any
 
-from rollout_backends._errors import BackendUnavailable
-from rollout_backends._launch import EngineCommand, EngineInfo, NodeContext
-from rollout_backends._supervisor import Supervisor
+from rollout_backends import BackendUnavailable
+from rollout_backends.launch import EngineCommand, EngineInfo, NodeContext, Supervisor
 
 __all__ = ["EngineActor"]
 

@@ -27,8 +27,8 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from rollout_backends._errors import BackendUnavailable
-from rollout_backends._supervisor import ProcessSpec, Supervisor, free_port
+from rollout_backends import BackendUnavailable
+from rollout_backends.launch import ProcessSpec, Supervisor, free_port
 
 __all__ = ["node_resource", "start_local_cluster"]
 

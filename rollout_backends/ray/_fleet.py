@@ -36,11 +36,11 @@ from typing import Any
 
 import attrs
 
-from rollout_backends._errors import BackendUnavailable, InvalidRequest, Unsupported
-from rollout_backends._fleet import HttpFleetBackend
-from rollout_backends._launch import EngineCommand, EngineInfo, EntryCommand, NodeContext
-from rollout_backends._supervisor import Supervisor
-from rollout_backends.ray._actor import EngineActor
+from rollout_backends import BackendUnavailable, InvalidRequest, Unsupported
+from rollout_backends.kit import HttpFleetBackend
+from rollout_backends.launch import EngineCommand, EngineInfo, EntryCommand, NodeContext, Supervisor
+
+from ._actor import EngineActor
 
 __all__ = ["RayFleet", "RayFleetSpec"]
 

@@ -9,10 +9,10 @@
 Miles itself is never imported; its objects are duck-typed.
 """
 
-from rollout_backends.integrations.miles._config import add_arguments, backend_url, close_backends, get_backend
-from rollout_backends.integrations.miles._engine import EngineCrashed, RolloutEngine
-from rollout_backends.integrations.miles._facade import MilesFacade, RunningFacade, start_facade
-from rollout_backends.integrations.miles._generate import GenerateOutput, apply_generation, generate
+from ._config import add_arguments, backend_url, close_backends, get_backend
+from ._engine import EngineCrashed, RolloutEngine
+from ._facade import MilesFacade, RunningFacade, start_facade
+from ._generate import GenerateOutput, apply_generation, generate
 
 __all__ = [
     "EngineCrashed",

@@ -13,9 +13,7 @@ import asyncio
 from typing import Any
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
-from rollout_backends._errors import InvalidRequest
-from rollout_backends._protocol import RolloutBackend
-from rollout_backends._registry import open_backend
+from rollout_backends import InvalidRequest, RolloutBackend, open_backend
 
 __all__ = ["DYNAMO_QUERY_KEYS", "add_arguments", "backend_url", "close_backends", "get_backend"]
 

@@ -24,12 +24,23 @@ import time
 from collections.abc import Coroutine, Sequence
 from typing import Any, TypeVar
 
-from rollout_backends._errors import ControlFailed, InvalidRequest, RolloutBackendError, Unsupported
-from rollout_backends._protocol import RolloutBackend
-from rollout_backends._types import GenerateRequest, MemoryTag, PauseMode, SamplingParams, TensorSpec, WeightBucket
-from rollout_backends._types import WeightGroup as _WeightGroup
-from rollout_backends.integrations.miles._config import backend_url, get_backend
-from rollout_backends.integrations.miles._shapes import decode_tensor_payload
+from rollout_backends import (
+    ControlFailed,
+    GenerateRequest,
+    InvalidRequest,
+    MemoryTag,
+    PauseMode,
+    RolloutBackend,
+    RolloutBackendError,
+    SamplingParams,
+    TensorSpec,
+    Unsupported,
+    WeightBucket,
+)
+from rollout_backends import WeightGroup as _WeightGroup
+
+from ._config import backend_url, get_backend
+from ._shapes import decode_tensor_payload
 
 __all__ = ["EngineCrashed", "RolloutEngine"]
 

@@ -32,34 +32,27 @@ from typing import Any
 import attrs
 from aiohttp import web
 
-from rollout_backends import __version__
-from rollout_backends._errors import (
+from rollout_backends import (
     BackendUnavailable,
     ContractViolation,
-    InvalidRequest,
-    RolloutBackendError,
-    StaleWeights,
-    TransientError,
-    Unsupported,
-)
-from rollout_backends._protocol import RolloutBackend
-from rollout_backends._types import (
     FinishReason,
     GenerateRequest,
     Generation,
+    InvalidRequest,
     PauseMode,
+    RolloutBackend,
+    RolloutBackendError,
     SamplingParams,
+    StaleWeights,
     TensorSpec,
+    TransientError,
+    Unsupported,
     WeightBucket,
     WeightGroup,
+    __version__,
 )
-from rollout_backends.integrations.miles._shapes import (
-    decode_tensor_payload,
-    decode_text,
-    generation_body,
-    meta_info,
-    sampling_from_sglang,
-)
+
+from ._shapes import decode_tensor_payload, decode_text, generation_body, meta_info, sampling_from_sglang
 
 __all__ = ["ROUTING_KEY_HEADER", "MilesFacade", "RunningFacade", "start_facade"]
 

@@ -17,11 +17,19 @@ from typing import Any
 
 import attrs
 
-from rollout_backends._errors import BackendUnavailable, InvalidRequest, TransientError, Unsupported
-from rollout_backends._protocol import RolloutBackend
-from rollout_backends._types import FinishReason, GenerateRequest, Generation
-from rollout_backends.integrations.miles._config import add_arguments, get_backend
-from rollout_backends.integrations.miles._shapes import decode_text, meta_info, sampling_from_sglang
+from rollout_backends import (
+    BackendUnavailable,
+    FinishReason,
+    GenerateRequest,
+    Generation,
+    InvalidRequest,
+    RolloutBackend,
+    TransientError,
+    Unsupported,
+)
+
+from ._config import add_arguments, get_backend
+from ._shapes import decode_text, meta_info, sampling_from_sglang
 
 __all__ = ["GenerateOutput", "apply_generation", "generate", "prompt_ids_from_sample"]
 

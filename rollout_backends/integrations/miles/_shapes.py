@@ -15,8 +15,7 @@ from typing import Any
 
 import attrs
 
-from rollout_backends._errors import InvalidRequest
-from rollout_backends._types import FinishReason, Generation, SamplingParams
+from rollout_backends import FinishReason, Generation, InvalidRequest, SamplingParams
 
 __all__ = [
     "TextOptions",

@@ -17,8 +17,9 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from rollout_backends._registry import open_backend
-from rollout_backends.integrations.miles._facade import MilesFacade, start_facade
+from rollout_backends import open_backend
+
+from ._facade import MilesFacade, start_facade
 
 __all__ = ["build_parser", "load_tokenizer", "main", "serve"]
 
