@@ -84,6 +84,31 @@ def test_deltas_add_up_to_the_full_decode(decode: TextDecoder, prompt: list[int]
     assert not any(p.endswith("\ufffd") for p in pieces)
 
 
+@settings(max_examples=300, deadline=None)
+@given(
+    prompt=st.lists(st.integers(0, 511), max_size=8),
+    output=st.lists(st.integers(0, 511), min_size=1, max_size=60),
+    sizes=st.lists(st.integers(1, 50), min_size=1, max_size=8),
+)
+def test_chunks_give_the_text_of_token_by_token_steps(
+    decode: TextDecoder, prompt: list[int], output: list[int], sizes: list[int]
+) -> None:
+    """The fast path (one window step per chunk) against the checked one (a step per token)."""
+    chunks: list[list[int]] = []
+    i = 0
+    while i < len(output):
+        n = sizes[len(chunks) % len(sizes)]
+        chunks.append(output[i : i + n])
+        i += n
+    d = IncrementalDetokenizer(decode, prompt)
+    got = [d.chunk(c, last=k == len(chunks) - 1) for k, c in enumerate(chunks)]
+    pieces, tail = _text(decode, prompt, output)
+    assert "".join(text for _, text in got) == "".join(pieces) + tail == expected_text(decode, prompt, output)
+    for (tokens, text), c in zip(got, chunks, strict=True):
+        assert tokens == [decode([t], False) for t in c]  # aligned with the ids, each decoded alone
+        assert not text.endswith("\ufffd") or c is chunks[-1]  # nothing half-emitted before the end
+
+
 def test_incomplete_characters_are_held_until_complete(decode: TextDecoder) -> None:
     # Find a 2-token UTF-8 character: a token that alone decodes to U+FFFD, completed by another.
     vocab = range(512)
