@@ -9,8 +9,9 @@ from types import TracebackType
 from typing import TypeVar
 
 from rollout_backends._errors import ControlFailed, InvalidRequest, RolloutBackendError, Unsupported, WorkerFailure
-from rollout_backends._transaction import WeightUpdateTransaction, fleet_weight_version, wait_ready, weight_update
+from rollout_backends._transaction import WeightUpdateTransaction, wait_ready, weight_update
 from rollout_backends._types import Capabilities, HealthReport, PauseMode, WeightTransport
+from rollout_backends._versions import VersionBook
 
 __all__ = ["BackendBase", "fan_out"]
 
@@ -52,11 +53,14 @@ async def fan_out(
 class BackendBase:
     """Shared behaviour: the transaction, fleet version, readiness, selection, async context.
 
-    Subclasses implement the primitive protocol methods and set ``capabilities`` and ``workers``.
+    Subclasses implement the primitive protocol methods, set ``capabilities`` and ``workers``, and
+    make ``_versions`` in ``__init__``; they call ``_versions.relabelled`` after each relabelling
+    operation succeeds and judge staleness with ``VersionBook.is_stale``.
     """
 
     capabilities: Capabilities
-    _expected_version: str | None = None
+    #: Installed labels and the expected version: the version rule, kept in one place.
+    _versions: VersionBook
 
     @property
     def workers(self) -> tuple[str, ...]:  # pragma: no cover - overridden
@@ -95,14 +99,14 @@ class BackendBase:
         return weight_update(self, version, mode=mode, selector=selector)  # type: ignore[arg-type]
 
     def expect_version(self, version: str | None) -> None:
-        """Declare the version every worker should serve; ``health()`` marks others ``stale``."""
-        self._expected_version = version
+        """Declare the version every worker should serve (see ``RolloutBackend.expect_version``)."""
+        self._versions.declare(version)
 
     async def weight_versions(self) -> Mapping[str, str | None]:  # pragma: no cover - overridden
         raise NotImplementedError
 
     async def weight_version(self) -> str | None:
-        return await fleet_weight_version(self)  # type: ignore[arg-type]
+        return self._versions.fleet_version(await self.weight_versions())
 
     async def health(self, *, probe: bool = False) -> HealthReport:  # pragma: no cover - overridden
         raise NotImplementedError

@@ -163,13 +163,18 @@ class WeightUpdateFailed(ControlFailed):
 
 
 class StaleWeights(RolloutBackendError):
-    """One or more workers serve a weight version other than the expected one."""
+    """Workers serve different weight versions (``weight_version()``).
+
+    ``expected`` is the fleet's expected version (``None`` where none is declared and the labels
+    disagree), not a guess from what most workers serve; ``served`` maps each worker to its version.
+    """
 
     def __init__(self, expected: str | None, served: dict[str, str | None]) -> None:
         self.expected = expected
         self.served = dict(served)
         detail = ", ".join(f"{w}={v!r}" for w, v in self.served.items())
-        super().__init__(f"expected weight version {expected!r}, workers serve: {detail}")
+        want = f"expected weight version {expected!r}" if expected is not None else "no expected weight version"
+        super().__init__(f"workers disagree ({want}); they serve: {detail}")
 
 
 class ContractViolation(RolloutBackendError):

@@ -44,6 +44,7 @@ from rollout_backends._types import (
     WorkerHealth,
     ensure_tags,
 )
+from rollout_backends._versions import VersionBook
 
 __all__ = ["HttpFleetBackend", "Op", "Wire", "Worker"]
 
@@ -161,8 +162,9 @@ class HttpFleetBackend(BackendBase):
         #: The one worker of a single-worker fleet: it served every unpinned call.
         self._sole_worker: str | None = ids[0] if len(ids) == 1 else None
         self.capabilities: Capabilities = wire.capabilities()
-        # The version each worker was last told to serve; used where engines do not report it.
-        self._installed: dict[str, str | None] = dict.fromkeys(ids)
+        # The version each worker was last told to serve (used where engines do not report it), and
+        # the version the fleet is expected to serve.
+        self._versions = VersionBook(ids)
         self._paused: set[str] = set()
         self._parse_takes_worker = _takes_keyword(wire.parse_generation, "worker")
         # Whether every worker can abort one request by id; if not, abort() cancels our HTTP call.
@@ -186,9 +188,8 @@ class HttpFleetBackend(BackendBase):
             raise InvalidRequest("worker", f"unknown worker {worker_id!r} (known: {sorted(self._workers)})") from None
 
     def set_installed_version(self, version: str | None, workers: Sequence[str] | None = None) -> None:
-        """Record the version workers serve (a launcher knows the start-up version)."""
-        for w in workers if workers is not None else self.workers:
-            self._installed[w] = version
+        """Record the version workers serve (a launcher knows the start-up version); declares nothing."""
+        self._versions.record(version, workers)
 
     async def _control(self, op: Op, worker_id: str, **args: Any) -> Any:
         worker = self._workers[worker_id]
@@ -260,7 +261,7 @@ class HttpFleetBackend(BackendBase):
         if gen.logprobs is not None and len(gen.logprobs) != len(gen.output_ids):
             raise ContractViolation("logprobs and output ids differ in length", worker=gen.worker)
         if caps.version_source is VersionSource.STAMPED and gen.worker is not None:
-            gen = attrs.evolve(gen, weight_version=self._installed.get(gen.worker))
+            gen = attrs.evolve(gen, weight_version=self._versions.label(gen.worker))
         return gen
 
     async def _send_cancellable(
@@ -308,7 +309,7 @@ class HttpFleetBackend(BackendBase):
         self, request: GenerateRequest, pinned: Worker | None, latency_s: float
     ) -> Generation:
         worker = pinned.id if pinned is not None else self._sole_worker
-        version = self._installed.get(worker) if worker is not None else None
+        version = self._versions.label(worker)
         if version is None and self.capabilities.version_source is not VersionSource.NONE:
             # No answer came back to carry it: the version is what the fleet serves (if it agrees).
             try:
@@ -388,8 +389,7 @@ class HttpFleetBackend(BackendBase):
             version=version,
             flush_cache=flush_cache,
         )
-        if version is not None:
-            self.set_installed_version(version, selected)
+        self._versions.relabelled(version, selected)
 
     async def destroy_weight_group(
         self, group_name: str = "weight_update_group", *, workers: Sequence[str] | None = None
@@ -419,8 +419,7 @@ class HttpFleetBackend(BackendBase):
             flush_cache=flush_cache,
             load_format=load_format,
         )
-        if version is not None:
-            self.set_installed_version(version, selected)
+        self._versions.relabelled(version, selected)
 
     async def update_weights_from_disk(
         self,
@@ -441,8 +440,7 @@ class HttpFleetBackend(BackendBase):
         await self._fan(
             Op.UPDATE_DISK, selected, path=path, version=version, load_format=load_format, flush_cache=flush_cache
         )
-        if version is not None:
-            self.set_installed_version(version, selected)
+        self._versions.relabelled(version, selected)
 
     async def begin_weight_update(self, selector: str = "all", *, workers: Sequence[str] | None = None) -> None:
         if not isinstance(selector, str) or not selector:
@@ -457,14 +455,11 @@ class HttpFleetBackend(BackendBase):
             raise InvalidRequest("version", "must be a non-empty string")
         selected = self._select(workers)
         await self._fan(Op.SET_VERSION, selected, version=version)
-        self.set_installed_version(version, selected)
-        if set(selected) == set(self.workers):
-            # The fleet was relabelled as a whole: that is now the version everyone should serve.
-            self._expected_version = version
+        self._versions.relabelled(version, selected)
 
     async def weight_versions(self) -> Mapping[str, str | None]:
         if self.capabilities.version_source is not VersionSource.RESPONSE:
-            return dict(self._installed)
+            return self._versions.labels
         return await self._fan(Op.GET_VERSION, None)
 
     async def flush_cache(self, *, workers: Sequence[str] | None = None) -> None:
@@ -514,8 +509,8 @@ class HttpFleetBackend(BackendBase):
                 except RolloutBackendError as exc:
                     err = err or str(exc)
             else:
-                version = self._installed.get(worker_id)
-        stale = live is True and expected is not None and version != expected
+                version = self._versions.label(worker_id)
+        stale = VersionBook.is_stale(version, expected=expected, live=live is True)
         return WorkerHealth(
             worker=worker_id,
             live=bool(live),
@@ -527,10 +522,7 @@ class HttpFleetBackend(BackendBase):
         )
 
     async def health(self, *, probe: bool = False) -> HealthReport:
-        expected = self._expected_version
-        if expected is None:
-            known = {v for v in self._installed.values() if v is not None}
-            expected = next(iter(known)) if len(known) == 1 else None
+        expected = self._versions.expected
         results = await asyncio.gather(*(self._worker_health(w, probe, expected) for w in self.workers))
         router_live = await self._router_live()
         return HealthReport(workers=tuple(results), expected_version=expected, router_live=router_live)

@@ -155,13 +155,23 @@ class RolloutBackend(Protocol):
         ...
 
     async def weight_version(self) -> str | None:
-        """The fleet's version. Raises ``StaleWeights`` if workers disagree."""
+        """The fleet's version. Raises ``StaleWeights`` (carrying the expected version) if workers
+        disagree."""
         ...
 
     def expect_version(self, version: str | None) -> None:
         """Declare the version every worker should serve; ``health()`` reports others as stale.
 
-        ``weight_update`` and a fleet-wide ``set_weight_version`` move it themselves.
+        The expected version (``HealthReport.expected_version``) is the one declared last. This
+        call declares it, and so does every operation that relabels the whole fleet:
+        ``set_weight_version`` and a weight load with ``version=``, on all workers. So a committed
+        ``weight_update`` declares its version, and one rolled back declares the version the
+        fleet served before it. An operation on some workers only declares nothing.
+
+        ``None`` withdraws the declaration; with none, the expected version is the one version
+        the workers' labels (what each was last told to serve, or started on) agree on, else
+        ``None``. A worker is stale only while it is live and serves another version than the
+        expected one; with no expected version, none is.
         """
         ...
 

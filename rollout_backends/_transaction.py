@@ -27,7 +27,6 @@ from rollout_backends._errors import (
     ControlFailed,
     InvalidRequest,
     RolloutBackendError,
-    StaleWeights,
     WeightUpdateFailed,
     WorkerFailure,
 )
@@ -159,7 +158,9 @@ async def weight_update(
             for worker, old in previous.items():
                 if old is not None:
                     await step("rollback_version", functools.partial(backend.set_weight_version, old, workers=[worker]))
-            backend.expect_version(prev_common)  # the fleet is expected to serve the old version again
+            # The fleet is expected to serve the old version again: declare it (a set_version that
+            # succeeded declared `version`). Where workers disagreed before, None withdraws it.
+            backend.expect_version(prev_common)
     except BaseException as exc:  # cancellation or an error thrown into the body's frame
         first_exc = first_exc or exc
         failures.extend(_failures("update", exc, workers))
@@ -171,16 +172,6 @@ async def weight_update(
         await asyncio.shield(step("resume", backend.resume))
     if failures:
         raise WeightUpdateFailed(failures, version=version, previous=prev_common) from first_exc
-
-
-async def fleet_weight_version(backend: RolloutBackend) -> str | None:
-    """The one version every worker serves; ``StaleWeights`` if they disagree."""
-    versions = dict(await backend.weight_versions())
-    distinct = set(versions.values())
-    if len(distinct) > 1:
-        majority = max(distinct, key=lambda v: sum(1 for x in versions.values() if x == v))
-        raise StaleWeights(majority, versions)
-    return next(iter(distinct), None)
 
 
 async def wait_ready(

@@ -26,6 +26,7 @@ from rollout_backends._http import (
 )
 from rollout_backends._tensors import deserialize_named_tensors, serialize_named_tensors
 from rollout_backends._types import ensure_tags
+from rollout_backends._versions import VersionBook
 
 __all__ = [
     "AiohttpTransport",
@@ -38,6 +39,7 @@ __all__ = [
     "Op",
     "RetryPolicy",
     "Transport",
+    "VersionBook",
     "Wire",
     "Worker",
     "deserialize_named_tensors",

@@ -19,7 +19,7 @@ EXPECTED_TOP = {
 
 EXPECTED_KIT = {
     "AiohttpTransport", "BackendBase", "HttpClient", "HttpFleetBackend", "HttpRequest",
-    "HttpResponse", "MockTransport", "Op", "RetryPolicy", "Transport", "Wire", "Worker",
+    "HttpResponse", "MockTransport", "Op", "RetryPolicy", "Transport", "VersionBook", "Wire", "Worker",
     "deserialize_named_tensors", "ensure_tags", "fan_out", "get_json", "json_loads",
     "normalise_url", "serialize_named_tensors", "worker_id_of",
 }  # fmt: skip

@@ -8,11 +8,10 @@ The rule (REDESIGN-PLAN.md section 3.2, "VersionBook"):
 - a call on some of the workers only does not move it;
 - a worker is stale when it is live and serves a version other than the expected one.
 
-Today four implementations answer the same calls four ways (the plan's section 2.1 has the
-reproduction these tests grew from). The cases that do not follow the rule yet are strict xfails,
-each with its reason: they pass (and XPASS fails the run, so the mark must go) when step B4 gives
-``HttpFleetBackend`` and ``ReferenceBackend`` one ``VersionBook``, and when step B7 replaces the
-test fakes with ``rollout_backends.testing``.
+Four implementations used to answer the same calls four ways (the plan's section 2.1 has the
+reproduction these tests grew from); all four now keep their versions in one ``VersionBook``
+(``rollout_backends/_versions.py``, tested on its own in ``tests/test_version_book.py``), and these
+tests show each of them following the rule through its public calls.
 """
 
 from __future__ import annotations
@@ -33,15 +32,6 @@ from tests.conformance.fake_backend import FakeBackend, write_checkpoint
 from tests.miles.scripted import ScriptedBackend
 
 HTTP, REFERENCE, FAKE, SCRIPTED = "http-sglang", "reference", "conformance-fake", "miles-scripted"
-
-#: Why each implementation breaks the rule today, and the step that fixes it.
-_HTTP_LOAD = (
-    "HttpFleetBackend: a whole-fleet load with version= records what the workers serve but leaves the "
-    "expected version where expect_version put it, so every reloaded worker reads stale (B4)"
-)
-_REFERENCE_LIVE = "ReferenceBackend: stale ignores live, so a closed engine on an old version reads stale (B4)"
-_FAKE = "the conformance FakeBackend: only expect_version moves its expected version (B7)"
-_SCRIPTED = "the Miles ScriptedBackend: health() reports no expected version and nothing stale, ever (B7)"
 
 
 @attrs.frozen
@@ -115,15 +105,9 @@ async def subject(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterat
         await made.backend.aclose()
 
 
-def _over(names: tuple[str, ...] = (HTTP, REFERENCE, FAKE, SCRIPTED), **xfails: str) -> list[Any]:
-    """The implementations, each a strict xfail where ``xfails`` names it (by its constant's name)."""
-    keys = {HTTP: "http", REFERENCE: "reference", FAKE: "fake", SCRIPTED: "scripted"}
-    out = []
-    for name in names:
-        reason = xfails.get(keys[name])
-        marks = [pytest.mark.xfail(strict=True, raises=AssertionError, reason=reason)] if reason else []
-        out.append(pytest.param(name, id=name, marks=marks))
-    return out
+def _over(names: tuple[str, ...] = (HTTP, REFERENCE, FAKE, SCRIPTED)) -> list[Any]:
+    """The implementations, by name."""
+    return [pytest.param(name, id=name) for name in names]
 
 
 async def _served(backend: Any) -> set[str | None]:
@@ -136,7 +120,7 @@ async def _expect_v1_then_load_v2(subject: Subject) -> None:
     await subject.backend.update_weights_from_disk(subject.weights, version="v2")
 
 
-@pytest.mark.parametrize("subject", _over(http=_HTTP_LOAD, fake=_FAKE, scripted=_SCRIPTED), indirect=True)
+@pytest.mark.parametrize("subject", _over(), indirect=True)
 async def test_a_whole_fleet_load_with_a_version_moves_the_expected_version(subject: Subject) -> None:
     b = subject.backend
     await _expect_v1_then_load_v2(subject)
@@ -146,7 +130,7 @@ async def test_a_whole_fleet_load_with_a_version_moves_the_expected_version(subj
     assert report.stale_workers == ()
 
 
-@pytest.mark.parametrize("subject", _over(fake=_FAKE, scripted=_SCRIPTED), indirect=True)
+@pytest.mark.parametrize("subject", _over(), indirect=True)
 async def test_a_whole_fleet_relabel_moves_the_expected_version(subject: Subject) -> None:
     b = subject.backend
     await _expect_v1_then_load_v2(subject)
@@ -157,7 +141,7 @@ async def test_a_whole_fleet_relabel_moves_the_expected_version(subject: Subject
     assert report.stale_workers == ()
 
 
-@pytest.mark.parametrize("subject", _over(fake=_FAKE, scripted=_SCRIPTED), indirect=True)
+@pytest.mark.parametrize("subject", _over(), indirect=True)
 async def test_a_relabel_of_some_workers_leaves_the_expected_version(subject: Subject) -> None:
     b = subject.backend
     await b.set_weight_version("v2")
@@ -167,7 +151,7 @@ async def test_a_relabel_of_some_workers_leaves_the_expected_version(subject: Su
     assert report.stale_workers == (subject.last,)
 
 
-@pytest.mark.parametrize("subject", _over((HTTP, REFERENCE), reference=_REFERENCE_LIVE), indirect=True)
+@pytest.mark.parametrize("subject", _over((HTTP, REFERENCE)), indirect=True)
 async def test_a_worker_is_stale_only_while_it_is_live(subject: Subject) -> None:
     # The two test fakes have no dead workers, so the rule's last clause cannot be shown on them.
     b = subject.backend
@@ -180,3 +164,21 @@ async def test_a_worker_is_stale_only_while_it_is_live(subject: Subject) -> None
     assert not report.worker(subject.last).live
     assert report.expected_version == "v2"
     assert report.stale_workers == ()
+
+
+@pytest.mark.parametrize("subject", _over(), indirect=True)
+async def test_stale_weights_carries_the_expected_version(subject: Subject) -> None:
+    b = subject.backend
+    first = b.workers[0]
+    await b.set_weight_version("v2")
+    await b.set_weight_version("v9", workers=[subject.last])
+    b.expect_version("v1")  # served by no worker: what most workers serve would be v2 or v9
+    with pytest.raises(rb.StaleWeights) as info:
+        await b.weight_version()
+    assert info.value.expected == "v1"
+    assert info.value.served == {first: "v2", subject.last: "v9"}
+    b.expect_version(None)  # withdrawn, and the labels disagree: nothing is expected
+    with pytest.raises(rb.StaleWeights) as info:
+        await b.weight_version()
+    assert info.value.expected is None
+    assert (await b.health()).expected_version is None

@@ -32,7 +32,7 @@ from rollout_backends import (
     WeightTransport,
     WorkerHealth,
 )
-from rollout_backends.kit import BackendBase, ensure_tags, fan_out
+from rollout_backends.kit import BackendBase, VersionBook, ensure_tags, fan_out
 
 from ._engine import EngineError, ReferenceEngine
 from ._model import SIZES, make_tiny_model
@@ -84,7 +84,9 @@ class ReferenceBackend(BackendBase):
         self._rr = itertools.cycle(self._ids)
         self._owns = owns_engines
         first = engines[0]
-        self._expected_version = first.weight_version
+        self._versions = VersionBook(ids)
+        for e in engines:
+            self._versions.record(e.weight_version, [e.worker_id])
         self.capabilities = Capabilities(
             pause_modes=set(PauseMode),
             weight_transports=set(WeightTransport),
@@ -231,7 +233,7 @@ class ReferenceBackend(BackendBase):
                 flush_cache=flush_cache,
             ),
         )
-        self._track_version(version, workers)
+        self._versions.relabelled(version, selected)
 
     async def destroy_weight_group(
         self, group_name: str = "weight_update_group", *, workers: Sequence[str] | None = None
@@ -250,14 +252,15 @@ class ReferenceBackend(BackendBase):
         workers: Sequence[str] | None = None,
     ) -> None:
         named = list(named_tensors)
+        selected = self._select(workers)
         await fan_out(
             "update_weights_from_tensors",
-            self._select(workers),
+            selected,
             lambda w: self._engines[w].update_weights_from_tensors(
                 named, version=version, flush_cache=flush_cache, load_format=load_format
             ),
         )
-        self._track_version(version, workers)
+        self._versions.relabelled(version, selected)
 
     async def update_weights_from_disk(
         self,
@@ -268,14 +271,15 @@ class ReferenceBackend(BackendBase):
         flush_cache: bool = True,
         workers: Sequence[str] | None = None,
     ) -> None:
+        selected = self._select(workers)
         await fan_out(
             "update_weights_from_disk",
-            self._select(workers),
+            selected,
             lambda w: self._engines[w].update_weights_from_disk(
                 path, load_format=load_format, version=version, flush_cache=flush_cache
             ),
         )
-        self._track_version(version, workers)
+        self._versions.relabelled(version, selected)
 
     async def begin_weight_update(self, selector: str = "all", *, workers: Sequence[str] | None = None) -> None:
         await fan_out("begin", self._select(workers), lambda w: self._engines[w].begin_weight_update(selector))
@@ -286,15 +290,9 @@ class ReferenceBackend(BackendBase):
     async def set_weight_version(self, version: str, *, workers: Sequence[str] | None = None) -> None:
         if not isinstance(version, str) or not version:
             raise InvalidRequest("version", "must be a non-empty string")
-        await fan_out(
-            "set_weight_version", self._select(workers), lambda w: self._engines[w].set_weight_version(version)
-        )
-        self._track_version(version, workers)
-
-    def _track_version(self, version: str | None, workers: Sequence[str] | None) -> None:
-        # The fleet's expected version moves only when the whole fleet was relabelled successfully.
-        if version is not None and (workers is None or set(workers) >= set(self._ids)):
-            self._expected_version = version
+        selected = self._select(workers)
+        await fan_out("set_weight_version", selected, lambda w: self._engines[w].set_weight_version(version))
+        self._versions.relabelled(version, selected)
 
     async def weight_versions(self) -> Mapping[str, str | None]:
         return {w: self._engines[w].weight_version for w in self._ids}
@@ -331,6 +329,7 @@ class ReferenceBackend(BackendBase):
         return len(gen.output_ids) == 1
 
     async def health(self, *, probe: bool = False) -> HealthReport:
+        expected = self._versions.expected
         out: list[WorkerHealth] = []
         for w in self._ids:
             h = self._engines[w].health()
@@ -350,11 +349,11 @@ class ReferenceBackend(BackendBase):
                     ready=h.ready,
                     making_progress=progress,
                     weight_version=h.weight_version,
-                    stale=self._expected_version is not None and h.weight_version != self._expected_version,
+                    stale=VersionBook.is_stale(h.weight_version, expected=expected, live=h.live),
                     error=error if h.live else "engine closed",
                 )
             )
-        return HealthReport(workers=tuple(out), expected_version=self._expected_version, router_live=None)
+        return HealthReport(workers=tuple(out), expected_version=expected, router_live=None)
 
     async def aclose(self) -> None:
         if self._owns:

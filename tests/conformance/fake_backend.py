@@ -39,7 +39,7 @@ from rollout_backends import (
     WorkerHealth,
 )
 from rollout_backends.conformance import BackendFactory, Harness
-from rollout_backends.kit import BackendBase, fan_out
+from rollout_backends.kit import BackendBase, VersionBook, fan_out
 
 VOCAB = 64
 EOS = 0
@@ -148,7 +148,7 @@ class FakeBackend(BackendBase):
             w.resumed.set()
         self._reqs: dict[str, _Req] = {}
         self._rr = 0
-        self._expected: str | None = None
+        self._versions = VersionBook(self._w, label="v0")
         self.closed = False
 
     @property
@@ -283,7 +283,9 @@ class FakeBackend(BackendBase):
             if version is not None:
                 w.version = w.loaded_version = version
 
-        await fan_out("update_weights", self._select(workers), one)
+        selected = self._select(workers)
+        await fan_out("update_weights", selected, one)
+        self._versions.relabelled(version, selected)
 
     async def update_weights_from_disk(
         self,
@@ -336,10 +338,12 @@ class FakeBackend(BackendBase):
         return None
 
     async def set_weight_version(self, version: str, *, workers: Sequence[str] | None = None) -> None:
-        for wid in self._select(workers):
+        selected = self._select(workers)
+        for wid in selected:
             self._w[wid].version = version
             if "set_version_aborts" in self.bugs:
                 await self.abort_all(workers=[wid])
+        self._versions.relabelled(version, selected)
 
     async def weight_versions(self) -> Mapping[str, str | None]:
         return {wid: w.version for wid, w in self._w.items()}
@@ -370,13 +374,11 @@ class FakeBackend(BackendBase):
 
     # -- health --
 
-    def expect_version(self, version: str | None) -> None:
-        self._expected = version
-
     async def health(self, *, probe: bool = False) -> HealthReport:
+        expected = self._versions.expected
         out = []
         for wid, w in self._w.items():
-            stale = self._expected is not None and w.version != self._expected and "no_stale_report" not in self.bugs
+            stale = VersionBook.is_stale(w.version, expected=expected, live=True) and "no_stale_report" not in self.bugs
             progress = None if not probe or "probe_none" in self.bugs else True
             out.append(
                 WorkerHealth(
@@ -388,7 +390,7 @@ class FakeBackend(BackendBase):
                     stale=stale,
                 )
             )
-        return HealthReport(workers=tuple(out), expected_version=self._expected)
+        return HealthReport(workers=tuple(out), expected_version=expected)
 
     async def aclose(self) -> None:
         self.closed = True

@@ -7,7 +7,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import rollout_backends as rb
-from rollout_backends.kit import BackendBase
+from rollout_backends.kit import BackendBase, VersionBook
 
 
 class ScriptedBackend(BackendBase):
@@ -25,7 +25,10 @@ class ScriptedBackend(BackendBase):
         self.failures: list[BaseException] = []
         self.requests: list[rb.GenerateRequest] = []
         self.calls: list[tuple[str, dict[str, Any]]] = []
+        #: What each worker serves (tests may set it directly); ``_versions`` keeps the labels the
+        #: calls gave and the expected version.
         self.versions: dict[str, str | None] = dict.fromkeys(self._workers, "default")
+        self._versions = VersionBook(self._workers, label="default")
         self.closed = False
         self.hold: asyncio.Event | None = None  # set: generations wait for it (or an abort)
         self._aborted: set[str] = set()
@@ -157,6 +160,7 @@ class ScriptedBackend(BackendBase):
         if version is not None:
             for w in workers:
                 self.versions[w] = version
+        self._versions.relabelled(version, workers)
 
     async def begin_weight_update(self, selector: str = "all", *, workers: Sequence[str] | None = None) -> None:
         self._rec("begin", selector=selector, workers=self._select(workers))
@@ -186,6 +190,7 @@ class ScriptedBackend(BackendBase):
         self._rec("resume_memory", tags=tags, workers=self._select(workers))
 
     async def health(self, *, probe: bool = False) -> rb.HealthReport:
+        expected = self._versions.expected
         return rb.HealthReport(
             workers=tuple(
                 rb.WorkerHealth(
@@ -194,10 +199,11 @@ class ScriptedBackend(BackendBase):
                     ready=True,
                     making_progress=True if probe else None,
                     weight_version=self.versions[w],
-                    stale=False,
+                    stale=VersionBook.is_stale(self.versions[w], expected=expected, live=True),
                 )
                 for w in self._workers
-            )
+            ),
+            expected_version=expected,
         )
 
     async def aclose(self) -> None:

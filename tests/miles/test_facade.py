@@ -531,3 +531,23 @@ async def test_per_worker_ports_serve_sglang_engines_http_surface(client: httpx.
         assert body["meta_info"]["weight_version"] == "5" and backend.requests[-1].worker == "w1"
     finally:
         await running.stop()
+
+
+async def test_the_router_answers_one_served_version_while_workers_disagree(client: httpx.AsyncClient) -> None:
+    """The router's /model_info answers from one worker in SGLang: a version some worker serves."""
+    backend = ScriptedBackend(("w0", "w1", "w2"))
+    running = await start_facade(MilesFacade(backend), port=0)
+
+    async def router_version() -> Any:
+        return (await client.get(f"{running.url}/model_info")).json()["weight_version"]
+
+    try:
+        await backend.set_weight_version("5")
+        await backend.set_weight_version("6", workers=["w1", "w2"])
+        assert await router_version() == "5"  # the expected version, though most workers serve 6
+        backend.expect_version("9")  # served by none: the version most workers serve
+        assert await router_version() == "6"
+        await backend.set_weight_version("7", workers=["w2"])
+        assert await router_version() == "5"  # a three-way tie: the first worker's
+    finally:
+        await running.stop()

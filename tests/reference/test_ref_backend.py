@@ -202,10 +202,16 @@ async def test_health_and_staleness(backend: ReferenceBackend) -> None:
     assert "paused" in (report.worker("ref-1").error or "")
     await backend.resume()
     await backend.set_weight_version("v9", workers=["ref-0"])
+    # Nothing was declared ("default" was the labels' common version): now they disagree, so no
+    # version is expected and no worker is stale, as on every fleet (tests/test_versions.py).
+    report = await backend.health()
+    assert report.expected_version is None and report.stale_workers == ()
+    backend.expect_version("default")
     report = await backend.health()
     assert report.stale_workers == ("ref-0",)
-    with pytest.raises(StaleWeights):
+    with pytest.raises(StaleWeights) as info:
         await backend.weight_version()
+    assert info.value.expected == "default"
     await backend.set_weight_version("v9")
     assert await backend.weight_version() == "v9"
     assert not (await backend.health()).stale_workers

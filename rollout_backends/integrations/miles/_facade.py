@@ -518,7 +518,11 @@ class MilesFacade:
         try:
             return await self.backend.weight_version()
         except StaleWeights as exc:
-            return exc.expected
+            # Workers disagree. SGLang's router answers /model_info from one worker, so answer a
+            # version some worker serves: the expected one where a worker serves it, else the one
+            # most workers serve (the first worker's on a tie, so the answer does not vary by run).
+            served = list(exc.served.values())
+            return exc.expected if exc.expected in served else max(served, key=served.count)
 
     async def model_info(self, request: web.Request, workers: tuple[str, ...] | None) -> web.StreamResponse:
         return web.json_response(
