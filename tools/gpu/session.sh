@@ -59,7 +59,7 @@ fanout() {  # fanout NAME BUDGET ARGS...
 case "$stage" in
   client)
     need sglang; need smg; need rollout_backends._bench.fanout; model
-    fanout client "${BUDGET:-300}" --rows "sglang rr raw" "sglang rr" --workloads gsm8k
+    fanout client "${BUDGET:-300}" --rows "sglang rr raw" "sglang rr" --workloads gsm8k "${@:2}"
     ;;
   main)
     need sglang; need dynamo.frontend; need smg; model
