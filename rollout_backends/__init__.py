@@ -29,7 +29,14 @@ from rollout_backends._errors import (
 )
 from rollout_backends._protocol import RolloutBackend
 from rollout_backends._registry import available_schemes, open_backend, register_scheme
-from rollout_backends._transaction import WeightUpdateTransaction, generate_group, wait_ready, weight_update
+from rollout_backends._streams import Completions, as_completed, generate_group_as_completed
+from rollout_backends._transaction import (
+    WeightUpdateTransaction,
+    generate_group,
+    group_requests,
+    wait_ready,
+    weight_update,
+)
 from rollout_backends._types import (
     Capabilities,
     FinishReason,
@@ -56,6 +63,7 @@ __all__ = [
     "BackendUnavailable",
     "Capabilities",
     "ConnectionFailed",
+    "Completions",
     "ContractViolation",
     "ControlFailed",
     "FinishReason",
@@ -83,8 +91,11 @@ __all__ = [
     "WorkerFailure",
     "WorkerHealth",
     "__version__",
+    "as_completed",
     "available_schemes",
     "generate_group",
+    "generate_group_as_completed",
+    "group_requests",
     "open_backend",
     "register_scheme",
     "wait_ready",

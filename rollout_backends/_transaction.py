@@ -40,7 +40,7 @@ from rollout_backends._types import (
     WeightBucket,
 )
 
-__all__ = ["WeightUpdateTransaction", "generate_group", "wait_ready", "weight_update"]
+__all__ = ["WeightUpdateTransaction", "generate_group", "group_requests", "wait_ready", "weight_update"]
 
 
 @attrs.define(slots=True)
@@ -201,6 +201,34 @@ async def wait_ready(
         await asyncio.sleep(interval)
 
 
+def group_requests(
+    input_ids: Sequence[int],
+    n: int,
+    sampling: SamplingParams | None = None,
+    *,
+    base_seed: int | None = None,
+    group_id: str | None = None,
+) -> list[GenerateRequest]:
+    """The ``n`` requests of one group: ids ``<group_id>-<i>``, one routing key, seeds ``seed0 + i``.
+
+    ``seed0`` is ``base_seed`` where given, else the sampling seed (no seeds if neither is set).
+    """
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise InvalidRequest("n", f"must be an int >= 1, got {n!r}")
+    sampling = sampling or SamplingParams()
+    group_id = group_id or uuid.uuid4().hex
+    seed0 = base_seed if base_seed is not None else sampling.seed
+    return [
+        GenerateRequest(
+            input_ids=tuple(input_ids),
+            sampling=sampling if seed0 is None else sampling.replace(seed=seed0 + i),
+            request_id=f"{group_id}-{i}",
+            routing_key=group_id,
+        )
+        for i in range(n)
+    ]
+
+
 async def generate_group(
     backend: RolloutBackend,
     input_ids: Sequence[int],
@@ -216,20 +244,7 @@ async def generate_group(
     If any request fails, the others are aborted and the first error is raised: no sample is
     silently dropped or left running.
     """
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise InvalidRequest("n", f"must be an int >= 1, got {n!r}")
-    sampling = sampling or SamplingParams()
-    group_id = group_id or uuid.uuid4().hex
-    seed0 = base_seed if base_seed is not None else sampling.seed
-    requests = [
-        GenerateRequest(
-            input_ids=tuple(input_ids),
-            sampling=sampling if seed0 is None else sampling.replace(seed=seed0 + i),
-            request_id=f"{group_id}-{i}",
-            routing_key=group_id,
-        )
-        for i in range(n)
-    ]
+    requests = group_requests(input_ids, n, sampling, base_seed=base_seed, group_id=group_id)
     tasks = [asyncio.ensure_future(backend.generate(r)) for r in requests]
     try:
         done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)

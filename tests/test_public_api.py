@@ -8,12 +8,13 @@ import rollout_backends.launch as launch
 
 EXPECTED_TOP = {
     "Aborted", "BackendTimeout", "BackendUnavailable", "Capabilities", "ConnectionFailed",
-    "ContractViolation", "ControlFailed", "FinishReason", "GenerateRequest", "Generation",
+    "Completions", "ContractViolation", "ControlFailed", "FinishReason", "GenerateRequest", "Generation",
     "HealthReport", "InvalidRequest", "MemoryTag", "Overloaded", "PauseMode", "RolloutBackend",
     "RolloutBackendError", "RoutingKind", "SamplingParams", "StaleWeights", "TensorSpec",
     "TransientError", "Unsupported", "VersionSource", "WeightBucket", "WeightGroup",
     "WeightTransport", "WeightUpdateFailed", "WeightUpdateTransaction", "WorkerFailure",
-    "WorkerHealth", "__version__", "available_schemes", "generate_group", "open_backend",
+    "WorkerHealth", "__version__", "as_completed", "available_schemes", "generate_group",
+    "generate_group_as_completed", "group_requests", "open_backend",
     "register_scheme", "wait_ready", "weight_update",
 }  # fmt: skip
 
