@@ -35,8 +35,10 @@ __all__ = [
     "WorkerHealth",
 ]
 
-#: Largest value a signed 64-bit seed may take (SGLang's ``sampling_seed`` is int64).
+#: Every integer fits a signed 64-bit integer: SGLang's schema types them so (``i64``), and the
+#: JSON encoder (orjson) raises a bare TypeError past 64 bits. Also the largest seed.
 _INT64_MAX = 2**63 - 1
+_INT64_MIN = -(2**63)
 
 
 class FinishReason(str, enum.Enum):
@@ -98,6 +100,8 @@ def _check_int(field: str, value: object) -> int:
     # bool is an int subclass; a True max_new_tokens is a bug, not a 1.
     if isinstance(value, bool) or not isinstance(value, int):
         raise _fail(field, f"must be an int, got {type(value).__name__}")
+    if not _INT64_MIN <= value <= _INT64_MAX:
+        raise _fail(field, f"{value} does not fit a signed 64-bit integer")
     return value
 
 
@@ -118,7 +122,7 @@ def _token_ids(field: str, value: object) -> tuple[int, ...]:
     if type(value) is tuple or type(value) is list:
         if not value:
             return ()
-        if countOf(map(type, value), int) == len(value) and min(value) >= 0:
+        if countOf(map(type, value), int) == len(value) and min(value) >= 0 and max(value) <= _INT64_MAX:
             return tuple(value)
     return _checked_token_ids(field, value)
 
@@ -133,6 +137,8 @@ def _checked_token_ids(field: str, value: object) -> tuple[int, ...]:
             raise _fail(f"{field}[{i}]", f"must be an int token id, got {type(t).__name__}")
         if t < 0:
             raise _fail(f"{field}[{i}]", f"token ids are >= 0, got {t}")
+        if t > _INT64_MAX:
+            raise _fail(f"{field}[{i}]", f"token id {t} does not fit a signed 64-bit integer")
         out.append(int(t))
     return tuple(out)
 

@@ -13,8 +13,9 @@ from hypothesis import strategies as st
 
 import rollout_backends as rb
 from rollout_backends._types import _checked_token_ids, _token_ids
-from rollout_backends.adapters.sglang._wire import _checked_logprobs, _fast_logprobs, parse_native_generation
 from rollout_backends.kit import HttpClient, HttpRequest
+from rollout_backends.sglang_native import _checked_logprobs, _fast_logprobs
+from rollout_backends.sglang_native import parse_answer as parse_native_generation
 from tests.aiohttp_app import serving
 
 SETTINGS = settings(max_examples=300, deadline=None, database=None, derandomize=True)

@@ -60,8 +60,10 @@ SCOPE = ("rollout_backends", "adapters", "conformance_tests", "examples")
 EXEMPT = ("rollout_backends/_bench",)
 
 CORE = "rollout_backends"
-#: The core's public doors (``testing`` and ``sglang_native`` join them in later steps).
-CORE_DOORS = frozenset({"rollout_backends", "rollout_backends.kit", "rollout_backends.launch"})
+#: The core's public doors (``testing`` joins them in a later step).
+CORE_DOORS = frozenset(
+    {"rollout_backends", "rollout_backends.kit", "rollout_backends.launch", "rollout_backends.sglang_native"}
+)
 #: Adapter -> adapter imports that may exist (through the face, relatively).
 ALLOWED_EDGES = frozenset({("reference", "sglang")})
 #: The only adapter the conformance suite may import.

@@ -5,6 +5,7 @@ from __future__ import annotations
 import rollout_backends as rb
 import rollout_backends.kit as kit
 import rollout_backends.launch as launch
+import rollout_backends.sglang_native as sglang_native
 
 EXPECTED_TOP = {
     "Aborted", "BackendTimeout", "BackendUnavailable", "Capabilities", "ConnectionFailed",
@@ -32,7 +33,14 @@ EXPECTED_LAUNCH = {
     "run_launcher_cli", "split_passthrough", "stderr_progress", "str_tuple",
 }  # fmt: skip
 
-DOORS = (rb, kit, launch)
+EXPECTED_SGLANG_NATIVE = {
+    "ABORT_MESSAGE", "ADMIN_ROUTES", "ROUTING_KEY_HEADER", "SAMPLING_PARAM_KEYS", "NativeRequest",
+    "ParseRules", "TextOptions", "UnknownKeys", "answer_body", "check_depth", "decode_text", "error_body",
+    "error_field", "error_message", "finish_reason_body", "meta_info", "native_field", "our_field",
+    "parse_answer", "parse_request", "parse_sampling", "request_body", "sampling_params_body",
+}  # fmt: skip
+
+DOORS = (rb, kit, launch, sglang_native)
 #: Exported as another library's own function: orjson's C ``loads`` where installed (no Python
 #: frame per call; the stdlib fallback is ours).
 FOREIGN = {("rollout_backends.kit", "json_loads")}
@@ -57,6 +65,11 @@ def test_kit_all_is_pinned() -> None:
 def test_launch_all_is_pinned() -> None:
     assert set(launch.__all__) == EXPECTED_LAUNCH
     assert len(launch.__all__) == len(set(launch.__all__))
+
+
+def test_sglang_native_all_is_pinned() -> None:
+    assert set(sglang_native.__all__) == EXPECTED_SGLANG_NATIVE
+    assert len(sglang_native.__all__) == len(set(sglang_native.__all__))
 
 
 def test_exported_objects_are_public_names() -> None:

@@ -237,3 +237,32 @@ async def test_api_key_header_is_sent_and_never_in_repr() -> None:
     await backend.generate(rb.GenerateRequest(input_ids=[1]))
     assert t.requests[0].headers["Authorization"] == "Bearer s3cret-key"
     assert "s3cret" not in repr(client) and "s3cret" not in repr(backend)
+
+
+def test_worker_named_by_smgs_routed_worker_header() -> None:
+    # smg 1.13 answers with the routed worker's URL in x-smg-routed-worker-id (measured).
+    wire = SGLangWire(entry_url="http://router:1", url_workers={"http://10.0.0.1:30000": "10.0.0.1:30000"})
+    req = rb.GenerateRequest(input_ids=[1, 2, 3])
+    ok = _ok([5])
+    routed = HttpResponse(200, ok.body, {"x-smg-routed-worker-id": "http://10.0.0.1:30000/"})
+    assert wire.parse_generation(req, routed, 0.0).worker == "10.0.0.1:30000"
+    unknown = HttpResponse(200, ok.body, {"x-smg-routed-worker-id": "http://elsewhere:1"})
+    assert wire.parse_generation(req, unknown, 0.0).worker is None
+    # A worker the fleet already knows (pinned) is not overridden.
+    assert wire.parse_generation(req, routed, 0.0, worker="pinned").worker == "pinned"
+
+
+def test_refusals_name_the_field() -> None:
+    wire = SGLangWire(entry_url="http://h:1")
+    req = rb.GenerateRequest(input_ids=[1])
+    ours = HttpResponse.from_json({"error": {"message": "x", "param": "sampling_params.stop_token_ids[0]"}}, status=400)
+    with pytest.raises(rb.InvalidRequest) as e:
+        wire.parse_generation(req, ours, 0.0)
+    assert e.value.field == "sampling.stop_token_ids[0]"
+    sglang = HttpResponse.from_json(
+        {"error": {"message": "Requested token count exceeds the model's maximum context length of 64 tokens."}},
+        status=400,
+    )
+    with pytest.raises(rb.InvalidRequest) as e:
+        wire.parse_generation(req, sglang, 0.0)
+    assert e.value.field == "sampling.max_new_tokens"

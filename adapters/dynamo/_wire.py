@@ -50,8 +50,7 @@ from rollout_backends import (
     WorkerFailure,
 )
 from rollout_backends.kit import HttpRequest, HttpResponse, Op, Worker, json_loads
-
-from ..sglang._wire import parse_native_generation, sampling_params_body
+from rollout_backends.sglang_native import parse_answer, request_body
 
 __all__ = ["FLAVORS", "DynamoWire", "completion_body", "generate_instances", "is_uuid", "native_body", "sse_events"]
 
@@ -162,13 +161,7 @@ def completion_body(request: GenerateRequest, model: str, *, logprobs: bool, ins
 def native_body(request: GenerateRequest) -> dict[str, Any]:
     """The 1.6.x frontend's native ``/generate`` body: SGLang's own (``sampling_params`` as the SGLang
     adapter sends them); ``stream`` must be true (the frontend answers 501 otherwise)."""
-    return {
-        "rid": request.request_id,
-        "input_ids": list(request.input_ids),
-        "sampling_params": sampling_params_body(request.sampling),
-        "return_logprob": request.return_logprobs,
-        "stream": True,
-    }
+    return request_body(request, stream=True)
 
 
 def is_sse(body: bytes) -> bool:
@@ -401,7 +394,7 @@ class DynamoWire:
         if _is_int(total) and total != len(ids):
             raise ContractViolation(f"/generate sent {len(ids)} output ids, completion_tokens={total}", worker=worker)
         merged = {"output_ids": ids, "meta_info": {**meta, "output_token_logprobs": entries}}
-        gen = parse_native_generation(request, merged, latency_s, worker=worker)
+        gen = parse_answer(request, merged, latency_s, worker=worker)
         # meta_info.id is whatever id the frontend settled on; the caller's request id is the one we sent.
         return attrs.evolve(gen, request_id=request.request_id)
 

@@ -103,6 +103,7 @@ async def connect(
         deterministic=bool(info.get("enable_deterministic_inference")) if isinstance(info, dict) else False,
         max_context=int(ctx) if isinstance(ctx, int) else None,
         vocab_size=vocab_size,
+        url_workers={u.rstrip("/"): worker_id_of(u) for u in worker_urls},
     )
     fleet = [Worker(id=worker_id_of(u), control_url=u, generate_url=u) for u in worker_urls]
     return HttpFleetBackend(wire, fleet, client=client, name="sglang", on_close=on_close)

@@ -7,10 +7,7 @@ routers (smg, sglang-router) forward none of them.
 
 from __future__ import annotations
 
-import math
-import re
-from collections.abc import Sequence
-from operator import countOf
+from collections.abc import Mapping
 from typing import Any
 
 import attrs
@@ -21,7 +18,6 @@ from rollout_backends import (
     ConnectionFailed,
     ContractViolation,
     ControlFailed,
-    FinishReason,
     GenerateRequest,
     Generation,
     InvalidRequest,
@@ -29,93 +25,58 @@ from rollout_backends import (
     PauseMode,
     RolloutBackendError,
     RoutingKind,
-    SamplingParams,
     VersionSource,
     WeightTransport,
     WorkerFailure,
 )
 from rollout_backends.kit import HttpRequest, HttpResponse, Op, Worker
+from rollout_backends.sglang_native import (
+    ROUTING_KEY_HEADER,
+    error_field,
+    error_message,
+    parse_answer,
+    request_body,
+    sampling_params_body,
+)
 
-__all__ = ["SGLangWire", "sampling_params_body"]
+__all__ = ["ROUTED_WORKER_HEADER", "ROUTING_KEY_HEADER", "SGLangWire", "sampling_params_body"]
 
-#: Header smg's consistent-hashing policy routes on; harmless for other policies.
-ROUTING_KEY_HEADER = "X-SMG-Routing-Key"
+#: The header smg 1.13 names the worker it routed a request to in (its URL; measured: the
+#: answer to ``POST /generate`` through ``smg.launch_router`` carries ``x-smg-routed-worker-id:
+#: http://127.0.0.1:57963``). Read case-insensitively (aiohttp's headers are).
+ROUTED_WORKER_HEADER = "x-smg-routed-worker-id"
 
-
-def sampling_params_body(s: SamplingParams) -> dict[str, Any]:
-    """Only keys SGLang knows; every value explicit (server defaults differ between versions)."""
-    body: dict[str, Any] = {
-        "max_new_tokens": s.max_new_tokens,
-        "temperature": s.temperature,
-        "top_p": s.top_p,
-        "top_k": s.top_k,
-        "min_p": s.min_p,
-        "ignore_eos": s.ignore_eos,
-        "repetition_penalty": s.repetition_penalty,
-        "frequency_penalty": s.frequency_penalty,
-        "presence_penalty": s.presence_penalty,
-        "skip_special_tokens": False,
-        "no_stop_trim": True,
-    }
-    if s.stop_token_ids:
-        body["stop_token_ids"] = list(s.stop_token_ids)
-    if s.min_new_tokens:
-        body["min_new_tokens"] = s.min_new_tokens
-    if s.seed is not None:
-        body["sampling_seed"] = s.seed
-    return body
-
-
-_FIELD_RE = re.compile(r"unknown field `([^`]+)`")
 #: smg error codes that guarantee the request never reached an engine (smg 1.13: the connection to
 #: the worker failed). ``call_upstream_request_error`` (the worker died mid-request) is not one.
 _NOT_STARTED_CODES = frozenset({"call_upstream_connection_failed"})
 
 
-def _error_code(resp: HttpResponse) -> str | None:
-    """smg's ``{"error": {"code": ...}}``, if the body has one."""
+def _json_or_none(resp: HttpResponse) -> Any:
     try:
-        data = resp.json()
+        return resp.json()
     except ContractViolation:
         return None
+
+
+def _error_code(resp: HttpResponse) -> str | None:
+    """smg's ``{"error": {"code": ...}}``, if the body has one."""
+    data = _json_or_none(resp)
     err = data.get("error") if isinstance(data, dict) else None
     code = err.get("code") if isinstance(err, dict) else None
     return code if isinstance(code, str) else None
 
 
 def _error_message(resp: HttpResponse) -> str:
-    try:
-        data = resp.json()
-    except ContractViolation:
-        return resp.text[:500]
-    if isinstance(data, dict):
-        err = data.get("error", data.get("message", data.get("detail")))
-        if isinstance(err, dict):
-            return str(err.get("message", err))
-        if err is not None:
-            return str(err)
-    return resp.text[:500]
-
-
-def _field_of(message: str) -> str:
-    """Best-effort mapping of an SGLang 400 message to our field name."""
-    m = _FIELD_RE.search(message)
-    if m:
-        return f"sampling.{m.group(1)}"
-    low = message.lower()
-    if "sampling_params" in low or "sampling param" in low:
-        return "sampling"
-    if "rid" in low and "duplicate" in low:
-        return "request_id"
-    return "input_ids"
+    return error_message(_json_or_none(resp), resp.text)
 
 
 def _generation_error(response: HttpResponse) -> RolloutBackendError:
     """The error for a ``/generate`` answer that is not HTTP 200 (off the hot path: one compare there)."""
     status = response.status
     if status == 400 or status == 422:
-        msg = _error_message(response)
-        return InvalidRequest(_field_of(msg), msg)
+        data = _json_or_none(response)
+        msg = error_message(data, response.text)
+        return InvalidRequest(error_field(data, msg), msg)
     if status in (401, 403):
         return InvalidRequest("api_key", f"HTTP {status}: the server refused the API key (missing or wrong)")
     if status in (429, 503):
@@ -150,6 +111,8 @@ class SGLangWire:
     max_context: int | None = None
     vocab_size: int | None = None
     probe_timeout: float = 20.0
+    #: Worker URL (no trailing slash) -> worker id: names the worker a router reports it routed to.
+    url_workers: Mapping[str, str] = attrs.field(factory=dict)
 
     def capabilities(self) -> Capabilities:
         return Capabilities(
@@ -174,28 +137,20 @@ class SGLangWire:
 
     def generate(self, request: GenerateRequest, worker: Worker | None) -> HttpRequest:
         base = (worker.generate_url or worker.control_url) if worker is not None else self.entry_url
-        body: dict[str, Any] = {
-            # The validated tuple itself: JSON encodes it as the same array, and a list copy
-            # (one 1 KB allocation per 128 tokens, freed cold after the answer) was measurable.
-            "input_ids": request.input_ids,
-            "sampling_params": sampling_params_body(request.sampling),
-            "return_logprob": request.return_logprobs,
-            "rid": request.request_id,
-        }
         headers = {ROUTING_KEY_HEADER: request.routing_key} if request.routing_key else {}
-        return HttpRequest("POST", f"{base}/generate", json=body, headers=headers)
+        return HttpRequest("POST", f"{base}/generate", json=request_body(request), headers=headers)
 
     def parse_generation(
         self, request: GenerateRequest, response: HttpResponse, latency_s: float, *, worker: str | None = None
     ) -> Generation:
         if response.status != 200:
             raise _generation_error(response)
-        data = response.json()
-        if isinstance(data, list) and len(data) == 1:
-            data = data[0]
-        if not isinstance(data, dict):
-            raise ContractViolation(f"/generate answered {type(data).__name__}, expected an object")
-        return parse_native_generation(request, data, latency_s, worker=worker)
+        if worker is None and self.url_workers:
+            # Behind smg the answer names the routed worker (its URL) in a header.
+            routed = response.headers.get(ROUTED_WORKER_HEADER)
+            if routed is not None:
+                worker = self.url_workers.get(routed.rstrip("/"))
+        return parse_answer(request, response.json(), latency_s, worker=worker)
 
     # -- control ----------------------------------------------------------------------------
 
@@ -306,96 +261,3 @@ class SGLangWire:
         if self.routing is RoutingKind.SINGLE:
             return None
         return HttpRequest("GET", f"{self.entry_url}/health", timeout=5.0, idempotent=True)
-
-
-_FINISH = {r.value: r for r in FinishReason}
-
-
-def _fast_logprobs(entries: list[Any], out: tuple[int, ...]) -> tuple[float, ...] | None:
-    """The common case in a few C-level passes: every entry a ``[float, id, ...]`` list whose ids
-    are ``out``, no NaN. ``None`` sends the caller to ``_checked_logprobs`` (which names the fault).
-
-    ``zip(*entries)`` transposes in C: its first two columns are the logprobs and the ids, both
-    tuples, so the logprobs column is the result as is (no per-entry Python frame or copy)."""
-    n = len(entries)
-    if countOf(map(type, entries), list) != n:
-        return None
-    columns = zip(*entries, strict=False)  # stops at the shortest entry: see ``ids`` below
-    lps = next(columns, None)
-    ids = next(columns, None)  # None when some entry is shorter than [logprob, id]
-    if ids is None or lps is None or ids != out:
-        return None
-    if countOf(map(type, lps), float) != n or any(map(math.isnan, lps)):
-        return None
-    return lps
-
-
-def _checked_logprobs(entries: list[Any], out: Sequence[int], worker: str | None) -> tuple[float, ...]:
-    lps = []
-    for i, (entry, tid) in enumerate(zip(entries, out, strict=False)):
-        if not isinstance(entry, (list, tuple)) or len(entry) < 2:
-            raise ContractViolation(f"output_token_logprobs[{i}] is not [logprob, id, ...]", worker=worker)
-        lp, eid = entry[0], entry[1]
-        if eid != tid:
-            raise ContractViolation(f"output_token_logprobs[{i}] is for token {eid}, output has {tid}", worker=worker)
-        if not isinstance(lp, (int, float)) or isinstance(lp, bool) or math.isnan(lp):
-            raise ContractViolation(f"output_token_logprobs[{i}] has no logprob ({lp!r})", worker=worker)
-        lps.append(float(lp))
-    return tuple(lps)
-
-
-def _finish(meta: dict[str, Any], n_out: int) -> tuple[FinishReason, int | None]:
-    fr = meta.get("finish_reason")
-    if fr is None:
-        raise ContractViolation("meta_info.finish_reason is missing")
-    kind = fr.get("type") if isinstance(fr, dict) else fr
-    reason = _FINISH.get(kind) if isinstance(kind, str) else None
-    if reason is None:
-        try:
-            reason = FinishReason(kind)
-        except ValueError:
-            raise ContractViolation(f"unknown finish reason {fr!r}") from None
-    matched = fr.get("matched") if isinstance(fr, dict) else None
-    return reason, matched if isinstance(matched, int) and not isinstance(matched, bool) else None
-
-
-def parse_native_generation(
-    request: GenerateRequest, data: dict[str, Any], latency_s: float, *, worker: str | None
-) -> Generation:
-    """Parse SGLang's native ``/generate`` body (shared with the facade and the Dynamo native path)."""
-    meta = data.get("meta_info")
-    out = data.get("output_ids")
-    if not isinstance(meta, dict) or not isinstance(out, list):
-        raise ContractViolation("/generate answer lacks output_ids or meta_info", worker=worker)
-    # One C-level pass for the common case; the generator names nothing but keeps the exact rule.
-    if countOf(map(type, out), int) != len(out) and not all(
-        isinstance(t, int) and not isinstance(t, bool) for t in out
-    ):
-        raise ContractViolation("output_ids are not all ints", worker=worker)
-    output_ids = tuple(out)
-    reason, matched = _finish(meta, len(out))
-    logprobs: tuple[float, ...] | None = None
-    if request.return_logprobs:
-        entries = meta.get("output_token_logprobs")
-        if not isinstance(entries, list):
-            raise ContractViolation("meta_info.output_token_logprobs is missing", worker=worker)
-        if len(entries) != len(out):
-            raise ContractViolation(
-                f"{len(entries)} logprob entries for {len(out)} output tokens (never padded)", worker=worker
-            )
-        logprobs = _fast_logprobs(entries, output_ids) if entries else ()
-        if logprobs is None:
-            logprobs = _checked_logprobs(entries, output_ids, worker)
-    version = meta.get("weight_version")
-    return Generation(
-        request_id=str(meta.get("id") or request.request_id),
-        output_ids=output_ids,
-        logprobs=logprobs,
-        finish_reason=reason,
-        weight_version=None if version is None else str(version),
-        prompt_tokens=int(meta.get("prompt_tokens", len(request.input_ids))),
-        cached_tokens=int(meta.get("cached_tokens") or 0),
-        worker=worker,
-        latency_s=latency_s,
-        matched_stop=matched if reason is FinishReason.STOP else None,
-    )

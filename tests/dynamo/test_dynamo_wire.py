@@ -268,7 +268,7 @@ def test_native_generate_routes_unpinned_requests_only() -> None:
     assert http.url == "http://fe/generate"
     assert http.json == {
         "rid": req.request_id,
-        "input_ids": [1, 2, 3],
+        "input_ids": (1, 2, 3),  # the validated tuple itself: the same JSON array
         "sampling_params": sampling_params_body(req.sampling),
         "return_logprob": True,
         "stream": True,  # the frontend answers 501 to a non-streamed /generate

@@ -16,8 +16,8 @@ import httpx
 import pytest
 
 import rollout_backends as rb
-from rollout_backends.adapters.sglang._wire import parse_native_generation
 from rollout_backends.integrations.miles import MilesFacade, RunningFacade, start_facade
+from rollout_backends.sglang_native import parse_answer as parse_native_generation
 from tests.miles.miles_shapes import (
     Sample,
     Status,

@@ -383,6 +383,7 @@ async def test_invalid_inputs_are_invalid_request(fleet: SGLangFleet) -> None:
         assert s2.value.field == "input_ids" and "context length" in str(s2.value)
     finally:
         await raw.client.aclose()
-    # The fleet still serves.
+    # The fleet still serves, and names the worker smg routed to (its x-smg-routed-worker-id header).
     ok = await b.generate(GenerateRequest(input_ids=(1, 2, 3), sampling=GREEDY))
     assert len(ok.output_ids) == GREEDY.max_new_tokens
+    assert ok.worker in b.workers

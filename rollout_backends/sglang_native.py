@@ -1,0 +1,854 @@
+"""SGLang's native HTTP protocol, both directions, in one pure module (no I/O, no state).
+
+Everything that speaks SGLang's ``/generate`` uses it: the SGLang wire (client), the Dynamo wire's
+native path (client), the reference server, the Miles facade and our Dynamo worker (servers).
+
+* :func:`request_body` / :func:`sampling_params_body`: ``GenerateRequest`` -> the JSON body.
+* :func:`parse_request` / :func:`parse_sampling`: a JSON body -> ``GenerateRequest`` under one
+  strictness rule (:class:`ParseRules`): every field's JSON type (a string is not a bool, a bool is
+  not an int), its range (integers fit a signed 64-bit integer, token ids fit the vocabulary),
+  sizes, nesting depth, and keys: a key we cannot honour is refused while set, an unknown key is
+  refused naming it as the caller spelled it. ``UnknownKeys.IGNORE`` keeps SGLang's own rule
+  (unknown top-level keys ignored; unknown ``sampling_params`` keys are refused by SGLang too).
+  Every refusal is an ``InvalidRequest`` whose ``field`` is the caller's spelling
+  (``sampling_params.sampling_seed``, ``input_ids[3]``, ``rid``).
+* :func:`answer_body` / :func:`parse_answer`: ``Generation`` <-> SGLang's answer (one abort
+  message, one set of optional fields).
+* :func:`error_body` / :func:`error_message` / :func:`error_field`: SGLang's error bodies, and the
+  field a refusal names, in our spelling.
+* :data:`ADMIN_ROUTES`: the routes that take SGLang's admin key.
+
+Shapes are SGLang 0.5.16's (0.5.23's where they differ), read from ``GenerateReqInput`` and the
+``sampling_params`` schema gate (``python/sglang/srt/managers/io_struct.py``,
+``python/sglang/api/v1/api_types.py``; ``/work/shared/reference/sglang.md`` §1-3).
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import re
+from collections.abc import Callable, Mapping, Sequence
+from operator import countOf
+from typing import Any
+
+import attrs
+
+from rollout_backends._errors import ContractViolation, InvalidRequest
+from rollout_backends._types import FinishReason, GenerateRequest, Generation, SamplingParams
+
+__all__ = [
+    "ABORT_MESSAGE",
+    "ADMIN_ROUTES",
+    "ROUTING_KEY_HEADER",
+    "SAMPLING_PARAM_KEYS",
+    "NativeRequest",
+    "ParseRules",
+    "TextOptions",
+    "UnknownKeys",
+    "answer_body",
+    "check_depth",
+    "decode_text",
+    "error_body",
+    "error_field",
+    "error_message",
+    "finish_reason_body",
+    "meta_info",
+    "native_field",
+    "our_field",
+    "parse_answer",
+    "parse_request",
+    "parse_sampling",
+    "request_body",
+    "sampling_params_body",
+]
+
+#: The header smg's consistent-hashing policy routes on (Miles sends it; harmless elsewhere).
+ROUTING_KEY_HEADER = "X-SMG-Routing-Key"
+
+#: ``meta_info.finish_reason.message`` of an aborted request (SGLang's ``/abort_request`` text).
+ABORT_MESSAGE = "Abort request."
+
+#: SGLang's admin routes (``ADMIN_OPTIONAL`` in ``http_server.py``): with ``--admin-api-key`` set they
+#: take only that key, else the API key.
+ADMIN_ROUTES: frozenset[str] = frozenset(
+    {
+        "/abort_request", "/pause_generation", "/continue_generation", "/flush_cache", "/update_weight_version",
+        "/update_weights_from_disk", "/update_weights_from_tensor", "/init_weights_update_group",
+        "/update_weights_from_distributed", "/destroy_weights_update_group", "/begin_weight_update",
+        "/end_weight_update", "/release_memory_occupation", "/resume_memory_occupation", "/weights_checker",
+        "/pull_weights", "/load_lora_adapter", "/load_lora_adapter_from_tensors",
+        "/load_lora_adapter_from_distributed", "/unload_lora_adapter",
+    }
+)  # fmt: skip
+
+#: The ``sampling_params`` keys SGLang accepts (``_FIELDS_SamplingParams`` of 0.5.23, plus 0.5.16's
+#: ``watermark``); SGLang refuses any other with a 400, and so do we, in either mode.
+SAMPLING_PARAM_KEYS: tuple[str, ...] = (
+    "max_new_tokens", "temperature", "top_p", "top_k", "min_p", "stop", "stop_regex", "stop_token_ids",
+    "ignore_eos", "min_new_tokens", "n", "no_stop_trim", "skip_special_tokens", "spaces_between_special_tokens",
+    "frequency_penalty", "presence_penalty", "repetition_penalty", "sampling_seed", "logit_bias", "json_schema",
+    "regex", "ebnf", "structural_tag", "choice", "stream_interval", "custom_params", "beam_width", "watermark",
+)  # fmt: skip
+
+_INT64_MIN = -(2**63)
+_INT64_MAX = 2**63 - 1
+#: SGLang rewrites ``0 <= temperature < 1e-6`` to greedy (``sampling_params.py``).
+_GREEDY_EPS = 1e-6
+#: ``SamplingParams`` field -> SGLang's ``sampling_params`` key, where they differ.
+_OURS_TO_NATIVE = {"seed": "sampling_seed"}
+_NATIVE_TO_OURS = {v: k for k, v in _OURS_TO_NATIVE.items()}
+#: ``GenerateRequest`` fields -> SGLang's top-level keys, where they differ.
+_TOP_OURS_TO_NATIVE = {"request_id": "rid", "return_logprobs": "return_logprob", "sampling": "sampling_params"}
+_TOP_NATIVE_TO_OURS = {v: k for k, v in _TOP_OURS_TO_NATIVE.items()}
+
+
+class UnknownKeys(enum.Enum):
+    """What :func:`parse_request` does with a top-level key SGLang does not define."""
+
+    REFUSE = "refuse"  #: an ``InvalidRequest`` naming it (a typo such as ``return_logprobs`` is caught)
+    IGNORE = "ignore"  #: SGLang's own rule: dropped (for clients that send extra keys)
+
+
+@attrs.frozen(slots=True, kw_only=True)
+class ParseRules:
+    """The server's side of the strictness rule: its limits and what it can honour."""
+
+    unknown_keys: UnknownKeys = UnknownKeys.REFUSE
+    #: Token ids (prompt and ``stop_token_ids``) must be below it, where known.
+    vocab_size: int | None = None
+    #: SGLang's context rule, where known: ``len(input_ids) < max_context`` and
+    #: ``len(input_ids) + max_new_tokens < max_context`` (refused, never clamped, like SGLang).
+    max_context: int | None = None
+    #: ``"stream": true`` is accepted (our Dynamo worker: the 1.6 frontend always streams).
+    allow_stream: bool = False
+    #: ``max_new_tokens: 0`` (prefill only) is accepted; the result's ``prefill_only`` says so.
+    allow_prefill_only: bool = False
+    #: JSON nesting depth of the whole body (SGLang's deepest field is 4 levels down).
+    max_depth: int = 16
+    #: Longest prompt when no context is known.
+    max_input_ids: int = 1 << 22
+    max_stop_token_ids: int = 4096
+    max_rid_chars: int = 4096
+    #: ``max_new_tokens`` when the body does not set it (SGLang's default).
+    default_max_new_tokens: int = 128
+
+
+@attrs.frozen(slots=True, kw_only=True)
+class TextOptions:
+    """SGLang's detokenisation options (defaults are SGLang's): they shape ``text`` only."""
+
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    no_stop_trim: bool = False
+
+
+@attrs.frozen(slots=True, kw_only=True)
+class NativeRequest:
+    """A parsed ``/generate`` body: the protocol's request and what only the server acts on."""
+
+    request: GenerateRequest
+    text_options: TextOptions = TextOptions()
+    #: ``return_prompt_token_ids``: the answer carries ``prompt_token_ids``.
+    return_prompt_token_ids: bool = False
+    #: ``max_new_tokens: 0``: a prefill with no output (``request`` asks for one token: ignore it).
+    prefill_only: bool = False
+    stream: bool = False
+
+
+# -- field names --------------------------------------------------------------------------------
+
+
+def native_field(field: str) -> str:
+    """Our field name (``sampling.seed``, ``request_id``) -> SGLang's (``sampling_params.sampling_seed``, ``rid``)."""
+    head, dot, rest = field.partition(".")
+    if head == "sampling" and dot:
+        name, bracket, index = rest.partition("[")
+        return f"sampling_params.{_OURS_TO_NATIVE.get(name, name)}{bracket}{index}"
+    name, bracket, index = field.partition("[")
+    return f"{_TOP_OURS_TO_NATIVE.get(name, name)}{bracket}{index}"
+
+
+def our_field(field: str) -> str:
+    """SGLang's field name -> ours (the inverse of :func:`native_field`)."""
+    head, dot, rest = field.partition(".")
+    if head == "sampling_params" and dot:
+        name, bracket, index = rest.partition("[")
+        return f"sampling.{_NATIVE_TO_OURS.get(name, name)}{bracket}{index}"
+    name, bracket, index = field.partition("[")
+    return f"{_TOP_NATIVE_TO_OURS.get(name, name)}{bracket}{index}"
+
+
+def _renamed(exc: InvalidRequest) -> InvalidRequest:
+    """``exc`` naming the field as a native caller spelled it."""
+    return InvalidRequest(native_field(exc.field), exc.reason)
+
+
+# -- GenerateRequest -> body ---------------------------------------------------------------------
+
+
+def sampling_params_body(s: SamplingParams) -> dict[str, Any]:
+    """Only keys SGLang knows; every value explicit (server defaults differ between versions)."""
+    body: dict[str, Any] = {
+        "max_new_tokens": s.max_new_tokens,
+        "temperature": s.temperature,
+        "top_p": s.top_p,
+        "top_k": s.top_k,
+        "min_p": s.min_p,
+        "ignore_eos": s.ignore_eos,
+        "repetition_penalty": s.repetition_penalty,
+        "frequency_penalty": s.frequency_penalty,
+        "presence_penalty": s.presence_penalty,
+        "skip_special_tokens": False,
+        "no_stop_trim": True,
+    }
+    if s.stop_token_ids:
+        body["stop_token_ids"] = list(s.stop_token_ids)
+    if s.min_new_tokens:
+        body["min_new_tokens"] = s.min_new_tokens
+    if s.seed is not None:
+        body["sampling_seed"] = s.seed
+    return body
+
+
+def request_body(request: GenerateRequest, *, stream: bool = False) -> dict[str, Any]:
+    """SGLang's ``/generate`` body for one request (``stream`` for Dynamo 1.6's native route)."""
+    body: dict[str, Any] = {
+        # The validated tuple itself: JSON encodes it as the same array, and a list copy
+        # (one 1 KB allocation per 128 tokens, freed cold after the answer) was measurable.
+        "input_ids": request.input_ids,
+        "sampling_params": sampling_params_body(request.sampling),
+        "return_logprob": request.return_logprobs,
+        "rid": request.request_id,
+    }
+    if stream:
+        body["stream"] = True
+    return body
+
+
+# -- body -> GenerateRequest ---------------------------------------------------------------------
+
+
+def _type_name(v: object) -> str:
+    return "null" if v is None else type(v).__name__
+
+
+def _int(field: str, v: object, *, low: int = _INT64_MIN, high: int = _INT64_MAX) -> int:
+    if type(v) is not int:  # JSON ints are exact ints; a bool is not one
+        raise InvalidRequest(field, f"must be an integer, got {_type_name(v)}")
+    if not _INT64_MIN <= v <= _INT64_MAX:
+        raise InvalidRequest(field, f"{v} does not fit a signed 64-bit integer")
+    if not low <= v <= high:
+        raise InvalidRequest(field, f"must be in [{low}, {high}], got {v}")
+    return v
+
+
+def _number(field: str, v: object) -> float:
+    if type(v) is not float and type(v) is not int:
+        raise InvalidRequest(field, f"must be a number, got {_type_name(v)}")
+    if type(v) is int and not _INT64_MIN <= v <= _INT64_MAX:
+        raise InvalidRequest(field, f"{v} does not fit a signed 64-bit integer")
+    f = float(v)
+    if not math.isfinite(f):
+        raise InvalidRequest(field, f"must be finite, got {v!r}")
+    return f
+
+
+def _bool(field: str, v: object) -> bool:
+    if type(v) is not bool:
+        raise InvalidRequest(field, f"must be a boolean (true/false), got {_type_name(v)}")
+    return v
+
+
+def _str(field: str, v: object, max_chars: int) -> str:
+    if type(v) is not str:
+        raise InvalidRequest(field, f"must be a string, got {_type_name(v)}")
+    if len(v) > max_chars:
+        raise InvalidRequest(field, f"is {len(v)} characters long (at most {max_chars})")
+    return v
+
+
+def _token_ids(field: str, v: object, *, vocab: int | None, max_len: int) -> tuple[int, ...]:
+    if type(v) is not list:
+        raise InvalidRequest(field, f"must be a list of token ids, got {_type_name(v)}")
+    if len(v) > max_len:
+        raise InvalidRequest(field, f"has {len(v)} token ids (at most {max_len})")
+    top = _INT64_MAX if vocab is None else vocab - 1
+    # The common case in C-level passes; anything else names its first offending entry.
+    if not v or (countOf(map(type, v), int) == len(v) and min(v) >= 0 and max(v) <= top):
+        return tuple(v)
+    for i, t in enumerate(v):
+        if type(t) is list:
+            raise InvalidRequest(field, "batches (a list of lists) are not supported: send one request per prompt")
+        _int(f"{field}[{i}]", t)
+        if t < 0:
+            raise InvalidRequest(f"{field}[{i}]", f"token ids are >= 0, got {t}")
+        if t > top:
+            raise InvalidRequest(f"{field}[{i}]", f"token id {t} is outside the vocabulary [0, {vocab})")
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def check_depth(value: Any, max_depth: int, field: str = "body") -> None:
+    """Refuse JSON nested deeper than ``max_depth`` (a typed 400, not a RecursionError 500).
+
+    Iterative, and lists of plain scalars are passed over in one C-level pass each (a long
+    ``input_ids`` costs no Python frame per token)."""
+    stack: list[tuple[str, Any, int]] = [(field, value, 1)]
+    while stack:
+        path, v, depth = stack.pop()
+        if depth > max_depth:
+            raise InvalidRequest(path, f"nested deeper than {max_depth} levels")
+        if type(v) is dict:
+            for k, x in v.items():
+                if type(x) is dict or type(x) is list:
+                    stack.append((k if path == field else f"{path}.{k}", x, depth + 1))
+        elif type(v) is list:
+            if countOf(map(type, v), list) == 0 and countOf(map(type, v), dict) == 0:
+                continue
+            for i, x in enumerate(v):
+                if type(x) is dict or type(x) is list:
+                    stack.append((f"{path}[{i}]", x, depth + 1))
+
+
+def _unset(v: object) -> bool:
+    """Null, false or empty: SGLang's "not asked for"."""
+    return v is None or v is False or ((type(v) is str or type(v) is list or type(v) is dict) and not v)
+
+
+#: Sampling keys whose meaning is not part of the protocol: refused while set.
+_SAMPLING_REFUSED = {
+    "stop": "stop strings are not part of the protocol; use stop_token_ids",
+    "stop_regex": "stop regexes are not part of the protocol; use stop_token_ids",
+    "logit_bias": "logit_bias is not part of the protocol",
+    "json_schema": "constrained decoding is not part of the protocol",
+    "regex": "constrained decoding is not part of the protocol",
+    "ebnf": "constrained decoding is not part of the protocol",
+    "structural_tag": "constrained decoding is not part of the protocol",
+    "choice": "constrained decoding is not part of the protocol",
+    "custom_params": "custom logit processors are not part of the protocol",
+    "watermark": "watermarking is not part of the protocol",
+}
+_SAMPLING_FLOATS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+    "frequency_penalty": "frequency_penalty",
+    "presence_penalty": "presence_penalty",
+}
+_TEXT_KEYS = ("skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim")
+
+
+def parse_sampling(
+    params: object,
+    *,
+    field: str = "sampling_params",
+    rules: ParseRules = ParseRules(),
+    prompt_len: int | None = None,
+) -> tuple[SamplingParams | None, TextOptions]:
+    """SGLang's ``sampling_params`` -> ``SamplingParams`` and the text options.
+
+    ``None`` values mean SGLang's default. The ``SamplingParams`` is ``None`` for
+    ``max_new_tokens: 0`` (prefill only), which only ``rules.allow_prefill_only`` accepts. With
+    ``prompt_len`` and ``rules.max_context``, SGLang's context rule applies.
+    """
+    if params is None:
+        params = {}
+    if type(params) is list:
+        raise InvalidRequest(field, "a list of sampling_params (a batch) is not supported: send one request each")
+    if type(params) is not dict:
+        raise InvalidRequest(field, f"must be an object, got {_type_name(params)}")
+    ours: dict[str, Any] = {}
+    text: dict[str, bool] = {}
+    max_new: int | None = rules.default_max_new_tokens
+    for key, v in params.items():
+        f = f"{field}.{key}"
+        if key not in SAMPLING_PARAM_KEYS:
+            raise InvalidRequest(f, f"unknown sampling parameter (SGLang's are: {', '.join(SAMPLING_PARAM_KEYS)})")
+        if v is None:
+            if key == "max_new_tokens":
+                max_new = None
+            continue
+        if key == "max_new_tokens":
+            max_new = _int(f, v, low=0)
+        elif key in _SAMPLING_FLOATS:
+            x = _number(f, v)
+            if key == "temperature" and 0.0 <= x < _GREEDY_EPS:
+                x = 0.0
+            ours[_SAMPLING_FLOATS[key]] = x
+        elif key == "top_k":
+            ours["top_k"] = _int(f, v)
+        elif key == "min_new_tokens":
+            ours["min_new_tokens"] = _int(f, v, low=0)
+        elif key == "stop_token_ids":
+            ours["stop_token_ids"] = _token_ids(f, v, vocab=rules.vocab_size, max_len=rules.max_stop_token_ids)
+        elif key == "ignore_eos":
+            ours["ignore_eos"] = _bool(f, v)
+        elif key == "sampling_seed":
+            # SGLang takes a signed int64; the protocol's seed is [0, 2**63): map it there.
+            ours["seed"] = _int(f, v) % 2**63
+        elif key == "n":
+            if _int(f, v) != 1:
+                raise InvalidRequest(f, "n > 1 is not supported: send n requests (one per sample)")
+        elif key == "beam_width":
+            if _int(f, v) not in (0, 1):
+                raise InvalidRequest(f, "beam search is not part of the protocol")
+        elif key == "stream_interval":
+            _int(f, v, low=1)  # shapes streamed chunks only: nothing to honour in one answer
+        elif key in _TEXT_KEYS:
+            text[key] = _bool(f, v)
+        elif not _unset(v):
+            raise InvalidRequest(f, _SAMPLING_REFUSED[key])
+    ctx = rules.max_context
+    if max_new is None:
+        if ctx is None or prompt_len is None:
+            raise InvalidRequest(f"{field}.max_new_tokens", "null (up to the context) needs a known context length")
+        max_new = ctx - prompt_len - 1
+    if ctx is not None and prompt_len is not None and prompt_len + max_new >= ctx:
+        # SGLang's TokenizerManager rule and words (refused, not truncated).
+        raise InvalidRequest(
+            f"{field}.max_new_tokens",
+            f"Requested token count exceeds the model's maximum context length of {ctx} tokens. You requested "
+            f"a total of {prompt_len + max_new} tokens: {prompt_len} tokens from the input messages and "
+            f"{max_new} tokens for the completion.",
+        )
+    opts = TextOptions(**text)
+    if max_new == 0:
+        if not rules.allow_prefill_only:
+            raise InvalidRequest(f"{field}.max_new_tokens", "0 (a prefill with no output) is not supported")
+        ours.pop("min_new_tokens", None)
+        return None, opts
+    ours["max_new_tokens"] = max_new
+    try:
+        return SamplingParams(**ours), opts
+    except InvalidRequest as exc:
+        name = exc.field.removeprefix("sampling.")
+        name, bracket, index = name.partition("[")
+        raise InvalidRequest(f"{field}.{_OURS_TO_NATIVE.get(name, name)}{bracket}{index}", exc.reason) from None
+
+
+#: Top-level keys the protocol carries (read by :func:`parse_request`).
+_CARRIED = frozenset(
+    {"input_ids", "text", "sampling_params", "rid", "return_logprob", "stream", "return_prompt_token_ids",
+     "routing_key", "logprob_start_len", "top_logprobs_num", "token_ids_logprob"}
+)  # fmt: skip
+#: Keys that change nothing in one non-streamed token answer (or that smg adds to every request it
+#: forwards: ``model``, ``log_metrics``, ``background``, ``no_logs``, ``return_bytes``,
+#: ``return_entropy``, docs/smg-notes.md §3): accepted when their JSON type is right.
+_INERT: dict[str, str] = {
+    "model": "str",
+    "log_metrics": "bool",
+    "no_logs": "bool",
+    "return_text_in_logprobs": "bool",
+    "extra_key": "str",
+    "cache_salt": "str",
+    "priority": "int",
+    "custom_labels": "dict",
+    "conversation_id": "str",
+    "session_id": "str",
+    "routed_dp_rank": "int",
+    "data_parallel_rank": "int",
+    "received_time": "number",
+    "external_trace_header": "dict",
+}
+
+
+def _check_inert(key: str, kind: str, v: object) -> None:
+    if v is None:
+        return
+    if kind == "str":
+        _str(key, v, 1 << 16)
+    elif kind == "bool":
+        _bool(key, v)
+    elif kind == "int":
+        _int(key, v)
+    elif kind == "number":
+        _number(key, v)
+    elif type(v) is not dict:
+        raise InvalidRequest(key, f"must be an object, got {_type_name(v)}")
+
+
+#: Keys SGLang defines that the protocol cannot honour: refused while set (not null/false/empty).
+_TOP_REFUSED = {
+    "input_embeds": "input embeddings are not part of the protocol (send input_ids)",
+    "image_data": "multimodal input is not part of the protocol",
+    "video_data": "multimodal input is not part of the protocol",
+    "audio_data": "multimodal input is not part of the protocol",
+    "mm_hashes": "multimodal input is not part of the protocol",
+    "mm_content_hashes": "multimodal input is not part of the protocol",
+    "modalities": "multimodal input is not part of the protocol",
+    "use_audio_in_video": "multimodal input is not part of the protocol",
+    "video_config": "multimodal input is not part of the protocol",
+    "images_config": "multimodal input is not part of the protocol",
+    "max_dynamic_patch": "multimodal input is not part of the protocol",
+    "min_dynamic_patch": "multimodal input is not part of the protocol",
+    "image_max_dynamic_patch": "multimodal input is not part of the protocol",
+    "video_max_dynamic_patch": "multimodal input is not part of the protocol",
+    "return_hidden_states": "hidden states are not part of the protocol",
+    "return_routed_experts": "routed experts are not part of the protocol",
+    "routed_experts_start_len": "routed experts are not part of the protocol",
+    "return_indexer_topk": "indexer top-k is not part of the protocol",
+    "return_entropy": "entropy is not part of the protocol",
+    "return_sampling_mask": "sampling masks are not part of the protocol",
+    "sampling_logprobs_mode": "sampling masks are not part of the protocol",
+    "return_flat_raw_top_logprobs": "top logprobs are not part of the protocol",
+    "return_flat_raw_top_logprobs_b64": "top logprobs are not part of the protocol",
+    "return_flat_raw_output_top_logprobs": "top logprobs are not part of the protocol",
+    "return_bytes": "image generation is not part of the protocol",
+    "lora_path": "LoRA is not part of the protocol",
+    "lora_id": "LoRA is not part of the protocol",
+    "custom_logit_processor": "custom logit processors are not part of the protocol",
+    "positional_embed_overrides": "embedding overrides are not part of the protocol",
+    "session_params": "sessions are not part of the protocol",
+    "bootstrap_host": "disaggregated serving is not part of the protocol",
+    "bootstrap_port": "disaggregated serving is not part of the protocol",
+    "bootstrap_room": "disaggregated serving is not part of the protocol",
+    "bootstrap_pair_key": "disaggregated serving is not part of the protocol",
+    "decode_tp_size": "disaggregated serving is not part of the protocol",
+    "disagg_prefill_dp_rank": "disaggregated serving is not part of the protocol",
+    "kv_router_hint": "KV router hints are not part of the protocol",
+    "background": "background requests are not part of the protocol",
+    "require_reasoning": "reasoning controls are not part of the protocol",
+    "max_thinking_tokens": "reasoning controls are not part of the protocol",
+    "need_wait_for_mm_inputs": "multimodal input is not part of the protocol",
+    "num_items_assigned": "multimodal input is not part of the protocol",
+    "encoder_urls": "multimodal input is not part of the protocol",
+    "multi_item_delimiter_indices": "multi-item scoring is not part of the protocol",
+    "http_worker_ipc": "internal to SGLang",
+}
+
+
+def parse_request(
+    body: object,
+    *,
+    rules: ParseRules = ParseRules(),
+    encode: Callable[[str], Sequence[int]] | None = None,
+    routing_key: str | None = None,
+    worker: str | None = None,
+    new_rid: Callable[[], str] | None = None,
+) -> NativeRequest:
+    """A ``/generate`` body -> the protocol's request. Raises ``InvalidRequest`` naming the field as
+    the caller spelled it. ``encode`` turns a ``text`` prompt into ids (a server with a tokenizer);
+    ``routing_key`` (a header) wins over the body's; ``worker`` pins the request."""
+    if type(body) is not dict:
+        raise InvalidRequest("body", f"must be a JSON object, got {_type_name(body)}")
+    check_depth(body, rules.max_depth)
+    for key, v in body.items():
+        if key in _CARRIED:
+            continue
+        kind = _INERT.get(key)
+        if kind is not None:
+            _check_inert(key, kind, v)
+            continue
+        why = _TOP_REFUSED.get(key)
+        if why is not None:
+            if not _unset(v) and not (key == "routed_experts_start_len" and v == 0):
+                raise InvalidRequest(key, why)
+            continue
+        if rules.unknown_keys is UnknownKeys.REFUSE:
+            raise InvalidRequest(key, "unknown field: SGLang's /generate has no such key (a typo?)")
+    stream = body.get("stream")
+    if stream is not None and _bool("stream", stream) and not rules.allow_stream:
+        raise InvalidRequest("stream", "streaming is not supported by this server (send stream=false)")
+    start = body.get("logprob_start_len")
+    if start is not None and _int("logprob_start_len", start) != -1:
+        raise InvalidRequest("logprob_start_len", "prompt logprobs are not part of the protocol (use -1)")
+    top = body.get("top_logprobs_num")
+    if top is not None and _int("top_logprobs_num", top) != 0:
+        raise InvalidRequest("top_logprobs_num", "top logprobs are not part of the protocol")
+    tid_lp = body.get("token_ids_logprob")
+    if tid_lp is not None and (type(tid_lp) is not list or tid_lp):
+        raise InvalidRequest("token_ids_logprob", "token-id logprobs are not part of the protocol")
+    max_len = rules.max_input_ids if rules.max_context is None else rules.max_context
+    ids_value, text = body.get("input_ids"), body.get("text")
+    if ids_value is not None and text is not None:
+        raise InvalidRequest("text", "send either text or input_ids, not both")
+    if ids_value is not None:
+        input_ids = _token_ids("input_ids", ids_value, vocab=rules.vocab_size, max_len=max_len)
+    elif text is not None:
+        if type(text) is list:
+            raise InvalidRequest("text", "batches (a list of prompts) are not supported: send one request per prompt")
+        prompt = _str("text", text, 1 << 26)
+        if encode is None:
+            raise InvalidRequest("text", "this server has no tokenizer: send input_ids")
+        input_ids = _token_ids("text", list(encode(prompt)), vocab=rules.vocab_size, max_len=max_len)
+    else:
+        raise InvalidRequest("input_ids", "Either text, input_ids or input_embeds should be provided.")
+    if not input_ids:
+        raise InvalidRequest("input_ids", "must not be empty")
+    if rules.max_context is not None and len(input_ids) >= rules.max_context:
+        raise InvalidRequest(
+            "input_ids",
+            f"The input ({len(input_ids)} tokens) is longer than the model's context length "
+            f"({rules.max_context} tokens).",
+        )
+    sampling, opts = parse_sampling(body.get("sampling_params"), rules=rules, prompt_len=len(input_ids))
+    rid = body.get("rid")
+    if type(rid) is list:
+        raise InvalidRequest("rid", "a list of rids (a batch) is not supported")
+    if rid is None:
+        rid = new_rid() if new_rid is not None else None
+    elif not _str("rid", rid, rules.max_rid_chars):
+        raise InvalidRequest("rid", "must not be empty")
+    ret_lp = body.get("return_logprob")
+    ret_lp = False if ret_lp is None else _bool("return_logprob", ret_lp)
+    ret_prompt = body.get("return_prompt_token_ids")
+    ret_prompt = False if ret_prompt is None else _bool("return_prompt_token_ids", ret_prompt)
+    key = routing_key
+    if key is None and body.get("routing_key") is not None:
+        key = _str("routing_key", body["routing_key"], rules.max_rid_chars) or None
+    extra: dict[str, Any] = {} if rid is None else {"request_id": rid}
+    try:
+        request = GenerateRequest(
+            input_ids=input_ids,
+            sampling=sampling if sampling is not None else SamplingParams(max_new_tokens=1),
+            return_logprobs=ret_lp,
+            worker=worker,
+            routing_key=key,
+            **extra,
+        )
+    except InvalidRequest as exc:
+        raise _renamed(exc) from None
+    return NativeRequest(
+        request=request,
+        text_options=opts,
+        return_prompt_token_ids=ret_prompt,
+        prefill_only=sampling is None,
+        stream=bool(stream),
+    )
+
+
+# -- Generation -> answer ------------------------------------------------------------------------
+
+
+def finish_reason_body(gen: Generation) -> dict[str, Any]:
+    """SGLang's ``meta_info.finish_reason`` object."""
+    if gen.finish_reason is FinishReason.STOP:
+        return {"type": "stop", "matched": gen.matched_stop}
+    if gen.finish_reason is FinishReason.LENGTH:
+        return {"type": "length", "length": len(gen.output_ids)}
+    return {"type": "abort", "message": ABORT_MESSAGE, "status_code": None, "err_type": None}
+
+
+def meta_info(gen: Generation, *, return_logprob: bool, worker: str | None = None) -> dict[str, Any]:
+    """SGLang's ``meta_info`` for one finished generation.
+
+    ``weight_version`` is left out when unknown (a ``null`` would read as a version to Miles).
+    ``worker`` is not SGLang's: our Dynamo worker names itself there (the frontend does not).
+    """
+    meta: dict[str, Any] = {
+        "id": gen.request_id,
+        "finish_reason": finish_reason_body(gen),
+        "prompt_tokens": gen.prompt_tokens,
+        "completion_tokens": len(gen.output_ids),
+        "cached_tokens": gen.cached_tokens,
+        "e2e_latency": gen.latency_s,
+    }
+    if gen.weight_version is not None:
+        meta["weight_version"] = gen.weight_version
+    if worker is not None:
+        meta["worker"] = worker
+    if return_logprob:
+        lps = gen.logprobs if gen.logprobs is not None else (None,) * len(gen.output_ids)
+        meta["output_token_logprobs"] = [[lp, tid, None] for lp, tid in zip(lps, gen.output_ids, strict=True)]
+    return meta
+
+
+def answer_body(
+    gen: Generation,
+    *,
+    return_logprob: bool,
+    text: str | None = None,
+    prompt_token_ids: Sequence[int] | None = None,
+    worker: str | None = None,
+) -> dict[str, Any]:
+    """SGLang's ``/generate`` answer for one request; ``text`` is left out without a tokenizer
+    (as ``--skip-tokenizer-init`` does)."""
+    body: dict[str, Any] = {}
+    if text is not None:
+        body["text"] = text
+    body["output_ids"] = list(gen.output_ids)
+    body["meta_info"] = meta_info(gen, return_logprob=return_logprob, worker=worker)
+    if prompt_token_ids is not None:
+        body["prompt_token_ids"] = list(prompt_token_ids)
+    return body
+
+
+def decode_text(tokenizer: Any, gen: Generation, opts: TextOptions) -> str:
+    """The ``text`` SGLang returns: the output decoded, the matched stop token trimmed unless
+    ``no_stop_trim`` (``output_ids`` are never trimmed). ``""`` without a tokenizer."""
+    if tokenizer is None:
+        return ""
+    ids = list(gen.output_ids)
+    if (
+        not opts.no_stop_trim
+        and gen.finish_reason is FinishReason.STOP
+        and gen.matched_stop is not None
+        and ids
+        and ids[-1] == gen.matched_stop
+    ):
+        ids = ids[:-1]
+    try:
+        text = tokenizer.decode(
+            ids,
+            skip_special_tokens=opts.skip_special_tokens,
+            spaces_between_special_tokens=opts.spaces_between_special_tokens,
+        )
+    except TypeError:  # tokenizers without the (slow-tokenizer only) spacing option
+        text = tokenizer.decode(ids, skip_special_tokens=opts.skip_special_tokens)
+    return str(text)
+
+
+# -- answer -> Generation ------------------------------------------------------------------------
+
+_FINISH = {r.value: r for r in FinishReason}
+
+
+def _fast_logprobs(entries: list[Any], out: tuple[int, ...]) -> tuple[float, ...] | None:
+    """The common case in a few C-level passes: every entry a ``[float, id, ...]`` list whose ids
+    are ``out``, no NaN. ``None`` sends the caller to ``_checked_logprobs`` (which names the fault).
+
+    ``zip(*entries)`` transposes in C: its first two columns are the logprobs and the ids, both
+    tuples, so the logprobs column is the result as is (no per-entry Python frame or copy)."""
+    n = len(entries)
+    if countOf(map(type, entries), list) != n:
+        return None
+    columns = zip(*entries, strict=False)  # stops at the shortest entry: see ``ids`` below
+    lps = next(columns, None)
+    ids = next(columns, None)  # None when some entry is shorter than [logprob, id]
+    if ids is None or lps is None or ids != out:
+        return None
+    if countOf(map(type, lps), float) != n or any(map(math.isnan, lps)):
+        return None
+    return lps
+
+
+def _checked_logprobs(entries: list[Any], out: Sequence[int], worker: str | None) -> tuple[float, ...]:
+    lps = []
+    for i, (entry, tid) in enumerate(zip(entries, out, strict=False)):
+        if not isinstance(entry, (list, tuple)) or len(entry) < 2:
+            raise ContractViolation(f"output_token_logprobs[{i}] is not [logprob, id, ...]", worker=worker)
+        lp, eid = entry[0], entry[1]
+        if eid != tid:
+            raise ContractViolation(f"output_token_logprobs[{i}] is for token {eid}, output has {tid}", worker=worker)
+        if not isinstance(lp, (int, float)) or isinstance(lp, bool) or math.isnan(lp):
+            raise ContractViolation(f"output_token_logprobs[{i}] has no logprob ({lp!r})", worker=worker)
+        lps.append(float(lp))
+    return tuple(lps)
+
+
+def _finish(meta: Mapping[str, Any], worker: str | None) -> tuple[FinishReason, int | None]:
+    fr = meta.get("finish_reason")
+    if fr is None:
+        raise ContractViolation("meta_info.finish_reason is missing", worker=worker)
+    kind = fr.get("type") if isinstance(fr, dict) else fr
+    reason = _FINISH.get(kind) if isinstance(kind, str) else None
+    if reason is None:
+        raise ContractViolation(f"unknown finish reason {fr!r}", worker=worker)
+    matched = fr.get("matched") if isinstance(fr, dict) else None
+    return reason, matched if type(matched) is int else None
+
+
+def _count(meta: Mapping[str, Any], key: str, default: int, worker: str | None) -> int:
+    v = meta.get(key)
+    if v is None:
+        return default
+    if type(v) is not int or v < 0:
+        raise ContractViolation(f"meta_info.{key} is not a count ({v!r})", worker=worker)
+    return v
+
+
+def parse_answer(request: GenerateRequest, data: object, latency_s: float, *, worker: str | None) -> Generation:
+    """SGLang's ``/generate`` answer (an object, or a one-element list) -> ``Generation``."""
+    if type(data) is list and len(data) == 1:
+        data = data[0]
+    if type(data) is not dict:
+        raise ContractViolation(f"/generate answered {_type_name(data)}, expected an object", worker=worker)
+    meta = data.get("meta_info")
+    out = data.get("output_ids")
+    if type(meta) is not dict or type(out) is not list:
+        raise ContractViolation("/generate answer lacks output_ids or meta_info", worker=worker)
+    if countOf(map(type, out), int) != len(out):
+        raise ContractViolation("output_ids are not all ints", worker=worker)
+    output_ids = tuple(out)
+    reason, matched = _finish(meta, worker)
+    logprobs: tuple[float, ...] | None = None
+    if request.return_logprobs:
+        entries = meta.get("output_token_logprobs")
+        if type(entries) is not list:
+            raise ContractViolation("meta_info.output_token_logprobs is missing", worker=worker)
+        if len(entries) != len(out):
+            raise ContractViolation(
+                f"{len(entries)} logprob entries for {len(out)} output tokens (never padded)", worker=worker
+            )
+        logprobs = _fast_logprobs(entries, output_ids) if entries else ()
+        if logprobs is None:
+            logprobs = _checked_logprobs(entries, output_ids, worker)
+    version = meta.get("weight_version")
+    rid = meta.get("id")
+    return Generation(
+        request_id=rid if type(rid) is str and rid else request.request_id,
+        output_ids=output_ids,
+        logprobs=logprobs,
+        finish_reason=reason,
+        weight_version=None if version is None else str(version),
+        prompt_tokens=_count(meta, "prompt_tokens", len(request.input_ids), worker),
+        cached_tokens=_count(meta, "cached_tokens", 0, worker),
+        worker=worker,
+        latency_s=latency_s,
+        matched_stop=matched if reason is FinishReason.STOP else None,
+    )
+
+
+# -- errors --------------------------------------------------------------------------------------
+
+
+def error_body(exc: InvalidRequest) -> dict[str, Any]:
+    """What our servers answer with HTTP 400: SGLang's ``{"error": {"message"}}`` plus the
+    OpenAI-style ``type`` and ``param`` (the field, as the caller spelled it), which smg keeps."""
+    return {"error": {"message": str(exc), "type": "invalid_request_error", "param": exc.field, "code": 400}}
+
+
+def error_message(data: object, text: str) -> str:
+    """The message of an error answer (``data`` its parsed JSON, or ``None``; ``text`` the raw body)."""
+    if isinstance(data, dict):
+        err = data.get("error", data.get("message", data.get("detail")))
+        if isinstance(err, dict):
+            return str(err.get("message", err))
+        if err is not None:
+            return str(err)
+    return text[:500]
+
+
+_UNKNOWN_FIELD = re.compile(r"unknown field `([^`]+)`")
+_NAMED_FIELD = re.compile(r"\bsampling(?:_params)?\.(\w+)")
+_OUR_SAMPLING = tuple(a.name for a in attrs.fields(SamplingParams))
+
+
+def error_field(data: object, message: str) -> str:
+    """The field an SGLang (or smg, or our servers') refusal names, in our spelling
+    (``sampling.seed``, ``request_id``); ``"request"`` where it names none."""
+    err = data.get("error") if isinstance(data, dict) else None
+    param = err.get("param") if isinstance(err, dict) else None
+    if isinstance(param, str) and param:
+        return our_field(param)
+    m = _UNKNOWN_FIELD.search(message)
+    if m:  # SGLang 0.5.23's schema gate: unknown sampling keys
+        return f"sampling.{_NATIVE_TO_OURS.get(m.group(1), m.group(1))}"
+    low = message.lower()
+    if "requested token count exceeds" in low or "max_new_tokens" in low:
+        return "sampling.max_new_tokens"
+    if "longer than the model's context length" in low:
+        return "input_ids"
+    if "duplicate request id" in low or ("rid" in low and "duplicate" in low):
+        return "request_id"
+    m = _NAMED_FIELD.search(message)
+    if m:
+        name = _NATIVE_TO_OURS.get(m.group(1), m.group(1))
+        return f"sampling.{name}"
+    for name in (*_OURS_TO_NATIVE.values(), *_OUR_SAMPLING):
+        if name in low:
+            return f"sampling.{_NATIVE_TO_OURS.get(name, name)}"
+    if "input_ids" in low or "vocabulary" in low:
+        return "input_ids"
+    return "request"

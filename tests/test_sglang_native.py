@@ -1,0 +1,318 @@
+"""The SGLang codec: round trips in both directions and the one strictness rule (hypothesis)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import attrs
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import rollout_backends as rb
+from rollout_backends import sglang_native as sn
+
+SETTINGS = settings(max_examples=200, deadline=None, database=None, derandomize=True)
+
+_ids = st.lists(st.integers(0, 2**63 - 1), min_size=1, max_size=40)
+_temperature = st.one_of(st.just(0.0), st.floats(1e-6, 100.0, allow_nan=False))
+
+
+@st.composite
+def sampling_params(draw: st.DrawFn) -> rb.SamplingParams:
+    m = draw(st.integers(1, 2**40))
+    return rb.SamplingParams(
+        max_new_tokens=m,
+        temperature=draw(_temperature),
+        top_p=draw(st.floats(1e-6, 1.0)),
+        top_k=draw(st.one_of(st.just(-1), st.integers(1, 2**40))),
+        min_p=draw(st.floats(0.0, 1.0)),
+        min_new_tokens=draw(st.integers(0, min(m, 2**20))),
+        stop_token_ids=draw(st.lists(st.integers(0, 2**63 - 1), max_size=5)),
+        ignore_eos=draw(st.booleans()),
+        seed=draw(st.one_of(st.none(), st.integers(0, 2**63 - 1))),
+        repetition_penalty=draw(st.floats(1e-3, 2.0)),
+        frequency_penalty=draw(st.floats(-2.0, 2.0)),
+        presence_penalty=draw(st.floats(-2.0, 2.0)),
+    )
+
+
+@st.composite
+def requests(draw: st.DrawFn) -> rb.GenerateRequest:
+    return rb.GenerateRequest(
+        input_ids=draw(_ids),
+        sampling=draw(sampling_params()),
+        request_id=draw(st.text(min_size=1, max_size=30)),
+        return_logprobs=draw(st.booleans()),
+    )
+
+
+def _wire(body: dict[str, Any]) -> Any:
+    """What the other side reads: the body through JSON."""
+    return json.loads(json.dumps(body))
+
+
+@SETTINGS
+@given(requests())
+def test_request_round_trips(request: rb.GenerateRequest) -> None:
+    parsed = sn.parse_request(_wire(sn.request_body(request)))
+    assert parsed.request == request
+    assert not parsed.prefill_only and not parsed.stream and not parsed.return_prompt_token_ids
+    # The body asks for raw ids in the text too (what an RL client wants).
+    assert parsed.text_options == sn.TextOptions(skip_special_tokens=False, no_stop_trim=True)
+
+
+@SETTINGS
+@given(requests(), st.text(min_size=1, max_size=10))
+def test_streamed_request_round_trips_where_streaming_is_allowed(request: rb.GenerateRequest, key: str) -> None:
+    body = _wire(sn.request_body(request, stream=True))
+    with pytest.raises(rb.InvalidRequest) as e:
+        sn.parse_request(body)
+    assert e.value.field == "stream"
+    parsed = sn.parse_request(body, rules=sn.ParseRules(allow_stream=True), routing_key=key, worker="w1")
+    assert parsed.stream and parsed.request == attrs.evolve(request, routing_key=key, worker="w1")
+
+
+@st.composite
+def generations(draw: st.DrawFn) -> tuple[rb.GenerateRequest, rb.Generation]:
+    out = tuple(draw(st.lists(st.integers(0, 2**63 - 1), max_size=20)))
+    want_lp = draw(st.booleans())
+    reason = draw(st.sampled_from(list(rb.FinishReason)))
+    lps = tuple(draw(st.lists(st.floats(-1e6, 0.0), min_size=len(out), max_size=len(out)))) if want_lp else None
+    matched = draw(st.one_of(st.none(), st.integers(0, 2**63 - 1))) if reason is rb.FinishReason.STOP else None
+    request = rb.GenerateRequest(input_ids=draw(_ids), return_logprobs=want_lp)
+    gen = rb.Generation(
+        request_id=draw(st.text(min_size=1, max_size=30)),
+        output_ids=out,
+        logprobs=lps,
+        finish_reason=reason,
+        weight_version=draw(st.one_of(st.none(), st.text(min_size=1, max_size=10))),
+        prompt_tokens=draw(st.integers(0, 2**31)),
+        cached_tokens=draw(st.integers(0, 2**31)),
+        worker=draw(st.one_of(st.none(), st.text(min_size=1, max_size=10))),
+        latency_s=draw(st.floats(0.0, 1e4)),
+        matched_stop=matched,
+    )
+    return request, gen
+
+
+@SETTINGS
+@given(generations(), st.one_of(st.none(), st.text(max_size=20)))
+def test_generation_round_trips(pair: tuple[rb.GenerateRequest, rb.Generation], text: str | None) -> None:
+    request, gen = pair
+    body = _wire(sn.answer_body(gen, return_logprob=request.return_logprobs, text=text, worker="ignored-name"))
+    assert ("text" in body) == (text is not None)
+    back = sn.parse_answer(request, body, gen.latency_s, worker=gen.worker)
+    assert back == gen
+
+
+def test_one_abort_shape() -> None:
+    gen = rb.Generation(request_id="r", output_ids=(1,), logprobs=None, finish_reason=rb.FinishReason.ABORT,
+                        weight_version=None, prompt_tokens=1)  # fmt: skip
+    assert sn.finish_reason_body(gen) == {"type": "abort", "message": sn.ABORT_MESSAGE, "status_code": None,
+                                          "err_type": None}  # fmt: skip
+    assert "weight_version" not in sn.meta_info(gen, return_logprob=False)
+
+
+# -- the strictness rule ---------------------------------------------------------------------------
+
+
+def _nested_list(depth: int) -> Any:
+    v: Any = 1
+    for _ in range(depth):
+        v = [v]
+    return v
+
+
+def _nested_dict(keys: str) -> Any:
+    v: Any = {}
+    for k in reversed(keys):
+        v = {k: v}
+    return v
+
+
+#: (where in the body, a wrong value, the field the refusal must name)
+BAD_VALUES: list[tuple[tuple[str, ...], Any, str]] = [
+    (("return_logprob",), "false", "return_logprob"),
+    (("return_logprob",), 1, "return_logprob"),
+    (("rid",), 7, "rid"),
+    (("rid",), "", "rid"),
+    (("stream",), "no", "stream"),
+    (("input_ids",), [1, True], "input_ids[1]"),
+    (("input_ids",), [1, 2**70], "input_ids[1]"),
+    (("input_ids",), [1, -1], "input_ids[1]"),
+    (("input_ids",), [1, 2.0], "input_ids[1]"),
+    (("input_ids",), [[1], [2]], "input_ids"),
+    (("input_ids",), [], "input_ids"),
+    (("input_ids",), "1 2", "input_ids"),
+    (("sampling_params",), [{}], "sampling_params"),
+    (("sampling_params",), "greedy", "sampling_params"),
+    (("sampling_params", "max_new_tokens"), 2**64, "sampling_params.max_new_tokens"),
+    (("sampling_params", "max_new_tokens"), 16.0, "sampling_params.max_new_tokens"),
+    (("sampling_params", "max_new_tokens"), True, "sampling_params.max_new_tokens"),
+    (("sampling_params", "max_new_tokens"), -1, "sampling_params.max_new_tokens"),
+    (("sampling_params", "max_new_tokens"), 0, "sampling_params.max_new_tokens"),
+    (("sampling_params", "temperature"), "0.5", "sampling_params.temperature"),
+    (("sampling_params", "temperature"), -1.0, "sampling_params.temperature"),
+    (("sampling_params", "top_p"), 0.0, "sampling_params.top_p"),
+    (("sampling_params", "top_k"), 0, "sampling_params.top_k"),
+    (("sampling_params", "top_k"), 2**64, "sampling_params.top_k"),
+    (("sampling_params", "ignore_eos"), "false", "sampling_params.ignore_eos"),
+    (("sampling_params", "ignore_eos"), 0, "sampling_params.ignore_eos"),
+    (("sampling_params", "sampling_seed"), "7", "sampling_params.sampling_seed"),
+    (("sampling_params", "sampling_seed"), 2**63, "sampling_params.sampling_seed"),
+    (("sampling_params", "stop_token_ids"), [2**70], "sampling_params.stop_token_ids[0]"),
+    (("sampling_params", "stop_token_ids"), [1, "2"], "sampling_params.stop_token_ids[1]"),
+    (("sampling_params", "stop_token_ids"), 2, "sampling_params.stop_token_ids"),
+    (("sampling_params", "min_new_tokens"), 10**6, "sampling_params.min_new_tokens"),
+    (("sampling_params", "n"), 2, "sampling_params.n"),
+    (("sampling_params", "stop"), ["</s>"], "sampling_params.stop"),
+    (("sampling_params", "logit_bias"), {"5": 1.0}, "sampling_params.logit_bias"),
+    (("sampling_params", "seed"), 1, "sampling_params.seed"),
+    (("sampling_params", "skip_special_tokens"), "yes", "sampling_params.skip_special_tokens"),
+    (("return_logprobs",), True, "return_logprobs"),
+    (("return_routed_experts",), True, "return_routed_experts"),
+    (("return_hidden_states",), True, "return_hidden_states"),
+    (("image_data",), "http://x/cat.png", "image_data"),
+    (("custom_logit_processor",), "{}", "custom_logit_processor"),
+    (("lora_path",), "adapter", "lora_path"),
+    (("logprob_start_len",), 0, "logprob_start_len"),
+    (("top_logprobs_num",), 5, "top_logprobs_num"),
+    (("log_metrics",), "true", "log_metrics"),
+    (("priority",), 2**64, "priority"),
+    (("text",), "hello", "text"),
+    (("deep",), _nested_list(20), "deep" + "[0]" * 15),
+    (
+        ("sampling_params", "custom_params"),
+        _nested_dict("abcdefghijklmnop"),
+        "sampling_params.custom_params.a.b.c.d.e.f.g.h.i.j.k.l.m.n",
+    ),
+]
+
+
+def _base_body() -> dict[str, Any]:
+    return _wire(sn.request_body(rb.GenerateRequest(input_ids=[1, 2, 3], sampling=rb.SamplingParams(max_new_tokens=4))))
+
+
+def with_value(body: dict[str, Any], where: tuple[str, ...], value: Any) -> dict[str, Any]:
+    out = json.loads(json.dumps(body))
+    node = out
+    for key in where[:-1]:
+        node = node.setdefault(key, {})
+    node[where[-1]] = value
+    return out
+
+
+@pytest.mark.parametrize(("where", "value", "field"), BAD_VALUES, ids=[f for _, _, f in BAD_VALUES])
+def test_each_bad_value_names_its_field(where: tuple[str, ...], value: Any, field: str) -> None:
+    with pytest.raises(rb.InvalidRequest) as e:
+        sn.parse_request(with_value(_base_body(), where, value))
+    assert e.value.field == field, e.value
+
+
+@SETTINGS
+@given(requests(), st.sampled_from(BAD_VALUES))
+def test_any_request_with_a_bad_value_is_refused_naming_it(
+    request: rb.GenerateRequest, bad: tuple[tuple[str, ...], Any, str]
+) -> None:
+    where, value, field = bad
+    body = with_value(_wire(sn.request_body(request)), where, value)
+    if where == ("sampling_params", "min_new_tokens"):
+        body["sampling_params"]["max_new_tokens"] = 4
+    with pytest.raises(rb.InvalidRequest) as e:
+        sn.parse_request(body)
+    assert e.value.field == field
+
+
+def test_unknown_keys_refused_unless_lenient() -> None:
+    body = {**_base_body(), "return_logprob": False, "return_logprobs": True}
+    with pytest.raises(rb.InvalidRequest, match="unknown field"):
+        sn.parse_request(body)
+    lenient = sn.ParseRules(unknown_keys=sn.UnknownKeys.IGNORE)
+    assert sn.parse_request(body, rules=lenient).request.return_logprobs is False  # SGLang's rule: dropped
+    # Unknown sampling keys: SGLang refuses them too, so lenient does as well.
+    with pytest.raises(rb.InvalidRequest) as e:
+        sn.parse_request(with_value(body, ("sampling_params", "seeed"), 1), rules=lenient)
+    assert e.value.field == "sampling_params.seeed"
+
+
+def test_what_smg_adds_is_accepted() -> None:
+    # docs/smg-notes.md §3: smg adds these to every body it forwards.
+    added = {"model": "unknown", "log_metrics": True, "background": False, "no_logs": False,
+             "return_bytes": False, "return_entropy": False, "logprob_start_len": -1, "top_logprobs_num": 0,
+             "return_text_in_logprobs": False, "stream": False}  # fmt: skip
+    assert sn.parse_request({**_base_body(), **added}).request.input_ids == (1, 2, 3)
+
+
+def test_vocabulary_and_context_rules() -> None:
+    rules = sn.ParseRules(vocab_size=10, max_context=8)
+    for where, value, field in [
+        (("input_ids",), [1, 10], "input_ids[1]"),
+        (("sampling_params", "stop_token_ids"), [3, 12], "sampling_params.stop_token_ids[1]"),
+        (("input_ids",), list(range(8)), "input_ids"),
+        (("sampling_params", "max_new_tokens"), 5, "sampling_params.max_new_tokens"),  # 3 + 5 >= 8: refused
+    ]:
+        with pytest.raises(rb.InvalidRequest) as e:
+            sn.parse_request(with_value(_base_body(), where, value), rules=rules)
+        assert e.value.field == field
+    ok = sn.parse_request(with_value(_base_body(), ("sampling_params", "max_new_tokens"), 4), rules=rules)
+    assert ok.request.sampling.max_new_tokens == 4
+    unlimited = sn.parse_request(with_value(_base_body(), ("sampling_params", "max_new_tokens"), None), rules=rules)
+    assert unlimited.request.sampling.max_new_tokens == 4  # up to the context
+
+
+def test_prefill_only_and_text_prompts() -> None:
+    body = with_value(_base_body(), ("sampling_params", "max_new_tokens"), 0)
+    assert sn.parse_request(body, rules=sn.ParseRules(allow_prefill_only=True)).prefill_only
+    text_body = {"text": "abc", "sampling_params": {"max_new_tokens": 2}}
+    parsed = sn.parse_request(text_body, encode=lambda s: [ord(c) for c in s])
+    assert parsed.request.input_ids == (97, 98, 99)
+
+
+def test_python_api_refuses_integers_wider_than_64_bits() -> None:
+    with pytest.raises(rb.InvalidRequest) as e:
+        rb.GenerateRequest(input_ids=[1, 2**70])
+    assert e.value.field == "input_ids[1]"
+    with pytest.raises(rb.InvalidRequest) as e:
+        rb.SamplingParams(max_new_tokens=2**64)
+    assert e.value.field == "sampling.max_new_tokens"
+    with pytest.raises(rb.InvalidRequest) as e:
+        rb.SamplingParams(stop_token_ids=[2**64])
+    assert e.value.field == "sampling.stop_token_ids[0]"
+
+
+def test_field_names_both_ways() -> None:
+    pairs = [("sampling.seed", "sampling_params.sampling_seed"), ("sampling.stop_token_ids[2]",
+             "sampling_params.stop_token_ids[2]"), ("request_id", "rid"), ("return_logprobs", "return_logprob"),
+             ("input_ids[3]", "input_ids[3]")]  # fmt: skip
+    for ours, native in pairs:
+        assert sn.native_field(ours) == native and sn.our_field(native) == ours
+
+
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [
+        ({"error": {"message": "x", "param": "sampling_params.sampling_seed"}}, "sampling.seed"),
+        ({"error": "unknown field `seed`, expected one of `max_new_tokens`"}, "sampling.seed"),
+        (
+            {"error": {"message": "Requested token count exceeds the model's maximum context length of 8"}},
+            "sampling.max_new_tokens",
+        ),
+        (
+            {"error": {"message": "The input (9 tokens) is longer than the model's context length (8 tokens)."}},
+            "input_ids",
+        ),
+        ({"error": {"message": "Duplicate request ID detected: r"}}, "request_id"),
+        ({"error": {"message": "sampling.stop_token_ids[0]: token id 99 >= vocab size 10"}}, "sampling.stop_token_ids"),
+        ({"error": {"message": "something else entirely"}}, "request"),
+    ],
+)
+def test_error_field(body: dict[str, Any], field: str) -> None:
+    assert sn.error_field(body, sn.error_message(body, "")) == field
+
+
+def test_error_body_carries_the_callers_field() -> None:
+    body = sn.error_body(rb.InvalidRequest("sampling_params.top_k", "must be -1 or >= 1"))
+    assert body["error"]["param"] == "sampling_params.top_k" and "must be" in body["error"]["message"]
+    assert sn.error_field(body, "") == "sampling.top_k"
