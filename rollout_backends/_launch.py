@@ -26,20 +26,27 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
 
 import attrs
 
-from rollout_backends._errors import BackendUnavailable
-from rollout_backends._supervisor import ProcessSpec, free_port
+from rollout_backends._errors import BackendUnavailable, InvalidRequest, Unsupported
+from rollout_backends._supervisor import ProcessSpec, ReadyProgress, Supervisor, free_port
 
 if TYPE_CHECKING:
     from rollout_backends._fleet import HttpFleetBackend
 
 __all__ = [
+    "ConnectableEngine",
     "EngineCommand",
     "EngineInfo",
     "EntryCommand",
     "Launch",
+    "Local",
+    "LocalEngines",
     "NodeContext",
+    "PlacedEngines",
+    "Placement",
+    "RunningFleet",
     "carry",
     "env_map",
+    "launch_fleet",
     "pick_port",
     "run_launcher_cli",
     "split_passthrough",
@@ -239,17 +246,335 @@ class EngineCommand(Protocol):
 
 
 @runtime_checkable
+class ConnectableEngine(EngineCommand, Protocol):
+    """An engine command that can build the backend of a fleet with no entry (SGLang-native
+    servers: generation to engine 0, control to each)."""
+
+    async def connect(self, entry_url: str | None, engines: Sequence[EngineInfo], **kwargs: Any) -> HttpFleetBackend:
+        ...
+
+
+@runtime_checkable
 class EntryCommand(Protocol):
-    """An adapter's fleet entry point (router, frontend), started by the fleet after its engines."""
+    """An adapter's fleet entry point (router, frontend), started on the launcher's node."""
 
     @property
     def grace(self) -> float: ...
 
+    @property
+    def starts_with_engines(self) -> bool:
+        """True: :func:`launch_fleet` starts it as soon as the engines are spawned (it finds them
+        itself, or is given them by :meth:`attach`); False: once every engine is ready (it is given
+        them on its command line, which a router may check at start-up)."""
+        ...
+
     def build(self, ctx: NodeContext, engines: Sequence[EngineInfo]) -> Launch: ...
+
+    async def attach(self, entry_url: str, engines: Sequence[EngineInfo], *, timeout: float) -> None:
+        """Once it is ready: make it route to every engine (a router's ``POST /workers``) and return
+        when it does; ``BackendUnavailable`` after ``timeout`` seconds. A no-op where the ready
+        check already says so (a Dynamo frontend listing every instance)."""
+        ...
 
     async def connect(self, entry_url: str, engines: Sequence[EngineInfo], **kwargs: Any) -> HttpFleetBackend:
         """The ``RolloutBackend`` over the entry and the engines' control URLs."""
         ...
+
+
+# -- one way to launch a fleet ------------------------------------------------------------------
+
+
+@runtime_checkable
+class PlacedEngines(Protocol):
+    """A fleet's engines once a :class:`Placement` has started them."""
+
+    @property
+    def engines(self) -> Sequence[EngineInfo]: ...
+
+    @property
+    def pending(self) -> Sequence[str]:
+        """Names of engine processes in the launcher's supervisor that are not ready yet (a
+        placement that waits elsewhere, as Ray's actors do, has none)."""
+        ...
+
+    def entry_node(self, log_dir: str, fixed: Mapping[str, int] | None = None) -> NodeContext:
+        """The node an entry of this fleet runs on (the launcher's), sharing the ports picked so far."""
+        ...
+
+    async def aclose(self, *, grace: float | None = None) -> None:
+        """Stop what the placement started outside the launcher's supervisor (idempotent)."""
+        ...
+
+
+@runtime_checkable
+class Placement(Protocol):
+    """Where a fleet's engines run: :class:`Local` (this host, the launcher's supervisor) or
+    ``rollout_backends.ray.Ray`` (one actor per engine on a Ray cluster)."""
+
+    async def place(
+        self,
+        commands: Sequence[EngineCommand],
+        supervisor: Supervisor,
+        *,
+        ready_timeout: float,
+        progress: Callable[[ReadyProgress], None] | None = None,
+    ) -> PlacedEngines:
+        """Start one engine per command (engine ``i`` runs ``commands[i]``); on failure stop them and raise."""
+        ...
+
+
+def _port_maps(value: Sequence[Mapping[str, int]] | None) -> tuple[Mapping[str, int], ...]:
+    return tuple(_ports(m) for m in (value or ()))
+
+
+def _gpu_lists(value: Sequence[Sequence[str]] | None) -> tuple[tuple[str, ...], ...]:
+    return tuple(str_tuple(g) for g in (value or ()))
+
+
+@attrs.frozen(kw_only=True)
+class Local:
+    """Every engine on this host, under the launcher's supervisor (named ``worker-<i>``).
+
+    ``gpu_ids``: each engine's GPUs (its ``CUDA_VISIBLE_DEVICES``; empty: none given). ``engine_ports``:
+    each engine's fixed ports by role (empty: all picked); ``entry_ports``: the entry's.
+    """
+
+    host: str = "127.0.0.1"
+    gpu_ids: tuple[tuple[str, ...], ...] = attrs.field(factory=tuple, converter=_gpu_lists)
+    engine_ports: tuple[Mapping[str, int], ...] = attrs.field(factory=tuple, converter=_port_maps)
+    entry_ports: Mapping[str, int] = attrs.field(factory=dict, converter=_ports)
+
+    async def place(
+        self,
+        commands: Sequence[EngineCommand],
+        supervisor: Supervisor,
+        *,
+        ready_timeout: float,
+        progress: Callable[[ReadyProgress], None] | None = None,
+    ) -> LocalEngines:
+        n = len(commands)
+        for name, given in (("gpu_ids", self.gpu_ids), ("engine_ports", self.engine_ports)):
+            if given and len(given) != n:
+                raise InvalidRequest(name, f"{len(given)} entries for {n} engines")
+        placed = LocalEngines(host=self.host, entry_ports=self.entry_ports)
+        # No pick may take a port fixed for a process that starts later.
+        placed.picked.update(p for ports in (*self.engine_ports, self.entry_ports) for p in ports.values())
+        for i, command in enumerate(commands):
+            ctx = NodeContext.on(i, self.host, str(supervisor.log_dir),
+                                 gpu_ids=self.gpu_ids[i] if self.gpu_ids else (), picked=placed.picked,
+                                 fixed=self.engine_ports[i] if self.engine_ports else None)  # fmt: skip
+            launch = command.build(ctx).named(f"worker-{i}")
+            proc = await supervisor.start(launch.spec)
+            placed.engines.append(launch.info(ctx, proc.pid))
+            placed.pending.append(launch.spec.name)
+        return placed
+
+
+@attrs.define(kw_only=True, eq=False)
+class LocalEngines:
+    """Engines :class:`Local` started (they stop with the launcher's supervisor)."""
+
+    host: str
+    entry_ports: Mapping[str, int]
+    engines: list[EngineInfo] = attrs.field(factory=list)
+    pending: list[str] = attrs.field(factory=list)
+    #: Every port handed out on this host by this fleet (picks never repeat one).
+    picked: set[int] = attrs.field(factory=set)
+
+    def entry_node(self, log_dir: str, fixed: Mapping[str, int] | None = None) -> NodeContext:
+        ports = self.entry_ports if fixed is None else fixed
+        return NodeContext.on(-1, self.host, log_dir, picked=self.picked, fixed=ports)
+
+    async def aclose(self, *, grace: float | None = None) -> None:
+        return None
+
+
+@attrs.define(kw_only=True, eq=False)
+class RunningFleet:
+    """A fleet :func:`launch_fleet` started: its engines, its entry, and ``connect()``.
+
+    ``aclose`` closes the backends ``connect`` handed out, then the supervisor (the entry and any
+    engine under it) when ``launch_fleet`` made it (one passed in is its owner's to close), then
+    whatever the placement started elsewhere (Ray's actors).
+    """
+
+    commands: tuple[EngineCommand, ...]
+    entry: EntryCommand | None
+    entry_launch: Launch | None
+    supervisor: Supervisor
+    placed: PlacedEngines
+    owns_supervisor: bool
+    #: Entries :meth:`add_entry` started, by process name.
+    extra_entries: dict[str, Launch] = attrs.field(factory=dict)
+    _backends: list[HttpFleetBackend] = attrs.field(factory=list)
+    _closed: bool = False
+
+    @property
+    def engines(self) -> tuple[EngineInfo, ...]:
+        return tuple(self.placed.engines)
+
+    @property
+    def entry_url(self) -> str | None:
+        """The entry's URL (``None`` without one)."""
+        return None if self.entry_launch is None else _entry_url(self.entry_launch)
+
+    @property
+    def generate_url(self) -> str | None:
+        """Where unpinned generation goes: the entry, or engine 0 when there is none."""
+        return self.entry_url or self.engines[0].generate_url
+
+    async def add_entry(
+        self,
+        entry: EntryCommand,
+        name: str,
+        *,
+        timeout: float,
+        fixed: Mapping[str, int] | None = None,
+        progress: Callable[[ReadyProgress], None] | None = None,
+    ) -> Launch:
+        """Start one more entry over the same engines (stopped with the fleet); return its launch
+        once it routes to every engine. For comparing router policies on warm engines."""
+        if self._closed:
+            raise BackendUnavailable("the fleet is closed")
+        launch = await _start_entry(entry, self.placed, self.supervisor, name, fixed, timeout, progress)
+        self.extra_entries[name] = launch
+        return launch
+
+    async def connect(self, **kwargs: Any) -> HttpFleetBackend:
+        """The ``RolloutBackend`` over this fleet, from the entry's ``connect`` (or, with no entry,
+        the engine command's); closed with the fleet."""
+        if self.entry is not None and self.entry_launch is not None:
+            backend = await self.entry.connect(_entry_url(self.entry_launch), self.engines, **kwargs)
+        elif isinstance(self.commands[0], ConnectableEngine):
+            backend = await self.commands[0].connect(None, self.engines, **kwargs)
+        else:
+            raise Unsupported("connect", f"{type(self.commands[0]).__name__} cannot build a backend without an entry")
+        self._backends.append(backend)
+        return backend
+
+    async def aclose(self, *, grace: float | None = None) -> None:
+        """Stop everything (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        errors: list[BaseException] = []
+        for b in self._backends:
+            try:
+                await b.aclose()
+            except Exception as exc:  # keep going: the processes must still be stopped
+                errors.append(exc)
+        try:
+            if self.owns_supervisor:
+                await self.supervisor.aclose(grace=grace)
+        except Exception as exc:
+            errors.append(exc)
+        try:
+            await self.placed.aclose(grace=grace)
+        except Exception as exc:
+            errors.append(exc)
+        if errors:
+            raise errors[0]
+
+    async def __aenter__(self) -> RunningFleet:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+
+def _entry_url(launch: Launch) -> str:
+    return launch.generate_url or launch.control_url
+
+
+async def _start_entry(
+    entry: EntryCommand,
+    placed: PlacedEngines,
+    supervisor: Supervisor,
+    name: str | None,
+    fixed: Mapping[str, int] | None,
+    timeout: float,
+    progress: Callable[[ReadyProgress], None] | None,
+    *,
+    wait: bool = True,
+) -> Launch:
+    """Build and start ``entry`` on the launcher's node; with ``wait``, wait until it is ready and attached."""
+    launch = entry.build(placed.entry_node(str(supervisor.log_dir), fixed), placed.engines)
+    if name is not None:
+        launch = launch.named(name)
+    await supervisor.start(launch.spec)
+    if wait:
+        await supervisor.wait_ready([launch.spec.name], timeout=timeout, progress=progress)
+        await _attach(entry, launch, placed, supervisor, timeout)
+    return launch
+
+
+async def _attach(
+    entry: EntryCommand, launch: Launch, placed: PlacedEngines, supervisor: Supervisor, timeout: float
+) -> None:
+    try:
+        await entry.attach(_entry_url(launch), placed.engines, timeout=timeout)
+    except BackendUnavailable as exc:
+        tail = supervisor.log_tail(launch.spec.name)
+        raise BackendUnavailable(f"{exc}; last lines of its log:\n{tail}", worker=exc.worker) from exc
+
+
+async def launch_fleet(
+    engine: EngineCommand | Sequence[EngineCommand],
+    n: int,
+    entry: EntryCommand | None = None,
+    placement: Placement | None = None,
+    *,
+    supervisor: Supervisor | None = None,
+    log_dir: str | None = None,
+    ready_timeout: float = 600.0,
+    entry_timeout: float | None = None,
+    entry_name: str | None = None,
+    progress: Callable[[ReadyProgress], None] | None = None,
+) -> RunningFleet:
+    """Start ``n`` engines (``engine``, or ``engine[i]`` for engine ``i``) where ``placement`` says
+    (default :class:`Local`), then the fleet's ``entry`` on this node; return once the entry routes
+    to every engine.
+
+    The one start-up loop of every fleet: spawn the engines; start an entry that
+    ``starts_with_engines`` at once (a Dynamo frontend, a router given its workers later); wait until
+    every engine (and that entry) is ready, within ``ready_timeout``; otherwise start the entry now
+    and wait for it (``entry_timeout``, default ``ready_timeout``); then ``entry.attach``. On any
+    failure everything started is stopped (a ``supervisor`` passed in is the caller's to close)
+    and the error is raised: ``BackendUnavailable`` with the log tails of what did not come up.
+    """
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise InvalidRequest("n", f"must be an int >= 1, got {n!r}")
+    commands = tuple(engine) if isinstance(engine, Sequence) else (engine,) * n
+    if len(commands) != n:
+        raise InvalidRequest("engine", f"{len(commands)} engine commands for {n} engines")
+    where: Placement = placement if placement is not None else Local()
+    owns = supervisor is None
+    sup = supervisor if supervisor is not None else Supervisor(log_dir)
+    late_timeout = ready_timeout if entry_timeout is None else entry_timeout
+    placed: PlacedEngines | None = None
+    try:
+        placed = await where.place(commands, sup, ready_timeout=ready_timeout, progress=progress)
+        launch: Launch | None = None
+        waiting = list(placed.pending)
+        if entry is not None and entry.starts_with_engines:
+            launch = await _start_entry(entry, placed, sup, entry_name, None, ready_timeout, progress, wait=False)
+            waiting.append(launch.spec.name)
+        await sup.wait_ready(waiting, timeout=ready_timeout, progress=progress)
+        if entry is not None and launch is None:
+            launch = await _start_entry(entry, placed, sup, entry_name, None, late_timeout, progress, wait=False)
+            await sup.wait_ready([launch.spec.name], timeout=late_timeout, progress=progress)
+        if entry is not None and launch is not None:
+            await _attach(entry, launch, placed, sup, late_timeout)
+    except BaseException:
+        try:
+            if owns:
+                await sup.aclose()
+        finally:
+            if placed is not None:
+                await placed.aclose()
+        raise
+    return RunningFleet(commands=commands, entry=entry, entry_launch=launch, supervisor=sup, placed=placed,
+                        owns_supervisor=owns)  # fmt: skip
 
 
 # -- a launcher's command line ------------------------------------------------------------------

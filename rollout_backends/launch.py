@@ -14,17 +14,33 @@ and their readiness checks::
         await sup.wait_ready([launch.spec.name], timeout=600)
         info = launch.info(ctx, proc.pid)           # what an EntryCommand's ``connect`` is given
 
+A whole fleet, the same way for every engine and every placement::
+
+    fleet = await launch_fleet(SGLangServerCommand(model_path=...), 2, SmgRouter(), Local())
+    backend = await fleet.connect()
+    ...
+    await fleet.aclose()                            # backends, entry, engines
+
+(``rollout_backends.ray.Ray(...)`` places the engines on a Ray cluster instead of ``Local()``.)
+
 Re-exports only: the names live in private modules and are public here.
 """
 
 from rollout_backends._launch import (
+    ConnectableEngine,
     EngineCommand,
     EngineInfo,
     EntryCommand,
     Launch,
+    Local,
+    LocalEngines,
     NodeContext,
+    PlacedEngines,
+    Placement,
+    RunningFleet,
     carry,
     env_map,
+    launch_fleet,
     pick_port,
     run_launcher_cli,
     split_passthrough,
@@ -45,21 +61,28 @@ from rollout_backends._supervisor import (
 )
 
 __all__ = [
+    "ConnectableEngine",
     "EngineCommand",
     "EngineInfo",
     "EntryCommand",
     "Launch",
+    "Local",
+    "LocalEngines",
     "ManagedProcess",
     "NodeContext",
+    "PlacedEngines",
+    "Placement",
     "ProcessSpec",
     "ProcessState",
     "ReadyCheck",
     "ReadyProgress",
+    "RunningFleet",
     "Supervisor",
     "carry",
     "env_map",
     "free_port",
     "group_members",
+    "launch_fleet",
     "pick_port",
     "port_in_use",
     "redact_argv",

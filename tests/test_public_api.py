@@ -27,9 +27,10 @@ EXPECTED_KIT = {
 }  # fmt: skip
 
 EXPECTED_LAUNCH = {
-    "EngineCommand", "EngineInfo", "EntryCommand", "Launch", "ManagedProcess", "NodeContext",
-    "ProcessSpec", "ProcessState", "ReadyCheck", "ReadyProgress", "Supervisor", "carry",
-    "env_map", "free_port", "group_members", "pick_port", "port_in_use", "redact_argv",
+    "ConnectableEngine", "EngineCommand", "EngineInfo", "EntryCommand", "Launch", "Local",
+    "LocalEngines", "ManagedProcess", "NodeContext", "PlacedEngines", "Placement", "ProcessSpec",
+    "ProcessState", "ReadyCheck", "ReadyProgress", "RunningFleet", "Supervisor", "carry",
+    "env_map", "free_port", "group_members", "launch_fleet", "pick_port", "port_in_use", "redact_argv",
     "run_launcher_cli", "split_passthrough", "stderr_progress", "str_tuple",
 }  # fmt: skip
 

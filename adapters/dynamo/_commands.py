@@ -255,6 +255,15 @@ class DynamoFrontend:
         )
         return Launch(spec=spec, generate_url=url, control_url=url)
 
+    @property
+    def starts_with_engines(self) -> bool:
+        """The frontend discovers its workers: it starts with them (ready once it lists them all)."""
+        return True
+
+    async def attach(self, entry_url: str, engines: Sequence[EngineInfo], *, timeout: float) -> None:
+        """Nothing to do: the ready check waited until it lists every engine's instance."""
+        return None
+
     async def connect(self, entry_url: str, engines: Sequence[EngineInfo], **kwargs: Any) -> HttpFleetBackend:
         """The Dynamo backend (``rollout_backends.adapters.dynamo.connect``) over the frontend and
         every worker's system port (instance ids mapped through each worker's ``DYN_TCP_RPC_PORT``)."""

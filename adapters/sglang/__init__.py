@@ -6,11 +6,13 @@ reference servers) and a router and hands back the connected backend.
 """
 
 from ._client import connect, open_from_url
-from ._launch import SGLangServerCommand, SmgRouter, connect_engines
-from ._launcher import SGLangFleet, SGLangFleetConfig, launch_sglang_fleet, start_sglang_fleet
+from ._launch import ReferenceServerCommand, SGLangServerCommand, SmgRouter, connect_engines
+from ._launcher import RunningSGLangFleet, SGLangFleet, SGLangFleetConfig, launch_sglang_fleet, start_sglang_fleet
 from ._wire import SGLangWire, sampling_params_body
 
 __all__ = [
+    "ReferenceServerCommand",
+    "RunningSGLangFleet",
     "SGLangFleet",
     "SGLangFleetConfig",
     "SGLangServerCommand",

@@ -5,24 +5,29 @@
   generation entry); control calls still go to each engine.
 * :func:`connect_engines`: ``connect(entry or engine 0, workers=[every engine])``.
 
-The reference server's command (CPU) is ``rollout_backends.adapters.reference.ReferenceServerCommand``.
+* :class:`ReferenceServerCommand`: our CPU reference server (SGLang's native API over a
+  ``ReferenceEngine``); it lives here, with the other SGLang-native servers, so that the SGLang
+  launcher needs nothing from the reference adapter (which re-exports it).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import sys
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import attrs
 
-from rollout_backends import InvalidRequest
-from rollout_backends.kit import HttpFleetBackend
+from rollout_backends import BackendUnavailable, InvalidRequest, RolloutBackendError
+from rollout_backends.kit import HttpClient, HttpFleetBackend, HttpRequest
 from rollout_backends.launch import EngineInfo, Launch, NodeContext, ProcessSpec, ReadyCheck, env_map, str_tuple
 
 __all__ = [
     "NativeServerCommand",
+    "ReferenceServerCommand",
     "SGLangServerCommand",
     "SmgRouter",
     "connect_engines",
@@ -200,6 +205,52 @@ class SGLangServerCommand(NativeServerCommand):
 
 
 @attrs.frozen(kw_only=True)
+class ReferenceServerCommand(NativeServerCommand):
+    """One reference server (SGLang-native HTTP API over a ``ReferenceEngine``) per engine.
+
+    ``model_path`` must exist on the engine's node (shared storage), or pass ``make_model_seed``
+    to have each server write the seeded tiny model there first (one path per node: two servers
+    on one host must not share a path they both create). Port by role (``NodeContext.fixed``): ``http``.
+    """
+
+    weight_version: str = "default"
+    page_size: int = 16
+    num_threads: int = 1
+    make_model_seed: int | None = None
+    #: ``--no-compute N``: a ``NoComputeEngine`` (no model; N fixed tokens at once); ``model_path``
+    #: is then only the name the server reports.
+    no_compute: int | None = None
+    grace: float = 5.0
+
+    def build(self, ctx: NodeContext) -> Launch:
+        port = ctx.port("http")
+        url = ctx.url(port)
+        argv = [
+            self.python or sys.executable, "-m", "rollout_backends.adapters.reference.serve",
+            "--model-path", self.model_path,
+            "--host", ctx.bind_host, "--port", str(port),
+            "--worker-id", f"{ctx.advertise_host}:{port}",
+            "--weight-version", self.weight_version,
+            "--page-size", str(self.page_size),
+            "--num-threads", str(self.num_threads),
+        ]  # fmt: skip
+        if self.no_compute is not None:
+            argv += ["--no-compute", str(self.no_compute)]
+        if self.make_model_seed is not None:
+            argv += ["--make-model", str(self.make_model_seed)]
+        argv += self._common_args()
+        spec = ProcessSpec(
+            name=f"reference-{ctx.index}",
+            argv=[*argv, *self.extra_args],
+            env=self._env(ctx, OMP_NUM_THREADS=str(self.num_threads)),
+            ready=self._ready(f"{url}/health"),
+            ports=[(ctx.bind_host, port)],
+            grace=self.grace,
+        )
+        return Launch(spec=spec, generate_url=url, control_url=url)
+
+
+@attrs.frozen(kw_only=True)
 class SmgRouter:
     """A router in front of the engines (``docs/smg-notes.md``): ``python -m smg.launch_router``, or
     ``sglang_router.launch_router`` with ``router="sglang-router"``.
@@ -265,8 +316,63 @@ class SmgRouter:
         )
         return Launch(spec=spec, generate_url=url, control_url=url, extra={"prometheus_port": prom})
 
+    @property
+    def starts_with_engines(self) -> bool:
+        """Without ``--worker-urls`` it needs no engine to start: it starts with them and is given
+        them by :meth:`attach` (``POST /workers``)."""
+        return not self.register_workers
+
+    async def attach(self, entry_url: str, engines: Sequence[EngineInfo], *, timeout: float) -> None:
+        """Register every engine (``POST /workers``, unless they were on its command line) and wait
+        until the router lists each healthy."""
+        urls = [e.generate_url for e in engines if e.generate_url]
+        client = HttpClient(api_key=self.api_key, control_timeout=10.0)
+        try:
+            if not self.register_workers:
+                for url in urls:
+                    body = {"url": url, "worker_type": "regular"}
+                    resp = await client.send(HttpRequest("POST", f"{entry_url}/workers", json=body, timeout=10.0))
+                    if resp.status not in (200, 201, 202, 409):  # 409: already registered
+                        raise BackendUnavailable(
+                            f"router {entry_url}: POST /workers {url} answered HTTP {resp.status}: {resp.text[:300]}"
+                        )
+            deadline = time.monotonic() + timeout
+            while True:
+                state = await router_worker_state(client, entry_url)
+                if all(state.get(u) == "healthy" for u in urls):
+                    return
+                if time.monotonic() >= deadline:
+                    break
+                await asyncio.sleep(0.1)
+            missing = {u: state.get(u, "not listed") for u in urls if state.get(u) != "healthy"}
+            raise BackendUnavailable(
+                f"router {entry_url} does not list every worker healthy after {timeout:.0f}s: {missing}"
+            )
+        finally:
+            await client.aclose()
+
     async def connect(self, entry_url: str, engines: Sequence[EngineInfo], **kwargs: Any) -> HttpFleetBackend:
         known = ("round_robin", "random", "cache_aware")
         kwargs.setdefault("routing", self.policy if self.policy in known else "other")
         kwargs.setdefault("api_key", self.api_key)
         return await connect_engines(entry_url, engines, **kwargs)
+
+
+async def router_worker_state(client: HttpClient, router_url: str) -> dict[str, str]:
+    """Each worker a router lists (``GET /workers``, smg and sglang-router): URL -> ``healthy`` or its status."""
+    try:
+        resp = await client.send(HttpRequest("GET", f"{router_url}/workers", timeout=5.0, idempotent=True))
+    except RolloutBackendError as exc:
+        return {"<router>": str(exc)}
+    if not resp.ok:
+        return {}
+    data = resp.json()
+    entries = data.get("workers", []) if isinstance(data, dict) else data
+    state: dict[str, str] = {}
+    for e in entries if isinstance(entries, list) else []:
+        url = e.get("url") if isinstance(e, dict) else e
+        if not isinstance(url, str):
+            continue
+        healthy = e.get("is_healthy", True) if isinstance(e, dict) else True
+        state[url.rstrip("/")] = "healthy" if healthy else str(e.get("status", "unhealthy"))
+    return state

@@ -5,8 +5,9 @@
         gen = await fleet.backend.generate(GenerateRequest(input_ids=[1, 2, 3]))
     # every process (workers, router, their children) is gone here
 
-Order: every worker (and an ``smg`` router, which needs none at start) is spawned at once by the
-shared :class:`~rollout_backends.launch.Supervisor`; the launcher waits until each worker
+Order (:func:`rollout_backends.launch.launch_fleet`, the start-up loop every fleet shares): every
+worker (and an ``smg`` router, which needs none at start) is spawned at once by the shared
+:class:`~rollout_backends.launch.Supervisor`; the launcher waits until each worker
 answers its health route (progress through ``progress``; on timeout the error names what is not
 ready with the tail of its log), registers the workers with the router (``POST /workers`` on
 ``smg``; ``--worker-urls`` on ``sglang-router``, started after the workers), waits until the
@@ -22,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
-import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
@@ -30,25 +30,28 @@ from typing import Any
 
 import attrs
 
-from rollout_backends import BackendUnavailable, InvalidRequest, RolloutBackendError, RoutingKind
-from rollout_backends.kit import HttpClient, HttpFleetBackend, HttpRequest
+from rollout_backends import BackendUnavailable, InvalidRequest, RoutingKind
+from rollout_backends.kit import HttpFleetBackend
 from rollout_backends.launch import (
     EngineCommand,
     EngineInfo,
-    Launch,
+    Local,
     NodeContext,
     ReadyProgress,
+    RunningFleet,
     Supervisor,
     carry,
+    launch_fleet,
     port_in_use,
     str_tuple,
 )
 
 from ._client import connect, worker_id_of
-from ._launch import SGLangServerCommand, SmgRouter
+from ._launch import ReferenceServerCommand, SGLangServerCommand, SmgRouter
 
 __all__ = [
     "ROUTER_POLICIES",
+    "RunningSGLangFleet",
     "SGLangFleet",
     "SGLangFleetConfig",
     "engine_command",
@@ -241,8 +244,6 @@ def engine_command(config: SGLangFleetConfig, index: int) -> EngineCommand:
     c = config
     common: dict[str, Any] = {"extra_args": c.extra_server_args, "grace": c.worker_grace_s}
     if c.worker_kind == "reference":
-        from ..reference._launch import ReferenceServerCommand
-
         return carry(ReferenceServerCommand, c, num_threads=c.reference_threads, **common)
     return carry(SGLangServerCommand, c, mem_fraction_static=c.worker_mem_fraction(index), **common)
 
@@ -311,11 +312,12 @@ def _vocab_size_of(model_path: str) -> int | None:
     return v if isinstance(v, int) and v > 0 else None
 
 
-class SGLangFleet:
+class RunningSGLangFleet:
     """A launched fleet. Use ``async with launch_sglang_fleet(config) as fleet`` or
     ``fleet = await start_sglang_fleet(config)`` ... ``await fleet.aclose()``.
 
-    ``backend`` is an ``HttpFleetBackend``; closing it also stops the fleet.
+    ``backend`` is an ``HttpFleetBackend``; closing it also stops the fleet. The processes are
+    started by :func:`rollout_backends.launch.launch_fleet` (``Local`` placement), like every fleet's.
     """
 
     def __init__(
@@ -329,12 +331,7 @@ class SGLangFleet:
         self.progress = progress
         self.supervisor = supervisor or Supervisor(config.log_dir, grace=config.worker_grace_s)
         self.log_dir: Path = self.supervisor.log_dir
-        self.worker_urls: tuple[str, ...] = ()
-        self.router_url: str | None = None
-        self.router_prometheus_port: int | None = None
-        self._engines: list[EngineInfo] = []
-        #: Every port handed out on this host by this fleet (auto picks never repeat one).
-        self._picked: set[int] = set()
+        self.fleet: RunningFleet | None = None
         self._backend: HttpFleetBackend | None = None
         self._started = False
         self._closed = False
@@ -347,6 +344,19 @@ class SGLangFleet:
         if self._backend is None:
             raise RuntimeError("the fleet is not started (use `async with launch_sglang_fleet(config)`)")
         return self._backend
+
+    @property
+    def worker_urls(self) -> tuple[str, ...]:
+        return () if self.fleet is None else tuple(e.control_url for e in self.fleet.engines)
+
+    @property
+    def router_url(self) -> str | None:
+        return None if self.fleet is None else self.fleet.entry_url
+
+    @property
+    def router_prometheus_port(self) -> int | None:
+        launch = None if self.fleet is None else self.fleet.entry_launch
+        return None if launch is None else int(launch.extra["prometheus_port"])
 
     @property
     def worker_ids(self) -> tuple[str, ...]:
@@ -371,8 +381,8 @@ class SGLangFleet:
 
     # -- start ----------------------------------------------------------------------------------
 
-    def _fixed_ports(self) -> tuple[list[dict[str, int]], dict[str, int]]:
-        """The ports the config fixes (per worker, the router's by role); fails if one is bound."""
+    def placement(self) -> Local:
+        """This host, with the ports the config fixes (fails before anything starts if one is bound)."""
         c = self.config
         if c.worker_ports is not None:
             workers = list(c.worker_ports)
@@ -381,48 +391,35 @@ class SGLangFleet:
         else:
             workers = []
         router = {k: p for k, p in (("http", c.router_port), ("prometheus", c.router_prometheus_port)) if p}
-        fixed = [*workers, *router.values()]
-        busy = [p for p in fixed if port_in_use(c.host, p)]
+        busy = [p for p in (*workers, *router.values()) if port_in_use(c.host, p)]
         if busy:
             raise BackendUnavailable(f"port(s) {busy} on {c.host} are already in use; nothing was started")
-        self._picked.update(fixed)
-        return [{"http": p} for p in workers] or [{} for _ in range(c.workers)], router
+        devices = c.cuda_visible_devices
+        return Local(
+            host=c.host,
+            gpu_ids=[d.split(",") for d in devices] if devices is not None else (),
+            engine_ports=[{"http": p} for p in workers],
+            entry_ports=router,
+        )
 
-    async def _start_router(
-        self, name: str, policy: str | None = None, fixed: Mapping[str, int] | None = None
-    ) -> Launch:
-        ctx = _node(self.config, -1, str(self.log_dir), self._picked, fixed)
-        launch = router_command(self.config, policy).build(ctx, self._engines).named(name)
-        await self.supervisor.start(launch.spec)
-        return launch
-
-    async def start(self) -> SGLangFleet:
+    async def start(self) -> RunningSGLangFleet:
         """Start everything and connect the backend; on any failure stop what started and raise."""
         if self._started:
             raise RuntimeError("the fleet was already started")
         self._started = True
         c = self.config
         try:
-            worker_fixed, router_fixed = self._fixed_ports()
-            names = []
-            for i in range(c.workers):
-                ctx = _node(c, i, str(self.log_dir), self._picked, worker_fixed[i])
-                launch = engine_command(c, i).build(ctx).named(self.worker_name(i))
-                self._engines.append(launch.info(ctx, (await self.supervisor.start(launch.spec)).pid))
-                names.append(launch.spec.name)
-            self.worker_urls = tuple(e.control_url for e in self._engines)
-            router: Launch | None = None
-            if c.registration == "api":  # the router needs no workers to start: start it now
-                router = await self._start_router(self.router_name, fixed=router_fixed)
-                names.append(self.router_name)
-            await self.supervisor.wait_ready(names, timeout=c.default_startup_timeout(), progress=self.progress)
-            if c.registration == "cli":
-                router = await self._start_router(self.router_name, fixed=router_fixed)
-                await self.supervisor.wait_ready([self.router_name], timeout=c.router_timeout_s, progress=self.progress)
-            if router is not None:
-                self.router_url = router.control_url
-                self.router_prometheus_port = int(router.extra["prometheus_port"])
-                await self._register_and_wait(self.router_url, self.router_name, c.registration)
+            self.fleet = await launch_fleet(
+                [engine_command(c, i) for i in range(c.workers)],
+                c.workers,
+                None if c.router == "none" else router_command(c),
+                self.placement(),
+                supervisor=self.supervisor,
+                ready_timeout=c.default_startup_timeout(),
+                entry_timeout=c.router_timeout_s,
+                entry_name=self.router_name,
+                progress=self.progress,
+            )
             self._backend = await connect(
                 self.entry_url,
                 workers=list(self.worker_urls),
@@ -447,62 +444,13 @@ class SGLangFleet:
             raise InvalidRequest("router", "this fleet has no router kind to start another of")
         if policy not in ROUTER_POLICIES[c.router]:
             raise InvalidRequest("policy", f"{c.router} has no policy {policy!r}")
-        if self._backend is None or self._closed:
+        if self.fleet is None or self._backend is None or self._closed:
             raise RuntimeError("the fleet is not running")
         name = name or f"router-{policy}-{len(self.supervisor.names)}"
-        launch = await self._start_router(name, policy)
-        await self.supervisor.wait_ready([name], timeout=c.router_timeout_s, progress=self.progress)
-        await self._register_and_wait(launch.control_url, name, attrs.evolve(c, router_policy=policy).registration)
+        launch = await self.fleet.add_entry(
+            router_command(c, policy), name, timeout=c.router_timeout_s, fixed={}, progress=self.progress
+        )
         return launch.control_url
-
-    async def _register_and_wait(self, router_url: str, router_name: str, registration: str) -> None:
-        """Register every worker (smg: ``POST /workers``) and wait until the router lists each healthy."""
-        c = self.config
-        client = HttpClient(api_key=c.api_key, control_timeout=10.0)
-        try:
-            if registration == "api":
-                for url in self.worker_urls:
-                    req = HttpRequest("POST", f"{router_url}/workers", json={"url": url, "worker_type": "regular"})
-                    resp = await client.send(attrs.evolve(req, timeout=10.0))
-                    if resp.status not in (200, 201, 202, 409):  # 409: already registered
-                        raise BackendUnavailable(
-                            f"router {router_url}: POST /workers {url} answered HTTP {resp.status}: {resp.text[:300]}"
-                        )
-            deadline = time.monotonic() + c.router_timeout_s
-            state: dict[str, str] = {}
-            while True:
-                state = await self._router_worker_state(client, router_url)
-                if all(state.get(u) == "healthy" for u in self.worker_urls):
-                    return
-                if time.monotonic() >= deadline:
-                    break
-                await asyncio.sleep(0.1)
-            missing = {u: state.get(u, "not listed") for u in self.worker_urls if state.get(u) != "healthy"}
-            tail = self.supervisor.log_tail(router_name)
-            raise BackendUnavailable(
-                f"router {router_url} does not list every worker healthy after {c.router_timeout_s:.0f}s: "
-                f"{missing}; last lines of its log:\n{tail}"
-            )
-        finally:
-            await client.aclose()
-
-    async def _router_worker_state(self, client: HttpClient, router_url: str) -> dict[str, str]:
-        try:
-            resp = await client.send(HttpRequest("GET", f"{router_url}/workers", timeout=5.0, idempotent=True))
-        except RolloutBackendError as exc:
-            return {"<router>": str(exc)}
-        if not resp.ok:
-            return {}
-        data = resp.json()
-        entries = data.get("workers", []) if isinstance(data, dict) else data
-        state: dict[str, str] = {}
-        for e in entries if isinstance(entries, list) else []:
-            url = e.get("url") if isinstance(e, dict) else e
-            if not isinstance(url, str):
-                continue
-            healthy = e.get("is_healthy", True) if isinstance(e, dict) else True
-            state[url.rstrip("/")] = "healthy" if healthy else str(e.get("status", "unhealthy"))
-        return state
 
     # -- stop -----------------------------------------------------------------------------------
 
@@ -517,10 +465,12 @@ class SGLangFleet:
             try:
                 if self._backend is not None:
                     await self._backend.client.aclose()
+                if self.fleet is not None:
+                    await self.fleet.aclose()
             finally:
                 await self.supervisor.aclose()
 
-    async def __aenter__(self) -> SGLangFleet:
+    async def __aenter__(self) -> RunningSGLangFleet:
         if not self._started:
             await self.start()
         return self
@@ -532,20 +482,25 @@ class SGLangFleet:
 
     def __repr__(self) -> str:
         return (
-            f"<SGLangFleet {self.config.worker_kind} x{self.config.workers} router={self.config.router}"
+            f"<RunningSGLangFleet {self.config.worker_kind} x{self.config.workers} router={self.config.router}"
             f"({self.config.router_policy}) workers={list(self.worker_urls)} router_url={self.router_url}>"
         )
 
 
+#: The name the fleet had before every engine's running fleet was named ``Running<Engine>Fleet``
+#: (docs, tests and user code still use it).
+SGLangFleet = RunningSGLangFleet
+
+
 def launch_sglang_fleet(
     config: SGLangFleetConfig, *, progress: Callable[[ReadyProgress], None] | None = None
-) -> SGLangFleet:
+) -> RunningSGLangFleet:
     """An async context manager that starts the fleet on entry and stops it on exit."""
-    return SGLangFleet(config, progress=progress)
+    return RunningSGLangFleet(config, progress=progress)
 
 
 async def start_sglang_fleet(
     config: SGLangFleetConfig, *, progress: Callable[[ReadyProgress], None] | None = None
-) -> SGLangFleet:
+) -> RunningSGLangFleet:
     """Start the fleet now; stop it with ``await fleet.aclose()`` (or ``await fleet.backend.aclose()``)."""
-    return await SGLangFleet(config, progress=progress).start()
+    return await RunningSGLangFleet(config, progress=progress).start()

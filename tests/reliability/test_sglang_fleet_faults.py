@@ -36,6 +36,7 @@ from rollout_backends._fleet import HttpFleetBackend
 from rollout_backends._http import HttpClient
 from rollout_backends._supervisor import redact_argv
 from rollout_backends.adapters.sglang import SGLangFleet, SGLangFleetConfig, launch_sglang_fleet
+from rollout_backends.adapters.sglang._launch import router_worker_state
 
 from .conftest import HAS_SMG, is_loopback, listening_addresses, size
 
@@ -125,7 +126,7 @@ async def _wait_router_healthy(fleet: SGLangFleet, timeout: float = 30.0) -> Non
         deadline = time.monotonic() + timeout
         while True:
             assert fleet.router_url is not None
-            state = await fleet._router_worker_state(client, fleet.router_url)
+            state = await router_worker_state(client, fleet.router_url)
             if all(state.get(u) == "healthy" for u in fleet.worker_urls):
                 return
             assert time.monotonic() < deadline, state
