@@ -250,8 +250,9 @@ class ConnectableEngine(EngineCommand, Protocol):
     """An engine command that can build the backend of a fleet with no entry (SGLang-native
     servers: generation to engine 0, control to each)."""
 
-    async def connect(self, entry_url: str | None, engines: Sequence[EngineInfo], **kwargs: Any) -> HttpFleetBackend:
-        ...
+    async def connect(
+        self, entry_url: str | None, engines: Sequence[EngineInfo], **kwargs: Any
+    ) -> HttpFleetBackend: ...
 
 
 @runtime_checkable

@@ -10,12 +10,13 @@ event planes across hosts. See ``docs/dynamo.md`` and ``docs/multinode.md``.
 
 from ._client import connect, detect_flavor, open_from_url
 from ._commands import DynamoFrontend, DynamoWorkerCommand
-from ._launcher import DynamoFleet, RunningDynamoFleet, launch_dynamo_fleet
+from ._launcher import DynamoFleet, DynamoFleetConfig, RunningDynamoFleet, launch_dynamo_fleet
 from ._services import DynamoPlanes, EtcdNats
 from ._wire import DynamoWire, completion_body
 
 __all__ = [
     "DynamoFleet",
+    "DynamoFleetConfig",
     "DynamoFrontend",
     "DynamoPlanes",
     "DynamoWire",

@@ -2,7 +2,7 @@
 
 ::
 
-    cfg = DynamoFleet(model_path="/m/tiny", workers=2, worker_kind="reference", router_mode="kv")
+    cfg = DynamoFleetConfig(model_path="/m/tiny", workers=2, worker_kind="reference", router_mode="kv")
     async with launch_dynamo_fleet(cfg, log_dir="/tmp/run") as fleet:
         backend = await fleet.connect()
         gen = await backend.generate(GenerateRequest(input_ids=[1, 2, 3]))
@@ -30,7 +30,7 @@ import shutil
 import sys
 import tempfile
 import uuid
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -39,7 +39,18 @@ import attrs
 
 from rollout_backends import InvalidRequest
 from rollout_backends.kit import HttpFleetBackend, get_json
-from rollout_backends.launch import EngineInfo, Launch, NodeContext, Supervisor, carry, env_map, str_tuple
+from rollout_backends.launch import (
+    EngineInfo,
+    Launch,
+    Local,
+    NodeContext,
+    ReadyProgress,
+    Supervisor,
+    carry,
+    env_map,
+    launch_fleet,
+    str_tuple,
+)
 
 from ._commands import DEFAULT_STREAM_INTERVAL, DynamoFrontend, DynamoWorkerCommand
 from ._services import DynamoPlanes
@@ -47,6 +58,7 @@ from ._wire import generate_instances
 
 __all__ = [
     "DynamoFleet",
+    "DynamoFleetConfig",
     "RunningDynamoFleet",
     "WORKER_KINDS",
     "fleet_planes",
@@ -63,7 +75,7 @@ ROUTER_MODES = ("round-robin", "random", "kv", "direct", "power-of-two", "least-
 
 
 @attrs.frozen(kw_only=True)
-class DynamoFleet:
+class DynamoFleetConfig:
     """What to launch. Defaults: 2 reference workers behind a round-robin frontend, file discovery."""
 
     model_path: str = attrs.field(converter=str)
@@ -136,16 +148,21 @@ class DynamoFleet:
         return self.served_model_name or Path(self.model_path).name
 
 
+#: The config's name before every engine's was named ``<Engine>FleetConfig`` (docs, tests and
+#: user code still use it).
+DynamoFleet = DynamoFleetConfig
+
+
 # -- the fleet as launch commands (the one place its command lines come from) -------------------
 
 
-def fleet_planes(cfg: DynamoFleet, kv_dir: str | os.PathLike[str] | None = None) -> DynamoPlanes:
+def fleet_planes(cfg: DynamoFleetConfig, kv_dir: str | os.PathLike[str] | None = None) -> DynamoPlanes:
     """The fleet's discovery and planes (``kv_dir``: its ``DYN_FILE_KV`` for file discovery)."""
     file_kv = str(kv_dir) if kv_dir is not None and cfg.discovery == "file" else None
     return carry(DynamoPlanes, cfg, nats_url=cfg.nats_server, file_kv=file_kv)
 
 
-def worker_command(cfg: DynamoFleet, namespace: str, planes: DynamoPlanes) -> DynamoWorkerCommand:
+def worker_command(cfg: DynamoFleetConfig, namespace: str, planes: DynamoPlanes) -> DynamoWorkerCommand:
     """Every worker of the fleet (one ``build`` per worker); same-named config fields carry over."""
     extra = {"mocker": cfg.mocker_args, "sglang": cfg.sglang_args}.get(cfg.worker_kind, ())
     return carry(DynamoWorkerCommand, cfg, kind=cfg.worker_kind, namespace=namespace, planes=planes,
@@ -153,13 +170,13 @@ def worker_command(cfg: DynamoFleet, namespace: str, planes: DynamoPlanes) -> Dy
                  grace=10.0 if cfg.worker_kind == "sglang" else 5.0)  # fmt: skip
 
 
-def frontend_command(cfg: DynamoFleet, namespace: str, planes: DynamoPlanes) -> DynamoFrontend:
+def frontend_command(cfg: DynamoFleetConfig, namespace: str, planes: DynamoPlanes) -> DynamoFrontend:
     """The fleet's frontend; same-named config fields carry over."""
     return carry(DynamoFrontend, cfg, namespace=namespace, planes=planes, extra_args=cfg.frontend_args, grace=5.0)
 
 
 def _node(
-    cfg: DynamoFleet,
+    cfg: DynamoFleetConfig,
     index: int,
     log_dir: str | os.PathLike[str],
     picked: set[int],
@@ -181,30 +198,30 @@ class _WorkerPorts:
     nccl: int | None = None
 
 
-def _worker_launch(cfg: DynamoFleet, index: int, namespace: str, ports: _WorkerPorts) -> Launch:
+def _worker_launch(cfg: DynamoFleetConfig, index: int, namespace: str, ports: _WorkerPorts) -> Launch:
     fixed = {k: v for k, v in attrs.asdict(ports).items() if v is not None}
     return worker_command(cfg, namespace, fleet_planes(cfg)).build(_node(cfg, index, "", set(), fixed))
 
 
-def frontend_argv(cfg: DynamoFleet, namespace: str, http_port: int) -> list[str]:
+def frontend_argv(cfg: DynamoFleetConfig, namespace: str, http_port: int) -> list[str]:
     """The frontend's command line (a view of :func:`frontend_command`; every plane explicit)."""
     cmd = attrs.evolve(frontend_command(cfg, namespace, fleet_planes(cfg)), http_port=http_port)
     return list(cmd.build(_node(cfg, -1, "", set()), []).spec.argv)
 
 
-def worker_argv(cfg: DynamoFleet, index: int, namespace: str, ports: _WorkerPorts) -> list[str]:
+def worker_argv(cfg: DynamoFleetConfig, index: int, namespace: str, ports: _WorkerPorts) -> list[str]:
     """Worker ``index``'s command line on ``ports`` (a view of :func:`worker_command`)."""
     return list(_worker_launch(cfg, index, namespace, ports).spec.argv)
 
 
 def worker_env(
-    cfg: DynamoFleet, index: int, common: Mapping[str, str | None], ports: _WorkerPorts
+    cfg: DynamoFleetConfig, index: int, common: Mapping[str, str | None], ports: _WorkerPorts
 ) -> dict[str, str | None]:
     """Worker ``index``'s environment on ``ports`` over ``common`` (a view of :func:`worker_command`)."""
     return {**common, **_worker_launch(cfg, index, "ns", ports).spec.env}
 
 
-def _common_env(cfg: DynamoFleet, namespace: str, kv_dir: Path) -> dict[str, str | None]:
+def _common_env(cfg: DynamoFleetConfig, namespace: str, kv_dir: Path) -> dict[str, str | None]:
     """What every process of the fleet gets (a view of :meth:`DynamoPlanes.env`)."""
     ctx = _node(cfg, -1, "", set())
     return fleet_planes(cfg, kv_dir).env(ctx.bind_host, ctx.advertise_host, namespace=namespace)
@@ -214,14 +231,14 @@ def _common_env(cfg: DynamoFleet, namespace: str, kv_dir: Path) -> dict[str, str
 class RunningDynamoFleet:
     """A launched fleet: URLs, the supervisor, and ``connect()`` for the backend."""
 
-    config: DynamoFleet
+    config: DynamoFleetConfig
     namespace: str
     frontend_url: str
     worker_urls: tuple[str, ...]  #: each worker's system-port URL (engine routes)
     rpc_ports: Mapping[str, int]  #: worker URL -> request-plane port (maps instance ids)
     worker_names: tuple[str, ...]
     supervisor: Supervisor
-    run_dir: Path
+    run_dir: Path  #: removed on exit unless ``launch_dynamo_fleet(keep_run_dir=True)``
     #: Frontends :meth:`add_frontend` started: URL -> router mode.
     frontends: dict[str, str] = attrs.field(factory=dict)
     _backends: list[HttpFleetBackend] = attrs.field(factory=list)
@@ -256,6 +273,11 @@ class RunningDynamoFleet:
         await self.supervisor.wait_ready([name], timeout=timeout)
         self.frontends[launch.control_url] = router_mode
         return launch.control_url
+
+    @property
+    def log_dir(self) -> Path:
+        """Where every process's ``<name>.log`` is (``log_dir`` if given, else ``run_dir / "logs"``)."""
+        return self.supervisor.log_dir
 
     def frontends_ports(self) -> list[int]:
         """The HTTP ports of every frontend of this fleet."""
@@ -311,16 +333,21 @@ class RunningDynamoFleet:
 
 @asynccontextmanager
 async def launch_dynamo_fleet(
-    config: DynamoFleet,
+    config: DynamoFleetConfig,
     *,
     log_dir: str | os.PathLike[str] | None = None,
-    progress: Any = None,
+    progress: Callable[[ReadyProgress], None] | None = None,
+    keep_run_dir: bool = False,
 ) -> AsyncIterator[RunningDynamoFleet]:
     """Start the frontend and the workers; yield when the frontend routes to all of them.
 
     Ready = the frontend's ``/health`` lists ``config.workers`` ``generate`` instances of this
     fleet's namespace, then ``/v1/models`` is non-empty. Raises ``BackendUnavailable`` (with log
     tails) when a process exits or the fleet is not ready within ``config.ready_timeout``.
+
+    The run folder (``dynamo-<namespace>-*`` under the temporary directory: file discovery, etcd's
+    data, and the logs unless ``log_dir`` puts them elsewhere) is removed on exit unless
+    ``keep_run_dir``; logs in ``log_dir`` always stay.
     """
     cfg = config
     namespace = cfg.namespace or f"rb{uuid.uuid4().hex[:10]}"
@@ -328,7 +355,6 @@ async def launch_dynamo_fleet(
     logs = Path(log_dir) if log_dir is not None else run_dir / "logs"
     kv_dir = run_dir / "kv"
     kv_dir.mkdir(parents=True)
-    taken: set[int] = set()
     sup = Supervisor(logs, grace=10.0)
     fleet: RunningDynamoFleet | None = None
     try:
@@ -348,31 +374,35 @@ async def launch_dynamo_fleet(
                 cfg, etcd_endpoints=services.etcd_endpoints, nats_server=services.nats_url, start_etcd=False
             )
         planes = fleet_planes(cfg, kv_dir)
-        workers = worker_command(cfg, namespace, planes)
-        engines: list[EngineInfo] = []
-        for i in range(cfg.workers):
-            ctx = _node(cfg, i, logs, taken)
-            launch = workers.build(ctx).named(f"worker-{i}")
-            engines.append(launch.info(ctx, (await sup.start(launch.spec)).pid))
-        # Ready once its /health lists every worker's generate instance and /v1/models is not empty.
-        frontend = frontend_command(cfg, namespace, planes).build(_node(cfg, -1, logs, taken), engines)
-        await sup.start(frontend.named("frontend").spec)
-        await sup.wait_ready(timeout=cfg.ready_timeout, progress=progress)
+        gpus = [_node(cfg, i, logs, set()).gpu_ids for i in range(cfg.workers)]
+        launched = await launch_fleet(
+            worker_command(cfg, namespace, planes),
+            cfg.workers,
+            frontend_command(cfg, namespace, planes),
+            Local(host=cfg.host, gpu_ids=gpus if any(gpus) else ()),
+            supervisor=sup,
+            ready_timeout=cfg.ready_timeout,
+            entry_name="frontend",
+            progress=progress,
+        )
+        assert launched.entry_url is not None
         fleet = RunningDynamoFleet(
             config=cfg,
             namespace=namespace,
-            frontend_url=frontend.control_url,
-            worker_urls=tuple(e.control_url for e in engines),
-            rpc_ports={e.control_url: int(e.extra["rpc_port"]) for e in engines},
-            worker_names=tuple(e.name for e in engines),
+            frontend_url=launched.entry_url,
+            worker_urls=tuple(e.control_url for e in launched.engines),
+            rpc_ports={e.control_url: int(e.extra["rpc_port"]) for e in launched.engines},
+            worker_names=tuple(e.name for e in launched.engines),
             supervisor=sup,
             run_dir=run_dir,
         )
         yield fleet
     finally:
-        if fleet is not None:
-            await fleet.aclose()
-        else:
-            await sup.aclose()
-        # A crash may leave the kv dir behind; logs stay (they may be in log_dir).
-        await asyncio.to_thread(shutil.rmtree, kv_dir, True)
+        try:
+            if fleet is not None:
+                await fleet.aclose()
+            else:
+                await sup.aclose()
+        finally:
+            # The kv dir always goes (a crash may leave it behind); the rest unless asked to keep it.
+            await asyncio.to_thread(shutil.rmtree, kv_dir if keep_run_dir else run_dir, True)

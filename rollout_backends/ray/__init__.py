@@ -2,8 +2,9 @@
 
     pip install 'rollout-backends[ray]'
 
-* :class:`RayFleetSpec` / :class:`RayFleet`: place and launch a fleet, hand out the backend and the
-  per-engine actor handles (``docs/multinode.md``).
+* :class:`Ray`: the placement ``rollout_backends.launch.launch_fleet`` takes to put engines on Ray.
+* :class:`RayFleetConfig` / :class:`RunningRayFleet` (also named ``RayFleetSpec`` / ``RayFleet``):
+  place and launch a fleet, hand out the backend and the per-engine actor handles (``docs/multinode.md``).
 * :class:`EngineActor`: the actor class (use ``ray.remote(EngineActor)`` to place it yourself).
 * :func:`start_local_cluster`: a multi-node Ray cluster on one host (tests, demos).
 
@@ -21,7 +22,7 @@ from rollout_backends.launch import EngineCommand, EngineInfo, EntryCommand, Lau
 
 from ._actor import EngineActor
 from ._cluster import node_resource, start_local_cluster
-from ._fleet import RayFleet, RayFleetSpec
+from ._fleet import Ray, RayEngines, RayFleet, RayFleetConfig, RayFleetSpec, RunningRayFleet
 
 __all__ = [
     "EngineActor",
@@ -30,8 +31,12 @@ __all__ = [
     "EntryCommand",
     "Launch",
     "NodeContext",
+    "Ray",
+    "RayEngines",
     "RayFleet",
+    "RayFleetConfig",
     "RayFleetSpec",
+    "RunningRayFleet",
     "node_resource",
     "start_local_cluster",
 ]

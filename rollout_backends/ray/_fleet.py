@@ -1,14 +1,18 @@
-"""``RayFleet``: a fleet's engines placed on a Ray cluster, one ``EngineActor`` per engine.
+"""Ray placement: a fleet's engines on a Ray cluster, one ``EngineActor`` per engine.
 
-::
+``Ray(...)`` is a placement for :func:`rollout_backends.launch.launch_fleet`, like ``Local()``::
+
+    fleet = await launch_fleet(SGLangServerCommand(model_path=...), 4, SmgRouter(), Ray(gpus_per_engine=2))
+
+``RunningRayFleet.launch(config)`` does the same from one ``RayFleetConfig`` and hands out the actors::
 
     ray.init(address="auto")
-    spec = RayFleetSpec(
+    spec = RayFleetConfig(
         engine=SGLangServerCommand(model_path="/shared/Qwen3-0.6B", tp=2),
         num_engines=4, gpus_per_engine=2, cpus_per_engine=4,
         entry=SmgRouter(policy="cache_aware"),
     )
-    async with await RayFleet.launch(spec) as fleet:
+    async with await RunningRayFleet.launch(spec) as fleet:
         backend = await fleet.connect()          # closed with the fleet
         ...
         fleet.actors[0]                          # the engine's actor handle
@@ -21,6 +25,7 @@ placement group (Miles) passes it with ``placement_group`` and ``bundle_indices`
 The entry (router / frontend) runs in this process's node under this process's ``Supervisor``.
 Tear-down (``aclose``): backends, then the entry, then each actor's ``stop`` (SIGTERM, grace),
 then ``ray.kill`` of every actor, then the placement group (only if the fleet made it).
+(``RayFleet`` and ``RayFleetSpec``, the names docs and examples use, are the same classes.)
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ import asyncio
 import contextlib
 import tempfile
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -38,11 +43,20 @@ import attrs
 
 from rollout_backends import BackendUnavailable, InvalidRequest, Unsupported
 from rollout_backends.kit import HttpFleetBackend
-from rollout_backends.launch import EngineCommand, EngineInfo, EntryCommand, NodeContext, Supervisor
+from rollout_backends.launch import (
+    EngineCommand,
+    EngineInfo,
+    EntryCommand,
+    NodeContext,
+    ReadyProgress,
+    RunningFleet,
+    Supervisor,
+    launch_fleet,
+)
 
 from ._actor import EngineActor
 
-__all__ = ["RayFleet", "RayFleetSpec"]
+__all__ = ["Ray", "RayEngines", "RayFleet", "RayFleetConfig", "RayFleetSpec", "RunningRayFleet"]
 
 _STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 
@@ -56,8 +70,155 @@ def _indices(value: Sequence[int] | None) -> tuple[int, ...] | None:
 
 
 @attrs.frozen(kw_only=True)
-class RayFleetSpec:
-    """What to place and launch."""
+class Ray:
+    """A placement (``rollout_backends.launch.Placement``): one placement-group bundle and one
+    ``EngineActor`` per engine; the actor builds and starts its engine on its node and waits
+    until it is ready. ``ray.init`` must have been called."""
+
+    cpus_per_engine: float = 1.0
+    gpus_per_engine: float = 0.0
+    #: Extra custom resources per bundle (e.g. ``{"node:10.0.0.5": 0.01}`` to pin a node).
+    resources: Mapping[str, float] = attrs.field(factory=dict, converter=_resources)
+    strategy: str = "PACK"
+    #: Address engines (and the entry) bind; ``None`` = each node's IP. Tests on one host: ``127.0.0.1``.
+    bind_host: str | None = None
+    #: Seconds to wait for the placement group's resources.
+    placement_timeout: float = 120.0
+    #: Log directory on every node (``<log_dir>/engine-<i>``); default a temporary directory per node.
+    log_dir: str | None = None
+    #: An existing placement group to use instead of creating one (not removed on close).
+    placement_group: Any = None
+    bundle_indices: tuple[int, ...] | None = attrs.field(default=None, converter=_indices)
+    #: Ray actor name prefix (``<prefix>-<i>``); ``None`` = anonymous actors.
+    actor_name_prefix: str | None = None
+    namespace: str | None = None  #: Ray namespace of named actors
+
+    def __attrs_post_init__(self) -> None:
+        if self.cpus_per_engine < 0 or self.gpus_per_engine < 0:
+            raise InvalidRequest("cpus_per_engine", "resources per engine must be >= 0")
+        if self.strategy not in _STRATEGIES:
+            raise InvalidRequest("strategy", f"must be one of {_STRATEGIES}, got {self.strategy!r}")
+        if self.bundle_indices is not None and self.placement_group is None:
+            raise InvalidRequest("bundle_indices", "only with placement_group")
+
+    def bundle(self) -> dict[str, float]:
+        b: dict[str, float] = {"CPU": self.cpus_per_engine}
+        if self.gpus_per_engine:
+            b["GPU"] = self.gpus_per_engine
+        b.update(self.resources)
+        return b
+
+    async def place(
+        self,
+        commands: Sequence[EngineCommand],
+        supervisor: Supervisor,
+        *,
+        ready_timeout: float,
+        progress: Callable[[ReadyProgress], None] | None = None,
+    ) -> RayEngines:
+        """Reserve the bundles, start one actor per engine, wait until every engine is ready.
+
+        On any failure what started is stopped and the error is raised (``BackendUnavailable``
+        with the engine's log tail for a process that did not come up).
+        """
+        ray = _require_ray()
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        n = len(commands)
+        if self.bundle_indices is not None and len(self.bundle_indices) != n:
+            raise InvalidRequest("bundle_indices", f"one index per engine ({n})")
+        owns_pg = self.placement_group is None
+        pg = self.placement_group
+        if pg is None:
+            pg = placement_group(
+                [self.bundle() for _ in range(n)], strategy=self.strategy, name=f"rollout-fleet-{uuid.uuid4().hex[:8]}"
+            )
+        placed = RayEngines(placement=self, placement_group=pg, owns_placement_group=owns_pg)
+        bundles = self.bundle_indices if self.bundle_indices is not None else tuple(range(n))
+        try:
+            try:
+                await asyncio.wait_for(pg.ready(), self.placement_timeout)
+            except asyncio.TimeoutError:
+                raise BackendUnavailable(
+                    f"placement group of {n} x {self.bundle()} ({self.strategy}) not placed within "
+                    f"{self.placement_timeout:.0f}s; cluster resources: {ray.available_resources()}"
+                ) from None
+            remote_cls = ray.remote(EngineActor)
+            extra = {k: v for k, v in self.bundle().items() if k not in ("CPU", "GPU")}
+            for i, (command, b) in enumerate(zip(commands, bundles, strict=True)):
+                options: dict[str, Any] = {
+                    "num_cpus": self.cpus_per_engine,
+                    "num_gpus": self.gpus_per_engine,
+                    "resources": extra,
+                    "max_restarts": 0,
+                    "scheduling_strategy": PlacementGroupSchedulingStrategy(
+                        placement_group=pg, placement_group_bundle_index=b
+                    ),
+                }
+                if self.actor_name_prefix:
+                    options["name"] = f"{self.actor_name_prefix}-{i}"
+                    if self.namespace:
+                        options["namespace"] = self.namespace
+                log_dir = f"{self.log_dir}/engine-{i}" if self.log_dir else None
+                placed.actors.append(
+                    remote_cls.options(**options).remote(
+                        command, i, bind_host=self.bind_host, log_dir=log_dir, ready_timeout=ready_timeout
+                    )
+                )
+            placed.engines.extend(await asyncio.gather(*(a.start.remote() for a in placed.actors)))
+        except BaseException:
+            await placed.aclose()
+            raise
+        return placed
+
+
+@attrs.define(kw_only=True, eq=False)
+class RayEngines:
+    """Engines :class:`Ray` placed: their infos, actor handles and placement group."""
+
+    placement: Ray
+    placement_group: Any
+    owns_placement_group: bool
+    actors: list[Any] = attrs.field(factory=list)
+    engines: list[EngineInfo] = attrs.field(factory=list)
+    #: Ray's actors waited for their engines: nothing is pending in the launcher's supervisor.
+    pending: tuple[str, ...] = ()
+    _closed: bool = False
+
+    def entry_node(self, log_dir: str, fixed: Mapping[str, int] | None = None) -> NodeContext:
+        ray = _require_ray()
+        node_ip = str(ray.util.get_node_ip_address())
+        bind = self.placement.bind_host or node_ip
+        node_id = str(ray.get_runtime_context().get_node_id())
+        return NodeContext.on(-1, bind, log_dir, node_ip=node_ip, node_id=node_id, fixed=fixed)
+
+    async def aclose(self, *, grace: float | None = None, stop_timeout: float = 60.0) -> None:
+        """Each actor's ``stop`` (SIGTERM, grace; dead actors are ignored), ``ray.kill`` of every
+        actor, then the placement group if it was made here. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        ray = _require_ray()
+        from ray.util.placement_group import remove_placement_group
+
+        if self.actors:
+            await asyncio.gather(
+                *(asyncio.wait_for(_ref(a.stop.remote(grace)), stop_timeout) for a in self.actors),
+                return_exceptions=True,
+            )
+            for a in self.actors:
+                with contextlib.suppress(Exception):
+                    ray.kill(a, no_restart=True)
+        if self.owns_placement_group:
+            with contextlib.suppress(Exception):
+                remove_placement_group(self.placement_group)
+
+
+@attrs.frozen(kw_only=True)
+class RayFleetConfig:
+    """What to place and launch: the engine command, how many, the entry, and the :class:`Ray`
+    placement's fields."""
 
     engine: EngineCommand
     num_engines: int
@@ -85,22 +246,18 @@ class RayFleetSpec:
     def __attrs_post_init__(self) -> None:
         if isinstance(self.num_engines, bool) or not isinstance(self.num_engines, int) or self.num_engines < 1:
             raise InvalidRequest("num_engines", f"must be an int >= 1, got {self.num_engines!r}")
-        if self.cpus_per_engine < 0 or self.gpus_per_engine < 0:
-            raise InvalidRequest("cpus_per_engine", "resources per engine must be >= 0")
-        if self.strategy not in _STRATEGIES:
-            raise InvalidRequest("strategy", f"must be one of {_STRATEGIES}, got {self.strategy!r}")
-        if self.bundle_indices is not None:
-            if self.placement_group is None:
-                raise InvalidRequest("bundle_indices", "only with placement_group")
-            if len(self.bundle_indices) != self.num_engines:
-                raise InvalidRequest("bundle_indices", f"one index per engine ({self.num_engines})")
+        placement = self.placement()  # its own checks
+        if self.bundle_indices is not None and len(self.bundle_indices) != self.num_engines:
+            raise InvalidRequest("bundle_indices", f"one index per engine ({self.num_engines})")
+        del placement
+
+    def placement(self) -> Ray:
+        """The :class:`Ray` placement of these fields."""
+        names = [a.name for a in attrs.fields(Ray)]
+        return Ray(**{n: getattr(self, n) for n in names})
 
     def bundle(self) -> dict[str, float]:
-        b: dict[str, float] = {"CPU": self.cpus_per_engine}
-        if self.gpus_per_engine:
-            b["GPU"] = self.gpus_per_engine
-        b.update(self.resources)
-        return b
+        return self.placement().bundle()
 
 
 def _require_ray() -> Any:
@@ -109,112 +266,66 @@ def _require_ray() -> Any:
     except ImportError as exc:  # pragma: no cover - the subpackage import already checks
         raise Unsupported("ray", "pip install 'rollout-backends[ray]'") from exc
     if not ray.is_initialized():
-        raise BackendUnavailable("Ray is not initialised: call ray.init(address=...) before RayFleet.launch")
+        raise BackendUnavailable("Ray is not initialised: call ray.init(address=...) before launching on Ray")
     return ray
 
 
-class RayFleet:
+class RunningRayFleet:
     """A launched fleet: engine infos, actor handles, the entry URL, and ``connect()``."""
 
-    def __init__(
-        self,
-        spec: RayFleetSpec,
-        *,
-        actors: Sequence[Any],
-        engines: Sequence[EngineInfo],
-        placement_group: Any,
-        owns_placement_group: bool,
-        supervisor: Supervisor,
-        entry_url: str | None,
-    ) -> None:
+    def __init__(self, spec: RayFleetConfig, fleet: RunningFleet) -> None:
+        placed = fleet.placed
+        if not isinstance(placed, RayEngines):
+            raise InvalidRequest("fleet", "a RunningRayFleet is a fleet placed by Ray(...)")
         self.spec = spec
-        self.actors: tuple[Any, ...] = tuple(actors)
-        self.engines: tuple[EngineInfo, ...] = tuple(engines)
-        self.placement_group = placement_group
-        self._owns_pg = owns_placement_group
-        self.supervisor = supervisor
-        self.entry_url = entry_url
-        self._backends: list[HttpFleetBackend] = []
-        self._closed = False
+        self.fleet = fleet
+        self._placed = placed
 
     # -- launch ---------------------------------------------------------------------------------
 
     @classmethod
-    async def launch(cls, spec: RayFleetSpec) -> RayFleet:
-        """Reserve the bundles, start one actor per engine, wait for every engine, start the entry.
+    async def launch(cls, spec: RayFleetConfig) -> RunningRayFleet:
+        """Reserve the bundles, start one actor per engine, wait for every engine, start the entry
+        (:func:`rollout_backends.launch.launch_fleet` with :meth:`RayFleetConfig.placement`).
 
         On any failure everything started so far is stopped and the error is raised
         (``BackendUnavailable`` with the engine's log tail for a process that did not come up).
         """
-        ray = _require_ray()
-        from ray.util.placement_group import placement_group, remove_placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-        owns_pg = spec.placement_group is None
-        pg = spec.placement_group
-        if pg is None:
-            pg = placement_group(
-                [spec.bundle() for _ in range(spec.num_engines)],
-                strategy=spec.strategy,
-                name=f"rollout-fleet-{uuid.uuid4().hex[:8]}",
-            )
-        bundles = spec.bundle_indices if spec.bundle_indices is not None else tuple(range(spec.num_engines))
-        actors: list[Any] = []
-        sup = Supervisor(Path(spec.log_dir) / "entry" if spec.log_dir else tempfile.mkdtemp(prefix="rollout-entry-"))
-        try:
-            try:
-                await asyncio.wait_for(pg.ready(), spec.placement_timeout)
-            except asyncio.TimeoutError:
-                raise BackendUnavailable(
-                    f"placement group of {spec.num_engines} x {spec.bundle()} ({spec.strategy}) not placed within "
-                    f"{spec.placement_timeout:.0f}s; cluster resources: {ray.available_resources()}"
-                ) from None
-            remote_cls = ray.remote(EngineActor)
-            bundle = spec.bundle()
-            extra = {k: v for k, v in bundle.items() if k not in ("CPU", "GPU")}
-            for i, b in enumerate(bundles):
-                options: dict[str, Any] = {
-                    "num_cpus": spec.cpus_per_engine,
-                    "num_gpus": spec.gpus_per_engine,
-                    "resources": extra,
-                    "max_restarts": 0,
-                    "scheduling_strategy": PlacementGroupSchedulingStrategy(
-                        placement_group=pg, placement_group_bundle_index=b
-                    ),
-                }
-                if spec.actor_name_prefix:
-                    options["name"] = f"{spec.actor_name_prefix}-{i}"
-                    if spec.namespace:
-                        options["namespace"] = spec.namespace
-                log_dir = f"{spec.log_dir}/engine-{i}" if spec.log_dir else None
-                actors.append(
-                    remote_cls.options(**options).remote(
-                        spec.engine, i, bind_host=spec.bind_host, log_dir=log_dir, ready_timeout=spec.ready_timeout
-                    )
-                )
-            engines: list[EngineInfo] = list(await asyncio.gather(*(a.start.remote() for a in actors)))
-            entry_url = None
-            if spec.entry is not None:
-                entry_url = await _start_entry(spec, sup, engines, ray)
-        except BaseException:
-            await _teardown(actors, sup, pg if owns_pg else None, remove_placement_group, ray)
-            raise
-        return cls(
-            spec,
-            actors=actors,
-            engines=engines,
-            placement_group=pg,
-            owns_placement_group=owns_pg,
-            supervisor=sup,
-            entry_url=entry_url,
+        _require_ray()
+        log_dir = str(Path(spec.log_dir) / "entry") if spec.log_dir else tempfile.mkdtemp(prefix="rollout-entry-")
+        placement = spec.placement()
+        fleet = await launch_fleet(
+            spec.engine, spec.num_engines, spec.entry, placement, log_dir=log_dir, ready_timeout=spec.ready_timeout
         )
+        return cls(spec, fleet)
 
     # -- use ------------------------------------------------------------------------------------
 
     @property
+    def actors(self) -> tuple[Any, ...]:
+        return tuple(self._placed.actors)
+
+    @property
+    def engines(self) -> tuple[EngineInfo, ...]:
+        return self.fleet.engines
+
+    @property
+    def placement_group(self) -> Any:
+        return self._placed.placement_group
+
+    @property
+    def supervisor(self) -> Supervisor:
+        """The supervisor of the entry (on this node)."""
+        return self.fleet.supervisor
+
+    @property
+    def entry_url(self) -> str | None:
+        return self.fleet.entry_url
+
+    @property
     def generate_url(self) -> str | None:
         """Where unpinned generation goes: the entry, or engine 0 when there is none."""
-        return self.entry_url or self.engines[0].generate_url
+        return self.fleet.generate_url
 
     @property
     def control_urls(self) -> tuple[str, ...]:
@@ -222,13 +333,7 @@ class RayFleet:
 
     async def connect(self, **kwargs: Any) -> HttpFleetBackend:
         """The ``RolloutBackend`` over this fleet (the entry's, or the engine command's ``connect``)."""
-        target: Any = self.spec.entry if self.spec.entry is not None else self.spec.engine
-        connect = getattr(target, "connect", None)
-        if connect is None:
-            raise Unsupported("connect", f"{type(target).__name__} cannot build a backend; use generate_url/engines")
-        backend: HttpFleetBackend = await connect(self.entry_url, self.engines, **kwargs)
-        self._backends.append(backend)
-        return backend
+        return await self.fleet.connect(**kwargs)
 
     async def engine_alive(self, index: int, timeout: float = 10.0) -> bool:
         """Whether engine ``index``'s actor answers and its process runs (False if the actor is dead)."""
@@ -247,21 +352,9 @@ class RayFleet:
 
     async def aclose(self, *, grace: float | None = None) -> None:
         """Close backends, stop the entry, stop every engine (gracefully), kill the actors. Idempotent."""
-        if self._closed:
-            return
-        self._closed = True
-        for b in self._backends:
-            with contextlib.suppress(Exception):
-                await b.aclose()
-        ray = _require_ray()
-        from ray.util.placement_group import remove_placement_group
+        await self.fleet.aclose(grace=grace)
 
-        await _teardown(
-            self.actors, self.supervisor, self.placement_group if self._owns_pg else None, remove_placement_group, ray,
-            grace=grace,
-        )  # fmt: skip
-
-    async def __aenter__(self) -> RayFleet:
+    async def __aenter__(self) -> RunningRayFleet:
         return self
 
     async def __aexit__(
@@ -270,48 +363,9 @@ class RayFleet:
         await self.aclose()
 
 
-async def _start_entry(spec: RayFleetSpec, sup: Supervisor, engines: Sequence[EngineInfo], ray: Any) -> str:
-    assert spec.entry is not None
-    node_ip = str(ray.util.get_node_ip_address())
-    bind = spec.bind_host or node_ip
-    node_id = str(ray.get_runtime_context().get_node_id())
-    ctx = NodeContext.on(-1, bind, str(sup.log_dir), node_ip=node_ip, node_id=node_id)
-    launch = spec.entry.build(ctx, engines)
-    await sup.start(launch.spec)
-    await sup.wait_ready([launch.spec.name], timeout=spec.ready_timeout)
-    url = launch.generate_url or launch.control_url
-    return url
-
-
-async def _teardown(
-    actors: Sequence[Any],
-    sup: Supervisor,
-    pg: Any,
-    remove_placement_group: Any,
-    ray: Any,
-    *,
-    grace: float | None = None,
-    stop_timeout: float = 60.0,
-) -> None:
-    errors: list[BaseException] = []
-    try:
-        await sup.aclose(grace=grace)
-    except Exception as exc:  # keep going: the engines must still be stopped
-        errors.append(exc)
-    if actors:
-        # Graceful stop first (the engine gets SIGTERM and its grace); dead actors raise: ignore.
-        results = await asyncio.gather(
-            *(asyncio.wait_for(_ref(a.stop.remote(grace)), stop_timeout) for a in actors), return_exceptions=True
-        )
-        del results
-        for a in actors:
-            with contextlib.suppress(Exception):
-                ray.kill(a, no_restart=True)
-    if pg is not None:
-        with contextlib.suppress(Exception):
-            remove_placement_group(pg)
-    if errors:
-        raise errors[0]
+#: The names docs, examples and tests use (before every engine's were ``<X>FleetConfig`` / ``Running<X>Fleet``).
+RayFleetSpec = RayFleetConfig
+RayFleet = RunningRayFleet
 
 
 async def _ref(ref: Any) -> Any:
