@@ -361,16 +361,18 @@ def parse_sampling(
     ours: dict[str, Any] = {}
     text: dict[str, bool] = {}
     max_new: int | None = rules.default_max_new_tokens
+    explicit = False  # SGLang checks the context only against a max_new_tokens the caller set
     for key, v in params.items():
         f = f"{field}.{key}"
         if key not in SAMPLING_PARAM_KEYS:
-            raise InvalidRequest(f, f"unknown sampling parameter (SGLang's are: {', '.join(SAMPLING_PARAM_KEYS)})")
+            known = ", ".join(f"`{k}`" for k in SAMPLING_PARAM_KEYS)
+            raise InvalidRequest(f, f"unknown field `{key}`, expected one of {known}")  # the schema gate's words
         if v is None:
             if key == "max_new_tokens":
                 max_new = None
             continue
         if key == "max_new_tokens":
-            max_new = _int(f, v, low=0)
+            max_new, explicit = _int(f, v, low=0), True
         elif key in _SAMPLING_FLOATS:
             x = _number(f, v)
             if key == "temperature" and 0.0 <= x < _GREEDY_EPS:
@@ -400,11 +402,14 @@ def parse_sampling(
         elif not _unset(v):
             raise InvalidRequest(f, _SAMPLING_REFUSED[key])
     ctx = rules.max_context
+    room = None if ctx is None or prompt_len is None else max(ctx - prompt_len - 1, 1)
     if max_new is None:
-        if ctx is None or prompt_len is None:
+        if room is None:
             raise InvalidRequest(f"{field}.max_new_tokens", "null (up to the context) needs a known context length")
-        max_new = ctx - prompt_len - 1
-    if ctx is not None and prompt_len is not None and prompt_len + max_new >= ctx:
+        max_new = room
+    elif not explicit and room is not None:
+        max_new = min(max_new, room)  # SGLang's default, capped by the scheduler
+    elif ctx is not None and prompt_len is not None and prompt_len + max_new >= ctx:
         # SGLang's TokenizerManager rule and words (refused, not truncated).
         raise InvalidRequest(
             f"{field}.max_new_tokens",

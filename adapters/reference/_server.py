@@ -1,16 +1,21 @@
 """An aiohttp server that puts SGLang's native HTTP API in front of a ``ReferenceEngine``.
 
 It answers with the field names, response shapes, status codes and error shapes that SGLang 0.5.x
-documents (``/work/shared/reference/sglang.md`` §1-5), as a server started with
-``--skip-tokenizer-init`` would: token ids in, token ids out, logprob entries ``[lp, id, null]``.
+documents (``/work/shared/reference/sglang.md`` §1-5), as stock SGLang does with its tokenizer:
+``text`` in answers (Miles reads ``output["text"]``) and ``text`` prompts, where the model has a
+``tokenizer.json``; ``skip_tokenizer_init=True`` (``--skip-tokenizer-init``) keeps the
+tokenizer-free mode (token ids only, no ``text`` key). Bodies are parsed by the SGLang codec
+(``rollout_backends.sglang_native``) under its one strictness rule: every refusal is
+``400 {"error": {"message", "type", "param"}}`` naming the field as the caller spelled it.
 
-What it does not do (each answered with 400 ``{"error": {"message"}}`` rather than ignored):
-streaming (``stream: true``), batches (``input_ids`` as a list of lists, list ``sampling_params``),
-``text`` prompts, stop strings, ``n > 1``, constrained decoding, ``logit_bias``, input/top logprobs
-(``logprob_start_len != -1``, ``top_logprobs_num > 0``), LoRA.
+What it cannot honour is refused (400), never ignored: streaming, batches, stop strings, ``n > 1``,
+constrained decoding, ``logit_bias``, input/top logprobs, LoRA, routed experts, hidden states,
+multimodal data, custom logit processors, sessions, disaggregation (the codec's list), and unknown
+keys (``unknown_keys=UnknownKeys.IGNORE`` keeps SGLang's ignore-unknown-keys rule). Like SGLang it
+refuses ``len(input_ids) + max_new_tokens >= context`` (it does not truncate).
 
-Differences from SGLang that are deliberate: ``min_new_tokens > 0`` is honoured (SGLang needs a
-tokenizer for it); ``sampling_seed`` is always honoured (the engine is deterministic); a negative
+Differences from SGLang that are deliberate: ``min_new_tokens > 0`` is honoured without a
+tokenizer; ``sampling_seed`` is always honoured (the engine is deterministic); a negative
 ``sampling_seed`` is mapped into ``[0, 2**63)``.
 
 Routes are built by :func:`build_app`; ``python -m rollout_backends.adapters.reference.serve``
@@ -39,10 +44,20 @@ from rollout_backends import (
     PauseMode,
     SamplingParams,
 )
-from rollout_backends.kit import deserialize_named_tensors, serialize_named_tensors
+from rollout_backends.kit import deserialize_named_tensors, json_loads, serialize_named_tensors
+from rollout_backends.sglang_native import (
+    ADMIN_ROUTES,
+    NativeRequest,
+    ParseRules,
+    UnknownKeys,
+    answer_body,
+    decode_text,
+    error_body,
+    native_field,
+    parse_request,
+)
 
 __all__ = [
-    "SAMPLING_PARAM_KEYS",
     "SERVER_KEY",
     "ReferenceServer",
     "build_app",
@@ -52,55 +67,6 @@ __all__ = [
 
 log = logging.getLogger("rollout_backends.reference.server")
 
-#: The ``sampling_params`` keys SGLang accepts (``_FIELDS_SamplingParams``, 0.5.23); any other is a 400.
-SAMPLING_PARAM_KEYS: tuple[str, ...] = (
-    "max_new_tokens",
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "stop",
-    "stop_regex",
-    "stop_token_ids",
-    "ignore_eos",
-    "min_new_tokens",
-    "n",
-    "no_stop_trim",
-    "skip_special_tokens",
-    "spaces_between_special_tokens",
-    "frequency_penalty",
-    "presence_penalty",
-    "repetition_penalty",
-    "sampling_seed",
-    "logit_bias",
-    "json_schema",
-    "regex",
-    "ebnf",
-    "structural_tag",
-    "choice",
-    "stream_interval",
-    "custom_params",
-    "beam_width",
-    "watermark",
-)
-
-_INT_KEYS = {"max_new_tokens", "top_k", "min_new_tokens", "n", "sampling_seed", "stream_interval", "beam_width"}
-_FLOAT_KEYS = {"temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty"}
-_BOOL_KEYS = {"ignore_eos", "no_stop_trim", "skip_special_tokens", "spaces_between_special_tokens", "watermark"}
-#: Accepted but only meaningful with a tokenizer or for streaming: ignored here, as SGLang does.
-_NOOP_KEYS = {
-    "no_stop_trim",
-    "skip_special_tokens",
-    "spaces_between_special_tokens",
-    "stream_interval",
-    "custom_params",
-}
-#: Accepted by SGLang but not supported by the reference engine: a non-null value is a 400.
-_UNSUPPORTED_KEYS = {"stop_regex", "logit_bias", "json_schema", "regex", "ebnf", "structural_tag", "choice",
-                     "beam_width", "watermark"}  # fmt: skip
-
-_INT64 = 2**63
-_GREEDY_EPS = 1e-6
 _FLUSH_OK = (
     "Cache flushed.\nPlease check backend logs for more details. "
     "(When there are running or waiting requests, the operation will not be performed.)\n"
@@ -110,26 +76,8 @@ _FLUSH_OK = (
 FAULTS_ROUTE = "/_faults"
 _FAULT_MODES = ("error", "close", "delay")
 
-#: Routes that take the admin key when one is set (SGLang's ``ADMIN_OPTIONAL``).
-ADMIN_ROUTES = frozenset(
-    {
-        "/abort_request",
-        "/pause_generation",
-        "/continue_generation",
-        "/flush_cache",
-        "/update_weight_version",
-        "/update_weights_from_disk",
-        "/update_weights_from_tensor",
-        "/init_weights_update_group",
-        "/update_weights_from_distributed",
-        "/destroy_weights_update_group",
-        "/begin_weight_update",
-        "/end_weight_update",
-        "/release_memory_occupation",
-        "/resume_memory_occupation",
-        FAULTS_ROUTE,
-    }
-)
+#: Routes that take the admin key when one is set: SGLang's, and the fault switch.
+_ADMIN_ROUTES = ADMIN_ROUTES | {FAULTS_ROUTE}
 #: SGLang's API-key middleware lets these through without a key.
 _OPEN_PREFIXES = ("/health", "/metrics")
 
@@ -157,106 +105,6 @@ def _type_name(v: object) -> str:
     return "null" if v is None else type(v).__name__
 
 
-def _is_int(v: object) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _check_sampling_schema(sp: Mapping[str, Any]) -> None:
-    """The schema gate: unknown keys and wrong JSON types are rejected before anything else."""
-    for key in sp:
-        if key not in SAMPLING_PARAM_KEYS:
-            expected = ", ".join(f"`{k}`" for k in SAMPLING_PARAM_KEYS)
-            raise _BadRequest({"error": f"unknown field `{key}`, expected one of {expected}"})
-    for key, v in sp.items():
-        if v is None:
-            continue
-        ok = True
-        if key in _INT_KEYS:
-            ok = _is_int(v)
-        elif key in _FLOAT_KEYS:
-            ok = isinstance(v, (int, float)) and not isinstance(v, bool)
-        elif key in _BOOL_KEYS:
-            ok = isinstance(v, bool)
-        elif key == "stop":
-            ok = isinstance(v, str) or (isinstance(v, list) and all(isinstance(s, str) for s in v))
-        elif key == "stop_token_ids":
-            ok = isinstance(v, list) and all(_is_int(t) for t in v)
-        if not ok:
-            raise _err(f"sampling_params.{key}: invalid type {_type_name(v)}")
-
-
-def _sampling_from_sglang(sp: Mapping[str, Any], *, prompt_len: int, max_context: int) -> SamplingParams:
-    _check_sampling_schema(sp)
-    for key in _UNSUPPORTED_KEYS:
-        if sp.get(key) not in (None, False):
-            raise _err(f"sampling_params.{key} is not supported by the reference server")
-    stop = sp.get("stop")
-    if stop:
-        raise _err("stop strings need a tokenizer; the reference server runs tokenizer-less (use stop_token_ids)")
-    n = sp.get("n")
-    if n is not None and n != 1:
-        raise _err("n > 1 is not supported by the reference server; send n separate requests")
-
-    kw: dict[str, Any] = {}
-    room = max_context - prompt_len
-    m = sp.get("max_new_tokens", 128)
-    kw["max_new_tokens"] = room if m is None else min(m, room)
-    if m is not None and m < 0:
-        raise _err(f"max_new_tokens must be >= 0, got {m}")
-    t = sp.get("temperature")
-    if t is not None:
-        kw["temperature"] = 0.0 if 0 <= t < _GREEDY_EPS else float(t)
-    for key in ("top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty"):
-        if sp.get(key) is not None:
-            kw[key] = float(sp[key])
-    k = sp.get("top_k")
-    if k is not None:
-        kw["top_k"] = k
-    if sp.get("min_new_tokens") is not None:
-        kw["min_new_tokens"] = min(sp["min_new_tokens"], kw["max_new_tokens"])
-    if sp.get("stop_token_ids") is not None:
-        kw["stop_token_ids"] = tuple(sp["stop_token_ids"])
-    if sp.get("ignore_eos") is not None:
-        kw["ignore_eos"] = sp["ignore_eos"]
-    seed = sp.get("sampling_seed")
-    if seed is not None:
-        if not -_INT64 <= seed < _INT64:
-            raise _err(f"sampling_seed must be a signed int64, got {seed}")
-        kw["seed"] = seed % _INT64
-    try:
-        return SamplingParams(**kw)
-    except InvalidRequest as e:
-        raise _err(str(e)) from None
-
-
-def _finish_reason(g: Generation) -> dict[str, Any]:
-    if g.finish_reason is FinishReason.STOP:
-        return {"type": "stop", "matched": g.matched_stop}
-    if g.finish_reason is FinishReason.ABORT:
-        return {"type": "abort", "message": "Abort request.", "status_code": None, "err_type": None}
-    return {"type": "length", "length": len(g.output_ids)}
-
-
-def generation_body(g: Generation, *, return_logprob: bool, input_ids: list[int] | None = None) -> dict[str, Any]:
-    """The JSON body SGLang returns for one finished (or aborted) non-streamed request."""
-    meta: dict[str, Any] = {
-        "id": g.request_id,
-        "finish_reason": _finish_reason(g),
-        "prompt_tokens": g.prompt_tokens,
-        "completion_tokens": len(g.output_ids),
-        "cached_tokens": g.cached_tokens,
-        "weight_version": g.weight_version,
-        "e2e_latency": g.latency_s,
-    }
-    if return_logprob:
-        lps = g.logprobs if g.logprobs is not None else (None,) * len(g.output_ids)
-        meta["output_token_logprobs"] = [[lp, tid, None] for lp, tid in zip(lps, g.output_ids, strict=True)]
-    body: dict[str, Any] = {"output_ids": list(g.output_ids), "meta_info": meta}
-    if input_ids is not None:
-        body["prompt_token_ids"] = input_ids
-    return body
-
-
 # -- the app ------------------------------------------------------------------------------------
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -273,11 +121,9 @@ async def _body(request: web.Request, *, allow_empty: bool = True) -> dict[str, 
             return {}
         raise _err("request body is empty")
     try:
-        import json
-
-        data = json.loads(raw)
-    except ValueError as e:
-        raise _err(f"invalid JSON: {e}") from None
+        data = json_loads(raw)
+    except (ValueError, RecursionError) as e:  # orjson refuses past 1024 levels, the stdlib recurses
+        raise _BadRequest(error_body(InvalidRequest("body", f"invalid JSON: {e}"))) from None
     if data is None and allow_empty:
         return {}
     if not isinstance(data, dict):
@@ -321,8 +167,14 @@ class ReferenceServer:
         health_generation: bool | None = None,
         health_timeout: float | None = None,
         fault_injection: bool = False,
+        tokenizer: Any = None,
+        unknown_keys: UnknownKeys = UnknownKeys.REFUSE,
     ) -> None:
         self.engine = engine
+        #: A ``tokenizers.Tokenizer`` (``text`` in and out, like SGLang with its tokenizer); None is
+        #: ``--skip-tokenizer-init``: token ids only.
+        self.tokenizer = tokenizer
+        self.unknown_keys = unknown_keys
         self.model_path = model_path
         self.served_model_name = served_model_name or model_path
         self._api_key = api_key
@@ -359,7 +211,7 @@ class ReferenceServer:
     async def middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         path = request.path
         if request.method != "OPTIONS" and not path.startswith(_OPEN_PREFIXES):
-            need = self._admin_key if (path in ADMIN_ROUTES and self._admin_key) else self._api_key
+            need = self._admin_key if (path in _ADMIN_ROUTES and self._admin_key) else self._api_key
             if need and not self._bearer_ok(request, need):
                 return _json({"error": "Unauthorized"}, 401)
         try:
@@ -425,70 +277,44 @@ class ReferenceServer:
 
     # -- data plane ---------------------------------------------------------------------------
 
-    def _request_from_body(self, body: Mapping[str, Any]) -> tuple[GenerateRequest, bool, bool]:
-        if body.get("text") is not None:
-            raise _err("text input needs a tokenizer; the reference server runs tokenizer-less (send input_ids)")
-        ids = body.get("input_ids")
-        if ids is None:
-            raise _err("Either text, input_ids or input_embeds should be provided.")
-        if not isinstance(ids, list):
-            raise _err(f"input_ids: invalid type {_type_name(ids)}")
-        if not ids:
-            raise _err("input_ids must not be empty")
-        if all(isinstance(x, list) for x in ids):
-            raise _err("batch requests (a list of input_ids lists) are not supported by the reference server")
-        if not all(_is_int(x) for x in ids):
-            raise _err("input_ids: every element must be an int token id")
-        if body.get("stream"):
-            raise _err("streaming is not supported by the reference server (send stream=false)")
-        if body.get("logprob_start_len", -1) not in (-1, None):
-            raise _err("logprob_start_len other than -1 (input logprobs) is not supported by the reference server")
-        if body.get("top_logprobs_num") or body.get("token_ids_logprob"):
-            raise _err("top_logprobs_num / token_ids_logprob are not supported by the reference server")
-        if body.get("lora_path"):
-            raise _err("lora_path: LoRA is not supported by the reference server")
-        ret_lp = body.get("return_logprob", False)
-        if not isinstance(ret_lp, bool):
-            raise _err(f"return_logprob: invalid type {_type_name(ret_lp)}")
-        ret_prompt = body.get("return_prompt_token_ids", False)
-        rid = body.get("rid")
-        if rid is None:
-            rid = uuid.uuid4().hex
-        if not isinstance(rid, str) or not rid:
-            raise _err("rid must be a non-empty string")
-        sp = body.get("sampling_params") or {}
-        if isinstance(sp, list):
-            raise _err("a list of sampling_params (batch) is not supported by the reference server")
-        if not isinstance(sp, dict):
-            raise _err(f"sampling_params: invalid type {_type_name(sp)}")
-        vocab = int(self.engine.vocab_size)
-        ctx = int(self.engine.max_context)
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise _err(f"The input_ids {bad[:8]} contain values outside the vocabulary [0, {vocab}).")
-        if len(ids) >= ctx:
-            raise _err(f"The input ({len(ids)} tokens) is longer than the model's context length ({ctx} tokens).")
-        _check_sampling_schema(sp)
-        if sp.get("max_new_tokens") == 0:
-            # Prefill only: SGLang allows it, the engine's SamplingParams does not.
-            sampling = None
-        else:
-            sampling = _sampling_from_sglang(sp, prompt_len=len(ids), max_context=ctx)
-        req = GenerateRequest(
-            input_ids=ids,
-            sampling=sampling or SamplingParams(max_new_tokens=1),
-            request_id=rid,
-            return_logprobs=ret_lp,
+    def _rules(self) -> ParseRules:
+        return ParseRules(
+            unknown_keys=self.unknown_keys,
+            vocab_size=int(self.engine.vocab_size),
+            max_context=int(self.engine.max_context),
+            allow_prefill_only=True,
         )
-        return req, sampling is None, bool(ret_prompt)
+
+    def _encode(self, text: str) -> list[int]:
+        assert self.tokenizer is not None
+        return list(self.tokenizer.encode(text, add_special_tokens=False).ids)
+
+    def parse(self, body: object) -> NativeRequest:
+        """A ``/generate`` body -> the request (an ``InvalidRequest`` names the caller's field)."""
+        return parse_request(
+            body,
+            rules=self._rules(),
+            encode=self._encode if self.tokenizer is not None else None,
+            new_rid=lambda: uuid.uuid4().hex,
+        )
+
+    def _answer(self, parsed: NativeRequest, g: Generation) -> dict[str, Any]:
+        req = parsed.request
+        text = None if self.tokenizer is None else decode_text(self.tokenizer, g, parsed.text_options)
+        prompt = req.input_ids if parsed.return_prompt_token_ids else None
+        return answer_body(g, return_logprob=req.return_logprobs, text=text, prompt_token_ids=prompt)
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
         body = await _body(request, allow_empty=False)
-        req, prefill_only, ret_prompt = self._request_from_body(body)
+        try:
+            parsed = self.parse(body)
+        except InvalidRequest as e:
+            return _json(error_body(e), 400)
+        req = parsed.request
         if req.request_id in self._inflight:
-            raise _err(f"Duplicate request ID detected: {req.request_id}")
-        prompt = list(req.input_ids) if ret_prompt else None
-        if prefill_only:
+            # SGLang's words; the first request keeps running (and is not aborted by this one).
+            return _json(error_body(InvalidRequest("rid", f"Duplicate request ID detected: {req.request_id}")), 400)
+        if parsed.prefill_only:
             g = Generation(
                 request_id=req.request_id,
                 output_ids=(),
@@ -497,18 +323,18 @@ class ReferenceServer:
                 weight_version=self.engine.weight_version,
                 prompt_tokens=len(req.input_ids),
             )
-            return _json(generation_body(g, return_logprob=req.return_logprobs, input_ids=prompt))
+            return _json(self._answer(parsed, g))
         self._inflight.add(req.request_id)
         try:
             g = await self.engine.generate(req)
         except InvalidRequest as e:
-            raise _err(str(e)) from None
+            return _json(error_body(InvalidRequest(native_field(e.field), e.reason)), 400)
         except Exception as e:
             log.exception("generate %s failed", req.request_id)
             return _json({"error": {"message": f"{type(e).__name__}: {e}"}}, 500)
         finally:
             self._inflight.discard(req.request_id)
-        return _json(generation_body(g, return_logprob=req.return_logprobs, input_ids=prompt))
+        return _json(self._answer(parsed, g))
 
     # -- health and info ----------------------------------------------------------------------
 
@@ -544,7 +370,7 @@ class ReferenceServer:
     def _model_info(self) -> dict[str, Any]:
         return {
             "model_path": self.model_path,
-            "tokenizer_path": None,
+            "tokenizer_path": self.model_path if self.tokenizer is not None else None,
             "is_generation": True,
             "preferred_sampling_params": None,
             "weight_version": self.engine.weight_version,
@@ -565,8 +391,8 @@ class ReferenceServer:
             {
                 "model_path": self.model_path,
                 "served_model_name": self.served_model_name,
-                "tokenizer_path": None,
-                "skip_tokenizer_init": True,
+                "tokenizer_path": self.model_path if self.tokenizer is not None else None,
+                "skip_tokenizer_init": self.tokenizer is None,
                 "load_format": self.load_format,
                 "host": self.host,
                 "port": self.port,
@@ -866,8 +692,23 @@ class ReferenceServer:
         return r
 
 
-def build_app(engine: Any, **kwargs: Any) -> web.Application:
-    """The aiohttp application serving ``engine``; ``kwargs`` go to :class:`ReferenceServer`."""
+def load_tokenizer(model_path: str) -> Any:
+    """The model's ``tokenizer.json`` as a ``tokenizers.Tokenizer``, or None where there is none."""
+    path = os.path.join(model_path, "tokenizer.json")
+    if not os.path.isfile(path):
+        return None
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(path)
+
+
+def build_app(engine: Any, *, skip_tokenizer_init: bool = False, **kwargs: Any) -> web.Application:
+    """The aiohttp application serving ``engine``; ``kwargs`` go to :class:`ReferenceServer`.
+
+    The model's tokenizer is loaded from ``model_path`` unless ``skip_tokenizer_init`` (or a
+    ``tokenizer`` is given)."""
+    if "tokenizer" not in kwargs and not skip_tokenizer_init:
+        kwargs["tokenizer"] = load_tokenizer(str(kwargs.get("model_path") or ""))
     server = ReferenceServer(engine, **kwargs)
     app = web.Application(middlewares=[server.middleware], client_max_size=1024**3)
     app.add_routes(server.routes())

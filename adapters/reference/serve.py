@@ -49,6 +49,18 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num-threads", type=int, default=1, help="torch threads of the engine")
     p.add_argument("--log-level", default="info")
     p.add_argument(
+        "--skip-tokenizer-init",
+        action="store_true",
+        help="token ids only, as SGLang's flag: no text in answers, no text prompts (default: the model's "
+        "tokenizer.json, where there is one)",
+    )
+    p.add_argument(
+        "--ignore-unknown-keys",
+        action="store_true",
+        help="drop unknown top-level /generate keys, as stock SGLang does (default: refuse them with a 400 naming "
+        "the key)",
+    )
+    p.add_argument(
         "--fault-injection",
         action="store_true",
         help="TEST ONLY: serve POST /_faults, which arms one-shot failures on any route (admin key applies)",
@@ -106,6 +118,8 @@ def load_engine(args: argparse.Namespace) -> Any:
 async def _serve(args: argparse.Namespace) -> None:
     from aiohttp import web
 
+    from rollout_backends.sglang_native import UnknownKeys
+
     from ._server import build_app
 
     engine = load_engine(args)
@@ -126,6 +140,8 @@ async def _serve(args: argparse.Namespace) -> None:
         host=args.host,
         port=args.port,
         fault_injection=args.fault_injection,
+        skip_tokenizer_init=args.skip_tokenizer_init,
+        unknown_keys=UnknownKeys.IGNORE if args.ignore_unknown_keys else UnknownKeys.REFUSE,
     )
     runner = web.AppRunner(app, access_log=None, handler_cancellation=False)
     await runner.setup()

@@ -21,6 +21,7 @@ from rollout_backends.adapters.reference._server import (
     deserialize_named_tensors,
     serialize_named_tensors,
 )
+from rollout_backends.sglang_native import UnknownKeys
 
 
 async def _client(engine: FakeEngine, **kw: Any) -> TestClient:
@@ -82,7 +83,7 @@ async def test_generate_shape(client: TestClient) -> None:
 
 
 async def test_generate_stop_no_logprob_and_prompt_ids(client: TestClient) -> None:
-    body = gen_body(return_logprob=False, return_prompt_token_ids=True, unknown_top_level="ignored")
+    body = gen_body(return_logprob=False, return_prompt_token_ids=True)
     body["sampling_params"] = {"max_new_tokens": 8, "stop_token_ids": [8], "sampling_seed": -5, "n": 1,
                                "skip_special_tokens": True, "no_stop_trim": True, "stop": []}  # fmt: skip
     r = await client.post("/generate", json=body)
@@ -103,18 +104,36 @@ async def test_generate_put_and_prefill_only(client: TestClient) -> None:
     assert out["meta_info"]["output_token_logprobs"] == []
 
 
-async def test_max_new_tokens_clipped_to_context(client: TestClient) -> None:
-    # context 32, prompt 30: at most 2 new tokens; null = up to the context
-    for mnt in (100, None):
-        r = await client.post("/generate", json=gen_body(input_ids=[1] * 30, sampling_params={"max_new_tokens": mnt}))
-        assert (await r.json())["meta_info"]["completion_tokens"] == 2
+async def test_max_new_tokens_past_the_context_is_refused_as_sglang_does(client: TestClient) -> None:
+    # context 32, prompt 30: SGLang refuses prompt + max_new_tokens >= context (it does not clamp).
+    r = await client.post("/generate", json=gen_body(input_ids=[1] * 30, sampling_params={"max_new_tokens": 2}))
+    err = (await r.json())["error"]
+    assert r.status == 400 and err["param"] == "sampling_params.max_new_tokens"
+    assert "exceeds the model's maximum context length" in err["message"]
+    for mnt, n in ((1, 1), (None, 1)):  # null = up to the context; unset = SGLang's 128, capped the same way
+        sp = {} if mnt is None else {"max_new_tokens": mnt}
+        r = await client.post("/generate", json=gen_body(input_ids=[1] * 30, sampling_params=sp))
+        assert (await r.json())["meta_info"]["completion_tokens"] == n
 
 
-async def test_unknown_sampling_key_is_400_with_string_error(client: TestClient) -> None:
+async def test_unknown_keys_are_400_naming_them(client: TestClient) -> None:
     r = await client.post("/generate", json=gen_body(sampling_params={"seed": 1}))
     assert r.status == 400
     err = (await r.json())["error"]
-    assert isinstance(err, str) and err.startswith("unknown field `seed`, expected one of") and "`sampling_seed`" in err
+    # SGLang's schema-gate words, and the field as the caller spelled it.
+    assert "unknown field `seed`, expected one of" in err["message"] and "`sampling_seed`" in err["message"]
+    assert err["param"] == "sampling_params.seed"
+    r = await client.post("/generate", json=gen_body(return_logprobs=True))  # a typo of return_logprob
+    assert r.status == 400 and (await r.json())["error"]["param"] == "return_logprobs"
+
+
+async def test_ignore_unknown_keys_keeps_sglangs_rule(engine: FakeEngine) -> None:
+    c = await _client(engine, unknown_keys=UnknownKeys.IGNORE)
+    try:
+        r = await c.post("/generate", json=gen_body(unknown_top_level=1))
+        assert r.status == 200
+    finally:
+        await c.close()
 
 
 @pytest.mark.parametrize(
@@ -181,7 +200,7 @@ async def test_duplicate_inflight_rid(engine: FakeEngine, client: TestClient) ->
 async def test_abort_request_returns_partial_with_200(engine: FakeEngine, client: TestClient) -> None:
     engine.step_s = 0.02
     task = asyncio.ensure_future(
-        client.post("/generate", json=gen_body(rid="a1", sampling_params={"max_new_tokens": 500}))
+        client.post("/generate", json=gen_body(rid="a1", sampling_params={"max_new_tokens": 28}))
     )
     await _wait_inflight(engine, "a1")
     await asyncio.sleep(0.1)
@@ -192,7 +211,7 @@ async def test_abort_request_returns_partial_with_200(engine: FakeEngine, client
     out = await resp.json()
     fr = out["meta_info"]["finish_reason"]
     assert fr["type"] == "abort" and "message" in fr
-    assert 0 < len(out["output_ids"]) < 500
+    assert 0 < len(out["output_ids"]) < 28
     assert len(out["meta_info"]["output_token_logprobs"]) == len(out["output_ids"])
     # unknown rid, empty body: still 200
     assert (await client.post("/abort_request", json={"rid": "nope"})).status == 200
@@ -201,7 +220,7 @@ async def test_abort_request_returns_partial_with_200(engine: FakeEngine, client
 
 async def test_abort_all(engine: FakeEngine, client: TestClient) -> None:
     engine.step_s = 0.02
-    long = {"max_new_tokens": 500}
+    long = {"max_new_tokens": 28}  # prompt 3 + 28 < context 32
     tasks = [asyncio.ensure_future(client.post("/generate", json=gen_body(rid=f"b{i}", sampling_params=long)))
              for i in range(3)]  # fmt: skip
     for i in range(3):
@@ -305,7 +324,7 @@ async def test_flush_cache_text(engine: FakeEngine, client: TestClient) -> None:
         assert r.status == 200 and r.content_type == "text/plain" and (await r.text()).startswith("Cache flushed.")
     engine.step_s = 0.02
     task = asyncio.ensure_future(
-        client.post("/generate", json=gen_body(rid="busy", sampling_params={"max_new_tokens": 30}))
+        client.post("/generate", json=gen_body(rid="busy", sampling_params={"max_new_tokens": 28}))
     )
     await _wait_inflight(engine, "busy")
     r = await client.post("/flush_cache")
@@ -317,7 +336,7 @@ async def test_flush_cache_text(engine: FakeEngine, client: TestClient) -> None:
 async def test_update_weight_version_aborts_by_default(engine: FakeEngine, client: TestClient) -> None:
     engine.step_s = 0.02
     task = asyncio.ensure_future(
-        client.post("/generate", json=gen_body(rid="w", sampling_params={"max_new_tokens": 300}))
+        client.post("/generate", json=gen_body(rid="w", sampling_params={"max_new_tokens": 28}))
     )
     await _wait_inflight(engine, "w")
     r = await client.post("/update_weight_version", json={"new_version": "v1"})

@@ -377,7 +377,7 @@ async def test_invalid_inputs_are_invalid_request(fleet: SGLangFleet) -> None:
         raw.capabilities = attrs.evolve(raw.capabilities, max_context=None, vocab_size=None)
         with pytest.raises(InvalidRequest) as s1:
             await raw.generate(GenerateRequest(input_ids=(1, 600), sampling=GREEDY))
-        assert s1.value.field == "input_ids" and "vocabulary" in str(s1.value)
+        assert s1.value.field == "input_ids[1]" and "vocabulary" in str(s1.value)
         with pytest.raises(InvalidRequest) as s2:
             await raw.generate(GenerateRequest(input_ids=(1,) * 4096, sampling=GREEDY))
         assert s2.value.field == "input_ids" and "context length" in str(s2.value)
