@@ -98,22 +98,44 @@ async def _demo(args: argparse.Namespace) -> int:
 
 
 def _build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="rollout-backends", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    from rollout_backends._launch import HelpFormatter
+
+    p = argparse.ArgumentParser(prog="rollout-backends", description=__doc__, formatter_class=HelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
-    d = sub.add_parser("demo", help="a small rollout and a weight update on the CPU reference engine")
+    d = sub.add_parser(
+        "demo",
+        help="a small rollout and a weight update on the CPU reference engine",
+        description="A small rollout and a weight update, on the CPU reference engine or any backend URL.",
+        formatter_class=HelpFormatter,
+    )
     d.add_argument("--backend", help="backend URL (default: the in-process reference engine)")
-    d.add_argument("--workers", type=int, default=2)
-    d.add_argument("--samples", type=int, default=4)
-    d.add_argument("--max-new-tokens", type=int, default=12)
-    d.add_argument("--temperature", type=float, default=0.8)
-    d.add_argument("--timeout", type=float, default=120.0)
+    d.add_argument("--workers", type=int, default=2, help="reference engines (without --backend)")
+    d.add_argument("--samples", type=int, default=4, help="samples per prompt")
+    d.add_argument("--max-new-tokens", type=int, default=12, help="tokens per sample")
+    d.add_argument("--temperature", type=float, default=0.8, help="sampling temperature")
+    d.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for the backend")
     d.set_defaults(func=_demo)
     for key in _DELEGATES:  # listed for --help; parsed by the delegate
         if " " not in key:
             sub.add_parser(key, help=f"see: rollout-backends {key} --help", add_help=False)
-    sub.add_parser("launch", help="launch sglang|dynamo ...: see rollout-backends launch sglang --help", add_help=False)
+    launch = sub.add_parser(
+        "launch",
+        help="start a fleet and wait (Ctrl-C stops it): launch sglang|dynamo ...",
+        description="Start a fleet, print its URLs (and a connect: URL for open_backend), and wait until "
+        "Ctrl-C or SIGTERM stops everything it started.",
+        formatter_class=HelpFormatter,
+    )
+    engines = launch.add_subparsers(dest="engine", metavar="ENGINE")
+    for key in _DELEGATES:  # parsed by the delegate; listed here for `launch --help`
+        if key.startswith("launch "):
+            name = key.split(" ", 1)[1]
+            engines.add_parser(name, help=f"see: rollout-backends launch {name} --help", add_help=False)
+
+    async def launch_usage(args: argparse.Namespace) -> int:
+        launch.print_help()
+        return 0
+
+    launch.set_defaults(func=launch_usage)
     sub.add_parser("bench", help="bench overhead|fanout|weightsync|soak ...", add_help=False)
     return p
 

@@ -16,6 +16,7 @@ attrs values, so they pickle (Ray ships them to the actor). Nothing here imports
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import random
 import signal
@@ -37,6 +38,7 @@ __all__ = [
     "EngineCommand",
     "EngineInfo",
     "EntryCommand",
+    "HelpFormatter",
     "Launch",
     "Local",
     "LocalEngines",
@@ -579,6 +581,23 @@ async def launch_fleet(
 
 
 # -- a launcher's command line ------------------------------------------------------------------
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """The ``--help`` of every ``rollout-backends`` command: the description as written, and each
+    flag's default after its help, unless the help already says what the default is (as it must
+    where the default is ``None``, or comes from the environment: a key is never shown)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        default = action.default
+        if "default" in text or default is None or default is argparse.SUPPRESS or action.required:
+            return text
+        if isinstance(default, (list, tuple)) and not default:
+            return text
+        if not action.option_strings and action.nargs not in (argparse.OPTIONAL, argparse.ZERO_OR_MORE):
+            return text
+        return f"{text} (default: %(default)s)" if text else "(default: %(default)s)"
 
 
 def split_passthrough(argv: Sequence[str] | None) -> tuple[list[str], list[str]]:

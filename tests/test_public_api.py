@@ -27,7 +27,7 @@ EXPECTED_KIT = {
 }  # fmt: skip
 
 EXPECTED_LAUNCH = {
-    "ConnectableEngine", "EngineCommand", "EngineInfo", "EntryCommand", "Launch", "Local",
+    "ConnectableEngine", "EngineCommand", "EngineInfo", "EntryCommand", "HelpFormatter", "Launch", "Local",
     "LocalEngines", "ManagedProcess", "NodeContext", "PlacedEngines", "Placement", "ProcessSpec",
     "ProcessState", "ReadyCheck", "ReadyProgress", "RunningFleet", "Supervisor", "carry",
     "env_map", "free_port", "group_members", "launch_fleet", "pick_port", "port_in_use", "redact_argv",

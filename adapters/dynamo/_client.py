@@ -217,9 +217,11 @@ async def connect(
 async def open_from_url(url: str, **kwargs: Any) -> HttpFleetBackend:
     """Registry entry: ``dynamo://host:port?workers=h1:p1,h2:p2&router_mode=kv&flavor=rollout``.
 
-    ``workers`` are the workers' system ports (``DYN_SYSTEM_PORT``); other keys: ``router_mode``,
-    ``flavor``, ``model``, ``model_path``, ``namespace``, ``version_source``, ``native_generate``
-    (``0``/``1``; default: detected).
+    ``workers`` are the workers' system ports (``DYN_SYSTEM_PORT``); ``rpc_ports`` their request-plane
+    ports (``DYN_TCP_RPC_PORT``, one per worker, in order: maps instance ids where the workers do not
+    say theirs); other keys: ``router_mode``, ``flavor``, ``model``, ``model_path``, ``namespace``,
+    ``version_source``, ``initial_version``, ``native_generate`` (``0``/``1``; default: detected).
+    The launcher prints such a URL with every key it knows.
     """
     parts = urlsplit(url)
     query = parse_qs(parts.query)
@@ -231,7 +233,9 @@ async def open_from_url(url: str, **kwargs: Any) -> HttpFleetBackend:
         "model_path",
         "namespace",
         "version_source",
+        "initial_version",
         "native_generate",
+        "rpc_ports",
     }
     for key, values in query.items():
         if key not in known:
@@ -240,6 +244,8 @@ async def open_from_url(url: str, **kwargs: Any) -> HttpFleetBackend:
             continue
         if key == "workers":
             kwargs["workers"] = [w for item in values for w in item.split(",") if w]
+        elif key == "rpc_ports":
+            continue  # paired with the workers below
         elif key == "native_generate":
             flag = values[-1].lower()
             if flag not in ("0", "1", "true", "false"):
@@ -247,4 +253,17 @@ async def open_from_url(url: str, **kwargs: Any) -> HttpFleetBackend:
             kwargs[key] = flag in ("1", "true")
         else:
             kwargs[key] = values[-1]
+    if "rpc_ports" in query and "rpc_ports" not in kwargs:
+        kwargs["rpc_ports"] = _rpc_ports(query["rpc_ports"], kwargs.get("workers"))
     return await connect(f"http://{parts.netloc}", **kwargs)
+
+
+def _rpc_ports(values: list[str], workers: Any) -> dict[str, int]:
+    """``rpc_ports=p1,p2`` of a URL: worker URL -> port, paired with ``workers`` in order."""
+    ports = [p for item in values for p in item.split(",") if p]
+    if not isinstance(workers, list) or len(workers) != len(ports):
+        raise InvalidRequest("url.rpc_ports", "one port per worker of url.workers, in the same order")
+    try:
+        return {_normalise(w): int(p) for w, p in zip(workers, ports, strict=True)}
+    except ValueError:
+        raise InvalidRequest("url.rpc_ports", f"ports must be integers, got {ports}") from None

@@ -34,6 +34,7 @@ from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlencode
 
 import attrs
 
@@ -283,28 +284,45 @@ class RunningDynamoFleet:
         """The HTTP ports of every frontend of this fleet."""
         return [int(u.rsplit(":", 1)[1]) for u in (self.frontend_url, *self.frontends)]
 
+    def connect_options(self, frontend_url: str | None = None) -> dict[str, Any]:
+        """What :meth:`connect` passes to ``dynamo.connect`` besides the URLs (and what
+        :meth:`connect_url` writes in the query): everything this launcher knows about its workers."""
+        url = frontend_url or self.frontend_url
+        if url != self.frontend_url and url not in self.frontends:
+            raise InvalidRequest("frontend_url", f"{url!r} is not a frontend of this fleet")
+        options: dict[str, Any] = {"router_mode": self.frontends.get(url, self.config.router_mode)}
+        # The mocker has no engine routes to probe; dynamo.sglang's routes differ by version (and by
+        # whether the shim took): connect() detects them.
+        flavor = {"reference": "rollout", "mocker": "mocker"}.get(self.config.worker_kind)
+        if flavor is not None:
+            options["flavor"] = flavor
+        options["model"] = self.config.model_name
+        options["initial_version"] = self.config.weight_version
+        options["model_path"] = self.config.model_path
+        options["namespace"] = self.namespace
+        if not self.config.native_generate:
+            options["native_generate"] = False
+        return options
+
+    def connect_url(self, frontend_url: str | None = None) -> str:
+        """A ``dynamo://`` URL that ``rollout_backends.open_backend`` opens as :meth:`connect` would."""
+        url = frontend_url or self.frontend_url
+        query: dict[str, str] = {
+            "workers": ",".join(u.split("://", 1)[1] for u in self.worker_urls),
+            "rpc_ports": ",".join(str(self.rpc_ports[u]) for u in self.worker_urls),
+        }
+        for key, value in self.connect_options(url).items():
+            query[key] = ("1" if value else "0") if isinstance(value, bool) else str(value)
+        return f"dynamo://{url.split('://', 1)[1]}?{urlencode(query, safe=',/:')}"
+
     async def connect(self, *, frontend_url: str | None = None, **kwargs: Any) -> HttpFleetBackend:
         """The ``RolloutBackend`` over this fleet (closed with the fleet), through the first
         frontend or ``frontend_url`` (one :meth:`add_frontend` started)."""
         from ._client import connect
 
         url = frontend_url or self.frontend_url
-        if url != self.frontend_url:
-            if url not in self.frontends:
-                raise InvalidRequest("frontend_url", f"{url!r} is not a frontend of this fleet")
-            kwargs.setdefault("router_mode", self.frontends[url])
-
-        # The mocker has no engine routes to probe; dynamo.sglang's routes differ by version (and by
-        # whether the shim took): connect() detects them.
-        flavor = {"reference": "rollout", "mocker": "mocker"}.get(self.config.worker_kind)
-        if flavor is not None:
-            kwargs.setdefault("flavor", flavor)
-        kwargs.setdefault("router_mode", self.config.router_mode)
-        kwargs.setdefault("model", self.config.model_name)
-        kwargs.setdefault("initial_version", self.config.weight_version)
-        kwargs.setdefault("model_path", self.config.model_path)
-        if not self.config.native_generate:
-            kwargs.setdefault("native_generate", False)
+        for key, value in self.connect_options(url).items():
+            kwargs.setdefault(key, value)
         backend = await connect(url, workers=list(self.worker_urls), rpc_ports=self.rpc_ports, **kwargs)
         self._backends.append(backend)
         return backend

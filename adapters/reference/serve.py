@@ -1,9 +1,9 @@
 """Command line: serve a ``ReferenceEngine`` over SGLang's native HTTP API.
 
-    python -m rollout_backends.adapters.reference.serve --model-path DIR --host 127.0.0.1 --port P \
+    rollout-backends serve-reference --model-path DIR --host 127.0.0.1 --port P \
         [--worker-id W] [--weight-version v0] [--api-key K] [--admin-api-key K] [--page-size 16] \
         [--with-begin-end] [--make-model SEED] [--fault-injection]
-    python -m rollout_backends.adapters.reference.serve --no-compute 8 --port P
+    rollout-backends serve-reference --no-compute 8 --port P
 
 ``--make-model SEED`` first writes a tiny seeded model to ``--model-path`` (if it has no
 ``config.json``) with ``make_tiny_model``. Keys given on the command line are never printed.
@@ -27,27 +27,35 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["load_engine", "main", "parse_args"]
+from rollout_backends.launch import HelpFormatter
+
+__all__ = ["build_parser", "load_engine", "main", "parse_args"]
 
 
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m rollout_backends.adapters.reference.serve", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
-    p.add_argument("--model-path", default=None, help="the model to load (with --no-compute: only a name)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=30000)
-    p.add_argument("--worker-id", default=None, help="defaults to host:port")
-    p.add_argument("--weight-version", default="default")
-    p.add_argument("--served-model-name", default=None)
-    p.add_argument("--api-key", default=os.environ.get("SGLANG_API_KEY"))
-    p.add_argument("--admin-api-key", default=None)
-    p.add_argument("--page-size", type=int, default=16)
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="rollout-backends serve-reference", description=__doc__,
+                                formatter_class=HelpFormatter)  # fmt: skip
+    p.add_argument(
+        "--model-path",
+        default=None,
+        help="the model to load (required; with --no-compute only the name it reports, default: no-compute)",
+    )
+    p.add_argument("--host", default="127.0.0.1", help="address to bind")
+    p.add_argument("--port", type=int, default=30000, help="HTTP port")
+    p.add_argument("--worker-id", default=None, help="the id answers name (default: host:port)")
+    p.add_argument("--weight-version", default="default", help="the weight version it starts with")
+    p.add_argument("--served-model-name", default=None, help="the model name it reports (default: the model path)")
+    p.add_argument("--api-key", default=os.environ.get("SGLANG_API_KEY"),
+                   help="bearer key of every route (default: $SGLANG_API_KEY, else none)")  # fmt: skip
+    p.add_argument("--admin-api-key", default=None, help="key of the control routes (default: none)")
+    p.add_argument("--page-size", type=int, default=16, help="KV page size (tokens) of the prefix index")
     p.add_argument("--with-begin-end", action="store_true", help="serve /begin_weight_update and /end_weight_update")
-    p.add_argument("--sglang-version", default=None, help="the version /server_info reports")
-    p.add_argument("--make-model", type=int, default=None, metavar="SEED", help="write a tiny model first")
+    p.add_argument("--sglang-version", default=None, help="the version /server_info reports (default: ours)")
+    p.add_argument("--make-model", type=int, default=None, metavar="SEED",
+                   help="write a tiny model to --model-path first (default: load what is there)")  # fmt: skip
     p.add_argument("--model-size", default="tiny", help="preset for --make-model")
     p.add_argument("--num-threads", type=int, default=1, help="torch threads of the engine")
-    p.add_argument("--log-level", default="info")
+    p.add_argument("--log-level", default="info", help="logging level")
     p.add_argument(
         "--skip-tokenizer-init",
         action="store_true",
@@ -69,15 +77,20 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--engine-factory",
         default=None,
         metavar="MODULE:CALLABLE",
-        help="build the engine with CALLABLE(args) instead of ReferenceEngine (tests)",
+        help="build the engine with CALLABLE(args) instead of ReferenceEngine (tests; default: ReferenceEngine)",
     )
     p.add_argument(
         "--no-compute",
         type=int,
         default=None,
         metavar="N",
-        help="no model: answer min(N, max_new_tokens) fixed tokens with logprobs at once (benchmarks)",
+        help="no model: answer min(N, max_new_tokens) fixed tokens with logprobs at once (benchmarks; default: off)",
     )
+    return p
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = build_parser()
     args = p.parse_args(argv)
     if args.no_compute is not None:
         if args.no_compute < 1:

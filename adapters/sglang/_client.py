@@ -110,12 +110,19 @@ async def connect(
 
 
 async def open_from_url(url: str, **kwargs: Any) -> HttpFleetBackend:
-    """Registry entry: ``sglang://host:port?workers=h1:p1,h2:p2&routing=cache_aware``."""
+    """Registry entry: ``sglang://host:port?workers=h1:p1,h2:p2&routing=cache_aware&vocab_size=N``
+    (``vocab_size``: token ids are checked against it before they are sent; the launcher prints
+    such a URL with every key it knows)."""
     parts = urlsplit(url)
     query = parse_qs(parts.query)
     if "workers" in query and "workers" not in kwargs:
         kwargs["workers"] = [w for item in query["workers"] for w in item.split(",") if w]
     if "routing" in query and "routing" not in kwargs:
         kwargs["routing"] = query["routing"][0]
+    if "vocab_size" in query and "vocab_size" not in kwargs:
+        raw = query["vocab_size"][-1]
+        if not raw.isdigit() or int(raw) < 1:
+            raise InvalidRequest("url.vocab_size", f"must be an integer >= 1, got {raw!r}")
+        kwargs["vocab_size"] = int(raw)
     base = f"http://{parts.netloc}{parts.path}"
     return await connect(base, **kwargs)

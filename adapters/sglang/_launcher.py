@@ -27,6 +27,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any
+from urllib.parse import urlencode
 
 import attrs
 
@@ -367,6 +368,16 @@ class RunningSGLangFleet:
     def entry_url(self) -> str:
         """Where generation goes: the router, or the first worker without one."""
         return self.router_url or self.worker_urls[0]
+
+    def connect_url(self) -> str:
+        """An ``sglang://`` URL that ``rollout_backends.open_backend`` opens as this fleet's backend
+        (its workers, its routing kind, the model's vocabulary size where ``config.json`` gives it).
+        Keys are not in it: pass ``api_key`` / ``admin_api_key`` to ``open_backend``."""
+        query = {"workers": ",".join(self.worker_ids), "routing": self.config.routing_kind.value}
+        vocab = _vocab_size_of(self.config.model_path)
+        if vocab is not None:
+            query["vocab_size"] = str(vocab)
+        return f"sglang://{self.entry_url.split('://', 1)[1]}?{urlencode(query, safe=',:')}"
 
     def worker_name(self, index: int) -> str:
         return f"worker-{index}"

@@ -1,62 +1,113 @@
-"""Command line: launch an SGLang fleet, print its URLs, and keep it up until Ctrl-C.
+"""Launch an SGLang fleet, print its URLs, and keep it up until Ctrl-C.
 
-    python -m rollout_backends.adapters.sglang.launch --model-path DIR --workers 2 \
-        --router smg --policy cache_aware [--worker-kind reference] [--cuda-visible-devices 0 1] ...
+    rollout-backends launch sglang --model-path DIR --workers 2 \
+        --router smg --policy cache_aware [--worker-kind sglang] [--cuda-visible-devices 0 1] ...
 
-Everything it started is stopped on Ctrl-C or SIGTERM (SIGTERM to each process group, SIGKILL
-after the grace). ``--`` ends our flags; what follows is passed verbatim to every worker.
+``--worker-kind reference`` (the default) runs our CPU reference server, ``sglang`` real SGLang
+(GPU). Prints each URL and a ``connect:`` line that ``rollout_backends.open_backend`` opens (add
+``api_key=`` there: keys are never printed). Everything it started is stopped on Ctrl-C or
+SIGTERM (SIGTERM to each process group, SIGKILL after the grace); the temporary log folder goes
+with it unless ``--keep-run-dir`` (``--log-dir`` logs always stay). ``--`` ends our flags; what
+follows is passed verbatim to every worker.
 """
 
 from __future__ import annotations
 
 import argparse
+import shutil
 import sys
+import tempfile
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-from rollout_backends.launch import run_launcher_cli, split_passthrough, stderr_progress
+from rollout_backends.launch import HelpFormatter, run_launcher_cli, split_passthrough, stderr_progress
 
-from ._launcher import ROUTERS, WORKER_KINDS, SGLangFleetConfig, launch_sglang_fleet
+from ._launcher import ROUTER_POLICIES, ROUTERS, WORKER_KINDS, SGLangFleetConfig, launch_sglang_fleet
 
-__all__ = ["config_from_args", "main", "parse_args"]
+__all__ = ["build_parser", "config_from_args", "main", "parse_args"]
+
+PROG = "rollout-backends launch sglang"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__, formatter_class=HelpFormatter)
+    p.add_argument("--model-path", required=True, help="model directory every worker loads")
+    p.add_argument("--workers", type=int, default=1, help="number of workers")
+    p.add_argument(
+        "--worker-kind",
+        choices=WORKER_KINDS,
+        default="reference",
+        help="reference: our CPU reference server; sglang: python -m sglang.launch_server (GPU)",
+    )
+    p.add_argument("--host", default="127.0.0.1", help="address every process binds")
+    p.add_argument(
+        "--worker-ports", type=int, nargs="+", default=None, help="one port per worker (default: free ports)"
+    )
+    p.add_argument("--worker-base-port", type=int, default=None, help="worker i on BASE+i (default: free ports)")
+    p.add_argument(
+        "--cuda-visible-devices",
+        nargs="+",
+        default=None,
+        help="CUDA_VISIBLE_DEVICES of each worker, e.g. 0 1 (default: inherited)",
+    )
+    p.add_argument(
+        "--mem-fraction-static",
+        type=float,
+        default=None,
+        help="sglang --mem-fraction-static (default: SGLang's alone on a GPU, 0.8/n for n workers sharing one)",
+    )
+    p.add_argument("--page-size", type=int, default=16, help="KV page size (tokens)")
+    p.add_argument("--attention-backend", default="triton", help="sglang --attention-backend ('' leaves it out)")
+    p.add_argument("--sampling-backend", default="pytorch", help="sglang --sampling-backend ('' leaves it out)")
+    p.add_argument("--enable-cuda-graph", action="store_true", help="sglang: do not pass --disable-cuda-graph")
+    p.add_argument("--disable-radix-cache", action="store_true", help="sglang --disable-radix-cache")
+    p.add_argument("--enable-memory-saver", action="store_true", help="sglang --enable-memory-saver")
+    p.add_argument(
+        "--enable-deterministic-inference", action="store_true", help="sglang --enable-deterministic-inference"
+    )
+    p.add_argument("--skip-tokenizer-init", action="store_true", help="sglang --skip-tokenizer-init")
+    p.add_argument("--random-seed", type=int, default=None, help="sglang --random-seed (default: SGLang's)")
+    p.add_argument("--weight-version", default="default", help="the weight version every worker starts with")
+    p.add_argument(
+        "--served-model-name", default=None, help="the model name the workers report (default: the model path)"
+    )
+    p.add_argument(
+        "--api-key", default=None, help="bearer key of every worker and the router (default: none; never printed)"
+    )
+    p.add_argument(
+        "--admin-api-key", default=None, help="key of the workers' control routes (default: none; never printed)"
+    )
+    p.add_argument("--router", choices=ROUTERS, default="smg", help="the router in front of the workers")
+    policies = sorted({q for qs in ROUTER_POLICIES.values() for q in qs})
+    p.add_argument("--policy", default="cache_aware", help=f"router policy, one of {', '.join(policies)}")
+    p.add_argument("--router-port", type=int, default=None, help="router HTTP port (default: a free port)")
+    p.add_argument(
+        "--router-prometheus-port", type=int, default=None, help="router metrics port (default: a free port)"
+    )
+    p.add_argument("--health-check-interval", type=int, default=10, help="seconds between router health probes")
+    p.add_argument("--disable-retries", action="store_true", help="the router does not resend failed requests")
+    router_arg_help = (
+        "one extra router argument, repeatable: --router-arg=--worker-warmup-secs --router-arg=0 (default: none)"
+    )
+    p.add_argument("--router-arg", action="append", default=[], help=router_arg_help)
+    p.add_argument("--log-dir", default=None, help="where <process>.log files go (default: a temporary folder)")
+    p.add_argument(
+        "--keep-run-dir",
+        action="store_true",
+        help="keep the temporary log folder on exit (it is removed otherwise; --log-dir is always kept)",
+    )
+    p.add_argument(
+        "--startup-timeout",
+        type=float,
+        default=None,
+        help="seconds to wait for the workers (default: 900 for sglang, 180 for reference)",
+    )
+    return p
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     argv, extra = split_passthrough(argv)
-    p = argparse.ArgumentParser(prog="python -m rollout_backends.adapters.sglang.launch", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
-    p.add_argument("--model-path", required=True)
-    p.add_argument("--workers", type=int, default=1)
-    p.add_argument("--worker-kind", choices=WORKER_KINDS, default="sglang")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--worker-ports", type=int, nargs="+", default=None)
-    p.add_argument("--worker-base-port", type=int, default=None)
-    p.add_argument("--cuda-visible-devices", nargs="+", default=None, help="one value per worker, e.g. 0 1")
-    p.add_argument("--mem-fraction-static", type=float, default=None)
-    p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--attention-backend", default="triton")
-    p.add_argument("--sampling-backend", default="pytorch")
-    p.add_argument("--enable-cuda-graph", action="store_true", help="do not pass --disable-cuda-graph")
-    p.add_argument("--disable-radix-cache", action="store_true")
-    p.add_argument("--enable-memory-saver", action="store_true")
-    p.add_argument("--enable-deterministic-inference", action="store_true")
-    p.add_argument("--skip-tokenizer-init", action="store_true")
-    p.add_argument("--random-seed", type=int, default=None)
-    p.add_argument("--weight-version", default="default")
-    p.add_argument("--served-model-name", default=None)
-    p.add_argument("--api-key", default=None)
-    p.add_argument("--admin-api-key", default=None)
-    p.add_argument("--router", choices=ROUTERS, default="smg")
-    p.add_argument("--policy", default="cache_aware")
-    p.add_argument("--router-port", type=int, default=None)
-    p.add_argument("--router-prometheus-port", type=int, default=None)
-    p.add_argument("--health-check-interval", type=int, default=10, help="seconds between router health probes")
-    p.add_argument("--disable-retries", action="store_true")
-    router_arg_help = "one extra router argument, repeatable: --router-arg=--worker-warmup-secs --router-arg=0"
-    p.add_argument("--router-arg", action="append", default=[], help=router_arg_help)
-    p.add_argument("--log-dir", default=None)
-    p.add_argument("--startup-timeout", type=float, default=None)
-    args = p.parse_args(argv)
+    args = build_parser().parse_args(argv)
     args.extra_server_args = extra
     return args
 
@@ -104,14 +155,24 @@ async def _run(config: SGLangFleetConfig, until_signalled: Callable[[], Awaitabl
         for wid, url in zip(fleet.worker_ids, fleet.worker_urls, strict=True):
             print(f"worker:  {url}  (id {wid})", flush=True)
         print(f"logs:    {fleet.log_dir}", flush=True)
-        entry = fleet.entry_url.split("://", 1)[1]
-        print(f"connect: sglang://{entry}?workers={','.join(fleet.worker_ids)}", flush=True)
+        print(f"connect: {fleet.connect_url()}", flush=True)
         await until_signalled()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    return run_launcher_cli(lambda: config_from_args(args), _run)
+    run_dir = None
+    if args.log_dir is None:  # ours to remove on exit (unless --keep-run-dir)
+        run_dir = tempfile.mkdtemp(prefix="rollout-backends-sglang-")
+        args.log_dir = run_dir
+    try:
+        return run_launcher_cli(lambda: config_from_args(args), _run)
+    finally:
+        if run_dir is not None:
+            if args.keep_run_dir:
+                print(f"kept:    {run_dir}", file=sys.stderr, flush=True)
+            else:
+                shutil.rmtree(run_dir, ignore_errors=True)
 
 
 if __name__ == "__main__":

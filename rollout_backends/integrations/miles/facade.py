@@ -1,4 +1,4 @@
-"""CLI: ``python -m rollout_backends.integrations.miles.facade --backend URL --host 127.0.0.1 --port P``.
+"""CLI: ``rollout-backends facade --backend URL --host 127.0.0.1 --port P``.
 
 Serves the SGLang-compatible facade over the backend at ``URL`` until SIGINT/SIGTERM, then closes
 the backend. Give Miles ``--sglang-router-ip <host> --sglang-router-port <P>``.
@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from rollout_backends import open_backend
+from rollout_backends.launch import HelpFormatter
 
 from ._facade import MilesFacade, start_facade
 
@@ -26,31 +27,35 @@ __all__ = ["build_parser", "load_tokenizer", "main", "serve"]
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m rollout_backends.integrations.miles.facade",
+        prog="rollout-backends facade",
         description="SGLang-compatible router facade for Miles over any rollout backend.",
+        formatter_class=HelpFormatter,
     )
     p.add_argument("--backend", required=True, help="backend URL: sglang://..., dynamo://..., reference://...")
-    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind")
     p.add_argument("--port", type=int, default=30000, help="0 = any free port (printed at start)")
     p.add_argument(
         "--tokenizer",
         default=None,
-        help="Hugging Face tokenizer (path or name) to produce `text`; Miles' reward functions read it",
+        help="Hugging Face tokenizer (path or name) to produce `text`; Miles' reward functions read it "
+        "(default: none, answers carry no text)",
     )
     p.add_argument("--model-path", default=None, help="reported by /model_info (default: --tokenizer)")
-    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--served-model-name", default=None, help="the model name it reports (default: the model path)")
     p.add_argument("--public-url", default=None, help="base URL workers are listed under (default: request Host)")
     p.add_argument(
         "--worker-port-base",
         type=int,
         default=None,
-        help="also serve worker i's SGLang surface at the root of port BASE+i (0: free ports; for --rollout-external)",
+        help="also serve worker i's SGLang surface at the root of port BASE+i (0: free ports; for "
+        "--rollout-external; default: off)",
     )
     p.add_argument(
         "--server-info",
         type=json.loads,
         default={},
-        help="JSON object merged into /get_server_info (e.g. the fields Miles' --rollout-external check compares)",
+        help="JSON object merged into /get_server_info (e.g. the fields Miles' --rollout-external check "
+        "compares; default: {})",
     )
     p.add_argument(
         "--api-key",
@@ -64,7 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="require this key (only) on control routes (default: $RB_FACADE_ADMIN_API_KEY)",
     )
     p.add_argument("--wait-ready", type=float, default=600.0, help="seconds to wait for the fleet (0: do not)")
-    p.add_argument("--log-level", default="INFO")
+    p.add_argument("--log-level", default="INFO", help="logging level")
     return p
 
 
