@@ -69,7 +69,7 @@ from rollout_backends import (
     WeightGroup,
     WorkerFailure,
 )
-from rollout_backends.kit import HttpFleetBackend, Op
+from rollout_backends.kit import Command, HttpFleetBackend, UpdateFromDisk, UpdateFromDistributed, UpdateFromTensors
 
 from ._core import Check, CheckResult, HarnessError, Outcome, run_check, select_checks
 from ._harness import BackendFactory, Harness, WeightSender
@@ -339,7 +339,7 @@ def _cuda_index(gpu: str) -> str:
 
 # -- failure injection for any HTTP fleet ---------------------------------------------------------
 
-_LOAD_OPS = (Op.UPDATE_DISK, Op.UPDATE_TENSORS, Op.UPDATE_DISTRIBUTED)
+_LOAD_OPS = (UpdateFromDisk, UpdateFromTensors, UpdateFromDistributed)
 
 
 @contextlib.asynccontextmanager
@@ -356,15 +356,15 @@ async def inject_http_failure(backend: RolloutBackend, worker: str) -> AsyncIter
     original: Callable[..., Awaitable[Any]] = backend._control
     missing = os.path.join(tempfile.gettempdir(), f"rb-injected-failure-{os.getpid()}", "no-such-checkpoint")
 
-    async def failing(op: Op, worker_id: str, **args: Any) -> Any:
-        if worker_id == worker and op in _LOAD_OPS:
-            if op is Op.UPDATE_DISK:
-                args = {**args, "path": missing}
+    async def failing(op: Command, worker_id: str) -> None:
+        if worker_id == worker and isinstance(op, _LOAD_OPS):
+            if isinstance(op, UpdateFromDisk):
+                op = attrs.evolve(op, path=missing)
             else:
                 raise ControlFailed(
-                    op.value, [WorkerFailure(worker_id, op.value, "injected failure (conformance harness)")]
+                    op.name, [WorkerFailure(worker_id, op.name, "injected failure (conformance harness)")]
                 )
-        return await original(op, worker_id, **args)
+        await original(op, worker_id)
 
     setattr(backend, "_control", failing)  # noqa: B010 - shadow the method on this instance only
     try:

@@ -9,8 +9,6 @@ per-worker version bookkeeping (for engines that do not report versions), and he
 from __future__ import annotations
 
 import asyncio
-import enum
-import inspect
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
@@ -29,6 +27,31 @@ from rollout_backends._errors import (
     WorkerFailure,
 )
 from rollout_backends._http import HttpClient, HttpRequest, HttpResponse
+from rollout_backends._ops import (
+    AbortAll,
+    AbortRequest,
+    BeginWeightUpdate,
+    Command,
+    DestroyWeightGroup,
+    EndWeightUpdate,
+    FlushCache,
+    GetVersion,
+    InitWeightGroup,
+    Live,
+    NamedTensors,
+    Operation,
+    Pause,
+    Probe,
+    Progress,
+    Ready,
+    ReleaseMemory,
+    Resume,
+    ResumeMemory,
+    SetVersion,
+    UpdateFromDisk,
+    UpdateFromDistributed,
+    UpdateFromTensors,
+)
 from rollout_backends._types import (
     Capabilities,
     FinishReason,
@@ -46,7 +69,7 @@ from rollout_backends._types import (
 )
 from rollout_backends._versions import VersionBook
 
-__all__ = ["HttpFleetBackend", "Op", "Wire", "Worker"]
+__all__ = ["HttpFleetBackend", "Wire", "Worker"]
 
 
 def _cancelling() -> bool:
@@ -71,71 +94,59 @@ class Worker:
     ranks: int = 1
 
 
-class Op(str, enum.Enum):
-    """Control operations a wire can build."""
-
-    ABORT = "abort"
-    ABORT_ALL = "abort_all"
-    PAUSE = "pause"
-    RESUME = "resume"
-    FLUSH_CACHE = "flush_cache"
-    INIT_GROUP = "init_weight_group"
-    UPDATE_DISTRIBUTED = "update_weights_from_distributed"
-    UPDATE_TENSORS = "update_weights_from_tensors"
-    UPDATE_DISK = "update_weights_from_disk"
-    DESTROY_GROUP = "destroy_weight_group"
-    BEGIN = "begin_weight_update"
-    END = "end_weight_update"
-    SET_VERSION = "set_weight_version"
-    RELEASE_MEMORY = "release_memory"
-    RESUME_MEMORY = "resume_memory"
-    GET_VERSION = "weight_version"
-    LIVE = "live"
-    READY = "ready"
-    PROBE = "probe"
-
-
 class Wire(Protocol):
-    """An adapter's wire format. Pure: no I/O, no state beyond configuration."""
+    """An adapter's wire format. Pure: no I/O, no state beyond configuration.
+
+    Every optional feature is a declared member (``aborts_by_id``, ``router_health``), never found
+    by reflection or by calling a builder to see what comes back.
+    """
 
     def capabilities(self) -> Capabilities: ...
+
+    @property
+    def aborts_by_id(self) -> bool:
+        """Whether every worker aborts one request by id (``AbortRequest``) and answers its partial
+        tokens; if not, the fleet cancels its own in-flight HTTP call for that request instead."""
+        ...
 
     def generate(self, request: GenerateRequest, worker: Worker | None) -> HttpRequest:
         """Build the generation call: to ``worker`` when pinned, else to the fleet's entry point."""
         ...
 
-    def parse_generation(self, request: GenerateRequest, response: HttpResponse, latency_s: float) -> Generation:
+    def parse_generation(
+        self, request: GenerateRequest, response: HttpResponse, latency_s: float, *, worker: str | None = None
+    ) -> Generation:
         """Parse a generation answer (any status). Raise ``InvalidRequest`` for a rejected input,
-        ``ContractViolation`` for a malformed answer. ``Generation.worker`` is the worker id if known.
-
-        A wire may also take a keyword-only ``worker: str | None``: the fleet then passes the id of
-        the worker it knows served the call (pinned, or the only one), saving a copy per result."""
+        ``ContractViolation`` for a malformed answer. ``worker`` is the id of the worker the fleet
+        knows served the call (pinned, or the only one), else ``None``; ``Generation.worker`` is
+        the worker id if known."""
         ...
 
-    def control(self, op: Op, worker: Worker, **args: Any) -> HttpRequest | None:
-        """Build a control call; ``None`` = nothing to send on this engine (a no-op step).
-
-        For ``Op.ABORT`` (one request by id), ``None`` means the engine cannot abort by id: the
-        backend then cancels its own in-flight HTTP call for that request instead."""
+    def control(self, op: Operation, worker: Worker) -> HttpRequest | None:
+        """Build a control call; ``None`` = nothing to send on this engine (a no-op step; for
+        ``Ready``: ready when live; for ``GetVersion``: the engine does not report it)."""
         ...
 
-    def parse_control(self, op: Op, worker: Worker, response: HttpResponse) -> Any:
-        """Check a control answer; return its payload (the version for ``GET_VERSION``,
-        a bool for health ops) or raise ``ControlFailed``/``ContractViolation``."""
+    def parse_control(self, op: Command, worker: Worker, response: HttpResponse) -> None:
+        """Check a command's answer: return, or raise ``ControlFailed``/``ContractViolation``."""
+        ...
+
+    def parse_version(self, worker: Worker, response: HttpResponse) -> str | None:
+        """The version a ``GetVersion`` answer reports."""
+        ...
+
+    def parse_probe(self, probe: Probe, worker: Worker, response: HttpResponse) -> bool:
+        """The answer of a ``Live``/``Ready``/``Progress`` probe (any status)."""
+        ...
+
+    def router_health(self) -> HttpRequest | None:
+        """The entry point's liveness call; ``None`` where there is no router (one server)."""
         ...
 
 
 def _check_version(version: object, field: str = "version") -> None:
     if version is not None and (not isinstance(version, str) or not version):
         raise InvalidRequest(field, f"must be a non-empty string or None, got {version!r}"[:200])
-
-
-def _takes_keyword(func: Any, name: str) -> bool:
-    try:
-        param = inspect.signature(func).parameters.get(name)
-    except (TypeError, ValueError):
-        return False
-    return param is not None and param.kind in (param.KEYWORD_ONLY, param.POSITIONAL_OR_KEYWORD)
 
 
 class HttpFleetBackend(BackendBase):
@@ -166,9 +177,8 @@ class HttpFleetBackend(BackendBase):
         # the version the fleet is expected to serve.
         self._versions = VersionBook(ids)
         self._paused: set[str] = set()
-        self._parse_takes_worker = _takes_keyword(wire.parse_generation, "worker")
         # Whether every worker can abort one request by id; if not, abort() cancels our HTTP call.
-        self._abort_by_id = all(wire.control(Op.ABORT, w, request_id="probe") is not None for w in workers)
+        self._abort_by_id = wire.aborts_by_id
         # generate() calls in flight by request id (only tracked where abort cancels them).
         self._inflight: dict[str, asyncio.Future[HttpResponse]] = {}
         self._cancelled: set[str] = set()
@@ -191,22 +201,30 @@ class HttpFleetBackend(BackendBase):
         """Record the version workers serve (a launcher knows the start-up version); declares nothing."""
         self._versions.record(version, workers)
 
-    async def _control(self, op: Op, worker_id: str, **args: Any) -> Any:
-        worker = self._workers[worker_id]
-        req = self.wire.control(op, worker, **args)
+    async def _send_control(self, op: Operation, worker_id: str) -> HttpResponse | None:
+        req = self.wire.control(op, self._workers[worker_id])
         if req is None:
             return None
         if req.timeout is None:
             req = attrs.evolve(req, timeout=self.client.control_timeout)
         try:
-            resp = await self.client.send(req, worker=worker_id)
+            return await self.client.send(req, worker=worker_id)
         except RolloutBackendError as exc:
-            raise ControlFailed(op.value, [WorkerFailure(worker_id, op.value, str(exc))]) from exc
-        return self.wire.parse_control(op, worker, resp)
+            raise ControlFailed(op.name, [WorkerFailure(worker_id, op.name, str(exc))]) from exc
 
-    async def _fan(self, op: Op, workers: Sequence[str] | None, **args: Any) -> dict[str, Any]:
+    async def _control(self, op: Command, worker_id: str) -> None:
+        """One command on one worker (the seam fault injection shadows: ``gpu_tier``)."""
+        resp = await self._send_control(op, worker_id)
+        if resp is not None:
+            self.wire.parse_control(op, self._workers[worker_id], resp)
+
+    async def _served_version(self, worker_id: str) -> str | None:
+        resp = await self._send_control(GetVersion(), worker_id)
+        return None if resp is None else self.wire.parse_version(self._workers[worker_id], resp)
+
+    async def _fan(self, op: Command, workers: Sequence[str] | None) -> None:
         selected = self._select(workers)
-        return await fan_out(op.value, selected, lambda w: self._control(op, w, **args))
+        await fan_out(op.name, selected, lambda w: self._control(op, w))
 
     # -- data plane ---------------------------------------------------------------------------
 
@@ -246,10 +264,7 @@ class HttpFleetBackend(BackendBase):
                     if isinstance(resp_or_gen, Generation):
                         return resp_or_gen
                     resp = resp_or_gen
-                if self._parse_takes_worker:
-                    gen = self.wire.parse_generation(request, resp, time.perf_counter() - t0, worker=known)  # type: ignore[call-arg]
-                else:
-                    gen = self.wire.parse_generation(request, resp, time.perf_counter() - t0)
+                gen = self.wire.parse_generation(request, resp, time.perf_counter() - t0, worker=known)
                 break
             except TransientError as exc:
                 if not exc.nothing_generated or attempt >= resends:
@@ -292,7 +307,7 @@ class HttpFleetBackend(BackendBase):
             raise InvalidRequest("request_id", f"must be a non-empty string, got {type(request_id).__name__}")
         if self._abort_by_id:
             # The router does not say which worker holds a request: ask every worker.
-            await self._fan(Op.ABORT, None, request_id=request_id)
+            await self._fan(AbortRequest(request_id), None)
             return
         task = self._inflight.get(request_id)
         if task is not None and not task.done():
@@ -328,7 +343,7 @@ class HttpFleetBackend(BackendBase):
         )
 
     async def abort_all(self, *, workers: Sequence[str] | None = None) -> None:
-        await self._fan(Op.ABORT_ALL, workers)
+        await self._fan(AbortAll(), workers)
 
     # -- pause --------------------------------------------------------------------------------
 
@@ -336,11 +351,11 @@ class HttpFleetBackend(BackendBase):
         m = self._require_pause_mode(mode)
         selected = self._select(workers)
         self._paused.update(selected)
-        await self._fan(Op.PAUSE, selected, mode=m)
+        await self._fan(Pause(m), selected)
 
     async def resume(self, *, workers: Sequence[str] | None = None) -> None:
         selected = self._select(workers)
-        await self._fan(Op.RESUME, selected)
+        await self._fan(Resume(), selected)
         self._paused.difference_update(selected)
 
     # -- weights ------------------------------------------------------------------------------
@@ -359,11 +374,7 @@ class HttpFleetBackend(BackendBase):
             raise InvalidRequest(
                 "group.world_size", f"{group.world_size} is too small for {cursor - group.rank_offset} engine ranks"
             )
-        await fan_out(
-            Op.INIT_GROUP.value,
-            selected,
-            lambda w: self._control(Op.INIT_GROUP, w, group=group, rank_offset=offsets[w]),
-        )
+        await fan_out(InitWeightGroup.name, selected, lambda w: self._control(InitWeightGroup(group, offsets[w]), w))
 
     async def update_weights_from_distributed(
         self,
@@ -381,20 +392,14 @@ class HttpFleetBackend(BackendBase):
             raise InvalidRequest("group_name", "must be a non-empty string")
         _check_version(version)
         selected = self._select(workers)
-        await self._fan(
-            Op.UPDATE_DISTRIBUTED,
-            selected,
-            bucket=bucket,
-            group_name=group_name,
-            version=version,
-            flush_cache=flush_cache,
-        )
+        op = UpdateFromDistributed(bucket=bucket, group_name=group_name, version=version, flush_cache=flush_cache)
+        await self._fan(op, selected)
         self._versions.relabelled(version, selected)
 
     async def destroy_weight_group(
         self, group_name: str = "weight_update_group", *, workers: Sequence[str] | None = None
     ) -> None:
-        await self._fan(Op.DESTROY_GROUP, workers, group_name=group_name)
+        await self._fan(DestroyWeightGroup(group_name), workers)
 
     async def update_weights_from_tensors(
         self,
@@ -406,19 +411,12 @@ class HttpFleetBackend(BackendBase):
         workers: Sequence[str] | None = None,
     ) -> None:
         self._require_transport(WeightTransport.TENSOR)
-        from rollout_backends._tensors import serialize_named_tensors
-
         _check_version(version)
         selected = self._select(workers)
-        payload = serialize_named_tensors(named_tensors)
-        await self._fan(
-            Op.UPDATE_TENSORS,
-            selected,
-            payload=payload,
-            version=version,
-            flush_cache=flush_cache,
-            load_format=load_format,
-        )
+        tensors = NamedTensors.of(named_tensors)
+        tensors.payload()  # a bad pair is the caller's InvalidRequest, not a worker's failure
+        op = UpdateFromTensors(tensors=tensors, version=version, flush_cache=flush_cache, load_format=load_format)
+        await self._fan(op, selected)
         self._versions.relabelled(version, selected)
 
     async def update_weights_from_disk(
@@ -437,33 +435,32 @@ class HttpFleetBackend(BackendBase):
         if load_format is not None and not isinstance(load_format, str):
             raise InvalidRequest("load_format", "must be a string or None")
         selected = self._select(workers)
-        await self._fan(
-            Op.UPDATE_DISK, selected, path=path, version=version, load_format=load_format, flush_cache=flush_cache
-        )
+        op = UpdateFromDisk(path=path, version=version, load_format=load_format, flush_cache=flush_cache)
+        await self._fan(op, selected)
         self._versions.relabelled(version, selected)
 
     async def begin_weight_update(self, selector: str = "all", *, workers: Sequence[str] | None = None) -> None:
         if not isinstance(selector, str) or not selector:
             raise InvalidRequest("selector", "must be a non-empty string")
-        await self._fan(Op.BEGIN, workers, selector=selector)
+        await self._fan(BeginWeightUpdate(selector), workers)
 
     async def end_weight_update(self, *, workers: Sequence[str] | None = None) -> None:
-        await self._fan(Op.END, workers)
+        await self._fan(EndWeightUpdate(), workers)
 
     async def set_weight_version(self, version: str, *, workers: Sequence[str] | None = None) -> None:
         if not isinstance(version, str) or not version:
             raise InvalidRequest("version", "must be a non-empty string")
         selected = self._select(workers)
-        await self._fan(Op.SET_VERSION, selected, version=version)
+        await self._fan(SetVersion(version), selected)
         self._versions.relabelled(version, selected)
 
     async def weight_versions(self) -> Mapping[str, str | None]:
         if self.capabilities.version_source is not VersionSource.RESPONSE:
             return self._versions.labels
-        return await self._fan(Op.GET_VERSION, None)
+        return await fan_out(GetVersion.name, self.workers, self._served_version)
 
     async def flush_cache(self, *, workers: Sequence[str] | None = None) -> None:
-        await self._fan(Op.FLUSH_CACHE, workers)
+        await self._fan(FlushCache(), workers)
 
     # -- memory -------------------------------------------------------------------------------
 
@@ -472,40 +469,41 @@ class HttpFleetBackend(BackendBase):
     ) -> None:
         if not self.capabilities.memory_release:
             raise Unsupported("memory_release")
-        await self._fan(Op.RELEASE_MEMORY, workers, tags=ensure_tags(tags))
+        await self._fan(ReleaseMemory(ensure_tags(tags)), workers)
 
     async def resume_memory(
         self, tags: Sequence[MemoryTag | str] | None = None, *, workers: Sequence[str] | None = None
     ) -> None:
         if not self.capabilities.memory_release:
             raise Unsupported("memory_release")
-        await self._fan(Op.RESUME_MEMORY, workers, tags=ensure_tags(tags))
+        await self._fan(ResumeMemory(ensure_tags(tags)), workers)
 
     # -- health -------------------------------------------------------------------------------
 
-    async def _probe(self, op: Op, worker_id: str) -> tuple[bool | None, str | None]:
+    async def _probe(self, probe: Probe, worker_id: str) -> tuple[bool | None, str | None]:
         try:
-            result = await self._control(op, worker_id)
+            resp = await self._send_control(probe, worker_id)
+            result = None if resp is None else self.wire.parse_probe(probe, self._workers[worker_id], resp)
         except RolloutBackendError as exc:
             return False, str(exc)
-        return (None if result is None else bool(result)), None
+        return result, None
 
     async def _worker_health(self, worker_id: str, probe: bool, expected: str | None) -> WorkerHealth:
-        live, err = await self._probe(Op.LIVE, worker_id)
+        live, err = await self._probe(Live(), worker_id)
         ready: bool | None = False
         progress: bool | None = None
         version: str | None = None
         if live:
-            ready, err2 = await self._probe(Op.READY, worker_id)
+            ready, err2 = await self._probe(Ready(), worker_id)
             err = err or err2
             # No readiness route (None) means ready when live; a worker we paused is never ready.
             ready = (ready is None or bool(ready)) and worker_id not in self._paused
             if probe:
-                progress, err3 = await self._probe(Op.PROBE, worker_id)
+                progress, err3 = await self._probe(Progress(), worker_id)
                 err = err or err3
             if self.capabilities.version_source is VersionSource.RESPONSE:
                 try:
-                    version = await self._control(Op.GET_VERSION, worker_id)
+                    version = await self._served_version(worker_id)
                 except RolloutBackendError as exc:
                     err = err or str(exc)
             else:
@@ -529,10 +527,7 @@ class HttpFleetBackend(BackendBase):
 
     async def _router_live(self) -> bool | None:
         """Whether the entry point answers; adapters with a router override ``router_health``."""
-        req = getattr(self.wire, "router_health", None)
-        if req is None:
-            return None
-        http = req()
+        http = self.wire.router_health()
         if http is None:
             return None
         try:

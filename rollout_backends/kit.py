@@ -10,7 +10,7 @@ imports the core through those three doors only (``tests/test_import_contract.py
 """
 
 from rollout_backends._base import BackendBase, fan_out
-from rollout_backends._fleet import HttpFleetBackend, Op, Wire, Worker
+from rollout_backends._fleet import HttpFleetBackend, Wire, Worker
 from rollout_backends._http import (
     AiohttpTransport,
     HttpClient,
@@ -24,21 +24,69 @@ from rollout_backends._http import (
     normalise_url,
     worker_id_of,
 )
+from rollout_backends._ops import (
+    AbortAll,
+    AbortRequest,
+    BeginWeightUpdate,
+    Command,
+    DestroyWeightGroup,
+    EndWeightUpdate,
+    FlushCache,
+    GetVersion,
+    InitWeightGroup,
+    Live,
+    NamedTensors,
+    Operation,
+    Pause,
+    Probe,
+    Progress,
+    Ready,
+    ReleaseMemory,
+    Resume,
+    ResumeMemory,
+    SetVersion,
+    UpdateFromDisk,
+    UpdateFromDistributed,
+    UpdateFromTensors,
+    unhandled,
+)
 from rollout_backends._tensors import deserialize_named_tensors, serialize_named_tensors
 from rollout_backends._types import ensure_tags
 from rollout_backends._versions import VersionBook
 
 __all__ = [
+    "AbortAll",
+    "AbortRequest",
     "AiohttpTransport",
     "BackendBase",
+    "BeginWeightUpdate",
+    "Command",
+    "DestroyWeightGroup",
+    "EndWeightUpdate",
+    "FlushCache",
+    "GetVersion",
     "HttpClient",
     "HttpFleetBackend",
     "HttpRequest",
     "HttpResponse",
+    "InitWeightGroup",
+    "Live",
     "MockTransport",
-    "Op",
+    "NamedTensors",
+    "Operation",
+    "Pause",
+    "Probe",
+    "Progress",
+    "Ready",
+    "ReleaseMemory",
+    "Resume",
+    "ResumeMemory",
     "RetryPolicy",
+    "SetVersion",
     "Transport",
+    "UpdateFromDisk",
+    "UpdateFromDistributed",
+    "UpdateFromTensors",
     "VersionBook",
     "Wire",
     "Worker",
@@ -49,5 +97,6 @@ __all__ = [
     "json_loads",
     "normalise_url",
     "serialize_named_tensors",
+    "unhandled",
     "worker_id_of",
 ]

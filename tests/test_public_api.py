@@ -21,7 +21,11 @@ EXPECTED_TOP = {
 
 EXPECTED_KIT = {
     "AiohttpTransport", "BackendBase", "HttpClient", "HttpFleetBackend", "HttpRequest",
-    "HttpResponse", "MockTransport", "Op", "RetryPolicy", "Transport", "VersionBook", "Wire", "Worker",
+    "HttpResponse", "MockTransport", "RetryPolicy", "Transport", "VersionBook", "Wire", "Worker",
+    "AbortAll", "AbortRequest", "BeginWeightUpdate", "Command", "DestroyWeightGroup", "EndWeightUpdate",
+    "FlushCache", "GetVersion", "InitWeightGroup", "Live", "NamedTensors", "Operation", "Pause", "Probe",
+    "Progress", "Ready", "ReleaseMemory", "Resume", "ResumeMemory", "SetVersion", "UpdateFromDisk",
+    "UpdateFromDistributed", "UpdateFromTensors", "unhandled",
     "deserialize_named_tensors", "ensure_tags", "fan_out", "get_json", "json_loads",
     "normalise_url", "serialize_named_tensors", "worker_id_of",
 }  # fmt: skip
@@ -45,6 +49,8 @@ DOORS = (rb, kit, launch, sglang_native)
 #: Exported as another library's own function: orjson's C ``loads`` where installed (no Python
 #: frame per call; the stdlib fallback is ours).
 FOREIGN = {("rollout_backends.kit", "json_loads")}
+#: Type aliases: unions of our operation classes (a union's ``__module__`` is ``typing``).
+FOREIGN |= {("rollout_backends.kit", name) for name in ("Command", "Operation", "Probe")}
 
 
 def test_top_level_all_is_pinned() -> None:

@@ -21,7 +21,7 @@ from rollout_backends.kit import (
     worker_id_of,
 )
 
-from ._wire import FLAVORS, DynamoWire, generate_instances
+from ._wire import FLAVORS, ROUTES, DynamoWire, generate_instances, to_flavor
 
 __all__ = ["connect", "detect_flavor", "detect_native_generate", "open_from_url", "worker_id_of"]
 
@@ -182,7 +182,8 @@ async def connect(
         await client.aclose()
         raise InvalidRequest("flavor", f"must be one of {FLAVORS}, got {flavor!r}")
     if version_source is None:
-        vs = VersionSource.RESPONSE if flavor in ("rollout", "sglang14-shim") else VersionSource.STAMPED
+        # Where workers serve rollout/weight_version they report the version; else the fleet stamps it.
+        vs = VersionSource.RESPONSE if ROUTES[to_flavor(flavor)].rollout_routes else VersionSource.STAMPED
     else:
         vs = VersionSource(version_source)
     cfg = _model_config(model_path)

@@ -23,6 +23,7 @@ ignores ``x-dynamo-worker-instance-id`` (measured, ``docs/dynamo-notes.md`` §7)
 
 from __future__ import annotations
 
+import enum
 import math
 import re
 import struct
@@ -49,12 +50,115 @@ from rollout_backends import (
     WeightTransport,
     WorkerFailure,
 )
-from rollout_backends.kit import HttpRequest, HttpResponse, Op, Worker, json_loads
+from rollout_backends.kit import (
+    AbortAll,
+    AbortRequest,
+    BeginWeightUpdate,
+    Command,
+    DestroyWeightGroup,
+    EndWeightUpdate,
+    FlushCache,
+    GetVersion,
+    HttpRequest,
+    HttpResponse,
+    InitWeightGroup,
+    Live,
+    Operation,
+    Pause,
+    Probe,
+    Progress,
+    Ready,
+    ReleaseMemory,
+    Resume,
+    ResumeMemory,
+    SetVersion,
+    UpdateFromDisk,
+    UpdateFromDistributed,
+    UpdateFromTensors,
+    Worker,
+    json_loads,
+    unhandled,
+)
 from rollout_backends.sglang_native import parse_answer, request_body
 
-__all__ = ["FLAVORS", "DynamoWire", "completion_body", "generate_instances", "is_uuid", "native_body", "sse_events"]
+from ..sglang._wire import (
+    disk_body,
+    distributed_body,
+    init_group_body,
+    memory_body,
+    set_version_body,
+    tensors_body,
+)
 
-FLAVORS = ("rollout", "sglang14", "sglang14-shim", "sglang16", "mocker", "none")
+__all__ = [
+    "FLAVORS",
+    "ROUTES",
+    "DynamoFlavor",
+    "DynamoWire",
+    "FlavorRoutes",
+    "completion_body",
+    "generate_instances",
+    "is_uuid",
+    "native_body",
+    "sse_events",
+]
+
+
+class DynamoFlavor(str, enum.Enum):
+    """Which engine routes a Dynamo worker serves (detected once at connect time)."""
+
+    ROLLOUT = "rollout"
+    SGLANG14 = "sglang14"
+    SGLANG14_SHIM = "sglang14-shim"
+    SGLANG16 = "sglang16"
+    MOCKER = "mocker"
+    NONE = "none"
+
+
+@attrs.frozen(slots=True, kw_only=True)
+class FlavorRoutes:
+    """What one flavor's workers serve: the control half of the wire reads this table, not names."""
+
+    #: SGLang's engine control routes at all (the mocker and bare instances have none).
+    sglang: bool
+    #: dynamo.sglang 1.6.x native unprefixed routes; else 1.4.x ``call_tokenizer_manager``.
+    native: bool = False
+    #: ``rollout/abort`` (by request id) and ``rollout/weight_version`` (our worker, the shim).
+    rollout_routes: bool = False
+    #: ``rollout/abort`` also aborts all (our worker); else SGLang's own abort route.
+    rollout_abort_all: bool = False
+    #: ``control/update_weights_from_tensor`` (our worker only).
+    tensors: bool = False
+    #: Logprobs and cached-token counts in answers (not the mocker).
+    logprobs: bool = True
+    #: Seeded sampling and batch-invariant numerics (our reference worker; SGLang is not by default).
+    deterministic: bool = False
+    #: dynamo.sglang 1.4.x awaits the synchronous ``TokenizerManager.abort_request``: the abort is
+    #: dispatched, then the route fails with "object NoneType can't be used in 'await' expression".
+    abort_all_await_bug: bool = False
+
+
+ROUTES: Mapping[DynamoFlavor, FlavorRoutes] = {
+    DynamoFlavor.ROLLOUT: FlavorRoutes(
+        sglang=True, rollout_routes=True, rollout_abort_all=True, tensors=True, deterministic=True
+    ),
+    DynamoFlavor.SGLANG14: FlavorRoutes(sglang=True, abort_all_await_bug=True),
+    DynamoFlavor.SGLANG14_SHIM: FlavorRoutes(sglang=True, rollout_routes=True, abort_all_await_bug=True),
+    DynamoFlavor.SGLANG16: FlavorRoutes(sglang=True, native=True),
+    DynamoFlavor.MOCKER: FlavorRoutes(sglang=False, logprobs=False),
+    DynamoFlavor.NONE: FlavorRoutes(sglang=False),
+}
+FLAVORS = tuple(f.value for f in DynamoFlavor)
+
+
+def to_flavor(value: DynamoFlavor | str) -> DynamoFlavor:
+    """A flavor from its name (``InvalidRequest`` naming ``flavor`` for an unknown one)."""
+    try:
+        return DynamoFlavor(value)
+    except ValueError:
+        raise InvalidRequest("flavor", f"must be one of {FLAVORS}, got {value!r}") from None
+
+
 #: Router modes that honour ``nvext.backend_instance_id`` (measured on 1.4.2: round-robin ignores it).
 PINNING_MODES = ("kv", "direct")
 EXTRA_FIELDS = ("completion_token_ids", "worker_id", "timing", "engine_data", "stop_reason")
@@ -253,7 +357,7 @@ class DynamoWire:
 
     frontend_url: str
     model: str
-    flavor: str = "rollout"
+    flavor: DynamoFlavor = attrs.field(default=DynamoFlavor.ROLLOUT, converter=to_flavor)
     router_mode: str = "round-robin"
     instance_workers: Mapping[int, str] = attrs.field(factory=dict)
     url_workers: Mapping[str, str] = attrs.field(factory=dict)
@@ -271,41 +375,45 @@ class DynamoWire:
     #: serves the route and the workers advertise ``sglang_generate`` and name themselves in it).
     native_generate: bool = False
 
-    def __attrs_post_init__(self) -> None:
-        if self.flavor not in FLAVORS:
-            raise InvalidRequest("flavor", f"must be one of {FLAVORS}, got {self.flavor!r}")
-
     @property
     def pinning(self) -> bool:
         return self.router_mode in PINNING_MODES
 
     @property
-    def _sglang_like(self) -> bool:
-        return self.flavor in ("rollout", "sglang14", "sglang14-shim", "sglang16")
+    def routes(self) -> FlavorRoutes:
+        return ROUTES[self.flavor]
+
+    @property
+    def aborts_by_id(self) -> bool:
+        """Our worker and the shim abort one request by id inside the engine (the request still
+        answers with its partial tokens); stock dynamo.sglang has no route for it, so the fleet
+        cancels the client's HTTP call instead (the tokens are lost with it)."""
+        return self.routes.rollout_routes
 
     def capabilities(self) -> Capabilities:
-        sg = self._sglang_like
+        routes = self.routes
+        sg = routes.sglang
         transports = set()
         if sg:
             transports = {WeightTransport.DISK, WeightTransport.DISTRIBUTED}
-            if self.flavor == "rollout":
+            if routes.tensors:
                 transports.add(WeightTransport.TENSOR)
         return Capabilities(
             pause_modes=set(PauseMode) if sg else set(),
             weight_transports=transports,
             memory_release=sg and self.memory_saver,
-            logprobs=self.flavor != "mocker",
+            logprobs=routes.logprobs,
             streaming=False,
             routing=_ROUTING.get(self.router_mode, RoutingKind.OTHER),
             abort=True,
-            seeded_sampling=self.flavor == "rollout",
+            seeded_sampling=routes.deterministic,
             begin_end_update=False,
             version_source=self.version_source,
-            cached_tokens=self.flavor != "mocker",
+            cached_tokens=routes.logprobs,
             worker_pinning=self.pinning,
             # The probe is a 1-token generation pinned to the worker: only where pinning works.
             progress_probe=self.pinning,
-            batch_invariant=self.flavor == "rollout",  # our reference worker; SGLang is not by default
+            batch_invariant=routes.deterministic,
             max_context=self.max_context,
             vocab_size=self.vocab_size,
         )
@@ -325,7 +433,9 @@ class DynamoWire:
         # and takes UUIDs only).
         return HttpRequest("POST", f"{self.frontend_url}/v1/completions", json=body)
 
-    def parse_generation(self, request: GenerateRequest, response: HttpResponse, latency_s: float) -> Generation:
+    def parse_generation(
+        self, request: GenerateRequest, response: HttpResponse, latency_s: float, *, worker: str | None = None
+    ) -> Generation:
         if response.status in (400, 422):
             msg = _error_message(response)
             raise InvalidRequest(_field_of(msg), msg)
@@ -507,158 +617,122 @@ class DynamoWire:
     def _engine(self, worker: Worker, route: str, body: Mapping[str, Any] | None = None) -> HttpRequest:
         return HttpRequest("POST", f"{worker.control_url}/engine/{route}", json=dict(body or {}))
 
-    def control(self, op: Op, worker: Worker, **args: Any) -> HttpRequest | None:
-        if op is Op.LIVE:
-            return HttpRequest("GET", f"{worker.control_url}/live", timeout=5.0, idempotent=True)
-        if op is Op.READY:
-            if worker.instance_id is None:
+    def control(self, op: Operation, worker: Worker) -> HttpRequest | None:
+        match op:
+            case Live():
+                return HttpRequest("GET", f"{worker.control_url}/live", timeout=5.0, idempotent=True)
+            case Ready():
+                if worker.instance_id is None:
+                    return None
+                return HttpRequest("GET", f"{self.frontend_url}/health", timeout=5.0, idempotent=True)
+            case Progress():
+                if not self.pinning or worker.instance_id is None:
+                    return None
+                probe = GenerateRequest(input_ids=(1,), return_logprobs=False)
+                body = completion_body(probe, self.model, logprobs=False, instance_id=worker.instance_id)
+                body.update(max_tokens=1, temperature=0.0, ignore_eos=True)
+                return HttpRequest("POST", f"{self.frontend_url}/v1/completions", json=body, timeout=self.probe_timeout)
+            case BeginWeightUpdate() | EndWeightUpdate():
                 return None
-            return HttpRequest("GET", f"{self.frontend_url}/health", timeout=5.0, idempotent=True)
-        if op is Op.PROBE:
-            if not self.pinning or worker.instance_id is None:
-                return None
-            probe = GenerateRequest(input_ids=(1,), return_logprobs=False)
-            body = completion_body(probe, self.model, logprobs=False, instance_id=worker.instance_id)
-            body.update(max_tokens=1, temperature=0.0, ignore_eos=True)
-            return HttpRequest("POST", f"{self.frontend_url}/v1/completions", json=body, timeout=self.probe_timeout)
-        if op is Op.BEGIN or op is Op.END:
-            return None
-        if op is Op.ABORT:
-            # Our worker and the shim abort one request by id inside the engine, and the request
-            # still answers with its partial tokens. Stock dynamo.sglang has no route for it: None ->
-            # the fleet backend cancels the client's HTTP request (the tokens are lost with it).
-            if self.flavor in ("rollout", "sglang14-shim"):
-                return self._engine(worker, "rollout/abort", {"rid": args["request_id"]})
-            return None
-        if not self._sglang_like:
-            return self._engine(worker, f"control/{op.value}")  # the mocker answers 404: ControlFailed
-        v16 = self.flavor == "sglang16"
-        if op is Op.ABORT_ALL:
-            if self.flavor == "rollout":
-                return self._engine(worker, "rollout/abort", {"abort_all": True})
-            if v16:
-                return self._engine(worker, "abort_request", {"abort_all": True})
-            # Plain kwargs: a typed io_struct arg would become `rid`.
-            body = {"method": "abort_request", "args": [], "kwargs": {"abort_all": True}}
-            return HttpRequest("POST", f"{worker.control_url}/engine/call_tokenizer_manager", json=body)
-        if op is Op.PAUSE:
-            mode = {"mode": PauseMode(args["mode"]).value}
-            return (
-                self._engine(worker, "pause_generation", mode)
-                if v16
-                else self._tm(worker, "pause_generation", mode, "PauseGenerationReqInput")
-            )
-        if op is Op.RESUME:
-            return (
-                self._engine(worker, "continue_generation")
-                if v16
-                else self._tm(worker, "continue_generation", {}, "ContinueGenerationReqInput")
-            )
-        if op is Op.FLUSH_CACHE:
-            return self._engine(worker, "flush_cache") if v16 else self._tm(worker, "flush_cache")
-        if op is Op.INIT_GROUP:
-            g = args["group"]
-            body = {
-                "master_address": g.master_address,
-                "master_port": g.master_port,
-                "rank_offset": args["rank_offset"],
-                "world_size": g.world_size,
-                "group_name": g.group_name,
-                "backend": g.backend,
-            }
-            return (
-                self._engine(worker, "init_weights_update_group", body)
-                if v16
-                else self._tm(worker, "init_weights_update_group", body, "InitWeightsUpdateGroupReqInput")
-            )
-        if op is Op.DESTROY_GROUP:
-            body = {"group_name": args["group_name"]}
-            return (
-                self._engine(worker, "destroy_weights_update_group", body)
-                if v16
-                else self._tm(worker, "destroy_weights_update_group", body, "DestroyWeightsUpdateGroupReqInput")
-            )
-        if op is Op.UPDATE_DISTRIBUTED:
-            b = args["bucket"]
-            body = {
-                "names": b.names,
-                "dtypes": b.dtypes,
-                "shapes": b.shapes,
-                "group_name": args["group_name"],
-                "flush_cache": args["flush_cache"],
-                "abort_all_requests": False,
-            }
-            if args.get("version") is not None:
-                body["weight_version"] = args["version"]
-            return self._engine(worker, "control/update_weights_from_distributed", body)
-        if op is Op.UPDATE_TENSORS:
-            body = {
-                "serialized_named_tensors": [args["payload"]] * worker.ranks,
-                "load_format": args.get("load_format"),
-                "flush_cache": args["flush_cache"],
-                "abort_all_requests": False,
-            }
-            if args.get("version") is not None:
-                body["weight_version"] = args["version"]
-            return self._engine(worker, "control/update_weights_from_tensor", body)
-        if op is Op.UPDATE_DISK:
-            body = {"model_path": args["path"], "abort_all_requests": False, "flush_cache": args["flush_cache"]}
-            if args.get("load_format") is not None:
-                body["load_format"] = args["load_format"]
-            if args.get("version") is not None:
-                body["weight_version"] = args["version"]
-            return self._engine(worker, "control/update_weights_from_disk", body)
-        if op is Op.SET_VERSION:
-            # abort_all_requests defaults to true in SGLang's struct: it would kill in-flight rollouts.
-            return self._engine(
-                worker, "control/update_weight_version", {"new_version": args["version"], "abort_all_requests": False}
-            )
-        if op is Op.RELEASE_MEMORY or op is Op.RESUME_MEMORY:
-            tags = args.get("tags")
-            name = "release_memory_occupation" if op is Op.RELEASE_MEMORY else "resume_memory_occupation"
-            route = name if v16 else f"control/{name}"
-            return self._engine(worker, route, {"tags": None if tags is None else [t.value for t in tags]})
-        if op is Op.GET_VERSION:
-            if self.flavor in ("rollout", "sglang14-shim"):
+            case AbortRequest(request_id=rid):
+                return self._engine(worker, "rollout/abort", {"rid": rid}) if self.aborts_by_id else None
+            case GetVersion():
+                if not self.routes.rollout_routes:
+                    return None
                 return HttpRequest(
                     "POST", f"{worker.control_url}/engine/rollout/weight_version", json={}, idempotent=True
                 )
-            return None
-        raise ValueError(f"unknown op {op}")  # pragma: no cover
+        if not self.routes.sglang:
+            return self._engine(worker, f"control/{op.name}")  # the mocker answers 404: ControlFailed
+        return self._sglang_control(op, worker)
 
-    def parse_control(self, op: Op, worker: Worker, response: HttpResponse) -> Any:
-        if op is Op.LIVE:
-            # The process answers (the mocker's system port always answers 503 "notready").
-            return response.status in (200, 503)
-        if op is Op.READY:
-            if not response.ok:
-                return False
-            instances = generate_instances(response.json(), self.namespace)
-            if worker.instance_id in {i.get("instance_id") for i in instances}:
-                return True
-            port = self.worker_rpc_ports.get(worker.id)
-            return port is not None and port in {_rpc_port_of(i) for i in instances}
-        if op is Op.PROBE:
-            return response.ok
+    def _sglang_control(self, op: Command, worker: Worker) -> HttpRequest | None:
+        """dynamo.sglang's engine routes: native (1.6.x) or through the tokenizer manager (1.4.x)."""
+        native = self.routes.native
+
+        def native_or_tm(route: str, body: Mapping[str, Any] | None, cls: str | None) -> HttpRequest:
+            if native:
+                return self._engine(worker, route, body)
+            return self._tm(worker, route, body, cls)
+
+        match op:
+            case AbortAll():
+                if self.routes.rollout_abort_all:
+                    return self._engine(worker, "rollout/abort", {"abort_all": True})
+                if native:
+                    return self._engine(worker, "abort_request", {"abort_all": True})
+                # Plain kwargs: a typed io_struct arg would become `rid`.
+                body = {"method": "abort_request", "args": [], "kwargs": {"abort_all": True}}
+                return HttpRequest("POST", f"{worker.control_url}/engine/call_tokenizer_manager", json=body)
+            case Pause(mode=mode):
+                return native_or_tm("pause_generation", {"mode": mode.value}, "PauseGenerationReqInput")
+            case Resume():
+                return native_or_tm("continue_generation", {}, "ContinueGenerationReqInput")
+            case FlushCache():
+                return native_or_tm("flush_cache", None, None)
+            case InitWeightGroup(group=g, rank_offset=rank_offset):
+                body = init_group_body(g, rank_offset)
+                return native_or_tm("init_weights_update_group", body, "InitWeightsUpdateGroupReqInput")
+            case DestroyWeightGroup(group_name=group_name):
+                body = {"group_name": group_name}
+                return native_or_tm("destroy_weights_update_group", body, "DestroyWeightsUpdateGroupReqInput")
+            case UpdateFromDistributed():
+                return self._engine(worker, "control/update_weights_from_distributed", distributed_body(op))
+            case UpdateFromTensors():
+                return self._engine(worker, "control/update_weights_from_tensor", tensors_body(op, worker.ranks))
+            case UpdateFromDisk():
+                return self._engine(worker, "control/update_weights_from_disk", disk_body(op))
+            case SetVersion(version=version):
+                return self._engine(worker, "control/update_weight_version", set_version_body(version))
+            case ReleaseMemory(tags=tags):
+                route = "release_memory_occupation"
+                return self._engine(worker, route if native else f"control/{route}", memory_body(tags))
+            case ResumeMemory(tags=tags):
+                route = "resume_memory_occupation"
+                return self._engine(worker, route if native else f"control/{route}", memory_body(tags))
+            case AbortRequest() | BeginWeightUpdate() | EndWeightUpdate():
+                return None  # answered by ``control`` before it comes here
+        unhandled(op)
+
+    def parse_control(self, op: Command, worker: Worker, response: HttpResponse) -> None:
         failed = not response.ok
-        if failed and op is Op.ABORT_ALL and self.flavor in ("sglang14", "sglang14-shim") and "await" in response.text:
-            # dynamo.sglang 1.4.x awaits TokenizerManager.abort_request, which is synchronous: the
-            # abort was dispatched, then the route fails with "object NoneType can't be used in
-            # 'await' expression".
-            return None
-        if failed:
+        if failed and isinstance(op, AbortAll) and self.routes.abort_all_await_bug and "await" in response.text:
+            return  # dispatched: see ``FlavorRoutes.abort_all_await_bug``
+        self._checked(op.name, worker, response)
+
+    def _checked(self, name: str, worker: Worker, response: HttpResponse) -> Any:
+        if not response.ok:
             raise ControlFailed(
-                op.value, [WorkerFailure(worker.id, op.value, f"HTTP {response.status}: {_error_message(response)}")]
+                name, [WorkerFailure(worker.id, name, f"HTTP {response.status}: {_error_message(response)}")]
             )
         data = _struct_result(response.json())
         if isinstance(data, dict) and (data.get("success") is False or data.get("status") == "error"):
-            raise ControlFailed(op.value, [WorkerFailure(worker.id, op.value, str(data.get("message", data)))])
-        if op is Op.GET_VERSION:
-            if not isinstance(data, dict) or "weight_version" not in data:
-                raise ContractViolation("rollout/weight_version has no weight_version", worker=worker.id)
-            v = data["weight_version"]
-            return None if v is None else str(v)
+            raise ControlFailed(name, [WorkerFailure(worker.id, name, str(data.get("message", data)))])
         return data
+
+    def parse_version(self, worker: Worker, response: HttpResponse) -> str | None:
+        data = self._checked(GetVersion.name, worker, response)
+        if not isinstance(data, dict) or "weight_version" not in data:
+            raise ContractViolation("rollout/weight_version has no weight_version", worker=worker.id)
+        v = data["weight_version"]
+        return None if v is None else str(v)
+
+    def parse_probe(self, probe: Probe, worker: Worker, response: HttpResponse) -> bool:
+        match probe:
+            case Live():
+                # The process answers (the mocker's system port always answers 503 "notready").
+                return response.status in (200, 503)
+            case Ready():
+                if not response.ok:
+                    return False
+                instances = generate_instances(response.json(), self.namespace)
+                if worker.instance_id in {i.get("instance_id") for i in instances}:
+                    return True
+                port = self.worker_rpc_ports.get(worker.id)
+                return port is not None and port in {_rpc_port_of(i) for i in instances}
+            case Progress():
+                return response.ok
+        unhandled(probe)
 
     def router_health(self) -> HttpRequest | None:
         return HttpRequest("GET", f"{self.frontend_url}/live", timeout=5.0, idempotent=True)

@@ -21,15 +21,44 @@ from rollout_backends import (
     GenerateRequest,
     Generation,
     InvalidRequest,
+    MemoryTag,
     Overloaded,
     PauseMode,
     RolloutBackendError,
     RoutingKind,
     VersionSource,
+    WeightGroup,
     WeightTransport,
     WorkerFailure,
 )
-from rollout_backends.kit import HttpRequest, HttpResponse, Op, Worker
+from rollout_backends.kit import (
+    AbortAll,
+    AbortRequest,
+    BeginWeightUpdate,
+    Command,
+    DestroyWeightGroup,
+    EndWeightUpdate,
+    FlushCache,
+    GetVersion,
+    HttpRequest,
+    HttpResponse,
+    InitWeightGroup,
+    Live,
+    Operation,
+    Pause,
+    Probe,
+    Progress,
+    Ready,
+    ReleaseMemory,
+    Resume,
+    ResumeMemory,
+    SetVersion,
+    UpdateFromDisk,
+    UpdateFromDistributed,
+    UpdateFromTensors,
+    Worker,
+    unhandled,
+)
 from rollout_backends.sglang_native import (
     ROUTING_KEY_HEADER,
     error_field,
@@ -154,7 +183,12 @@ class SGLangWire:
 
     # -- control ----------------------------------------------------------------------------
 
-    def control(self, op: Op, worker: Worker, **args: Any) -> HttpRequest | None:
+    @property
+    def aborts_by_id(self) -> bool:
+        """SGLang aborts one request by id (``/abort_request``), answering its partial tokens."""
+        return True
+
+    def control(self, op: Operation, worker: Worker) -> HttpRequest | None:
         url = worker.control_url
 
         def post(path: str, body: dict[str, Any] | None = None) -> HttpRequest:
@@ -162,102 +196,136 @@ class SGLangWire:
             # client sends its admin key (``HttpClient(admin_api_key=...)``) on them.
             return HttpRequest("POST", f"{url}{path}", json=body if body is not None else {}, admin=True)
 
-        if op is Op.ABORT:
-            return post("/abort_request", {"rid": args["request_id"], "abort_all": False})
-        if op is Op.ABORT_ALL:
-            return post("/abort_request", {"rid": "", "abort_all": True})
-        if op is Op.PAUSE:
-            return post("/pause_generation", {"mode": PauseMode(args["mode"]).value})
-        if op is Op.RESUME:
-            return post("/continue_generation", {})
-        if op is Op.FLUSH_CACHE:
-            return post("/flush_cache", None)
-        if op is Op.INIT_GROUP:
-            g = args["group"]
-            return post(
-                "/init_weights_update_group",
-                {
-                    "master_address": g.master_address,
-                    "master_port": g.master_port,
-                    "rank_offset": args["rank_offset"],
-                    "world_size": g.world_size,
-                    "group_name": g.group_name,
-                    "backend": g.backend,
-                },
-            )
-        if op is Op.UPDATE_DISTRIBUTED:
-            b = args["bucket"]
-            body = {
-                "names": b.names,
-                "dtypes": b.dtypes,
-                "shapes": b.shapes,
-                "group_name": args["group_name"],
-                "flush_cache": args["flush_cache"],
-                "abort_all_requests": False,
-            }
-            if args.get("version") is not None:
-                body["weight_version"] = args["version"]
-            return post("/update_weights_from_distributed", body)
-        if op is Op.UPDATE_TENSORS:
-            body = {
-                "serialized_named_tensors": [args["payload"]] * worker.ranks,
-                "load_format": args.get("load_format"),
-                "flush_cache": args["flush_cache"],
-                "abort_all_requests": False,
-            }
-            if args.get("version") is not None:
-                body["weight_version"] = args["version"]
-            return post("/update_weights_from_tensor", body)
-        if op is Op.UPDATE_DISK:
-            body = {"model_path": args["path"], "abort_all_requests": False, "flush_cache": args["flush_cache"]}
-            if args.get("load_format") is not None:
-                body["load_format"] = args["load_format"]
-            if args.get("version") is not None:
-                body["weight_version"] = args["version"]
-            return post("/update_weights_from_disk", body)
-        if op is Op.DESTROY_GROUP:
-            return post("/destroy_weights_update_group", {"group_name": args["group_name"]})
-        if op is Op.BEGIN:
-            return post("/begin_weight_update", {"selector": args["selector"]}) if self.has_begin_end else None
-        if op is Op.END:
-            return post("/end_weight_update", {}) if self.has_begin_end else None
-        if op is Op.SET_VERSION:
-            # abort_all_requests defaults to true upstream and kills in-flight rollouts (miles#2372).
-            return post("/update_weight_version", {"new_version": args["version"], "abort_all_requests": False})
-        if op is Op.RELEASE_MEMORY or op is Op.RESUME_MEMORY:
-            tags = args.get("tags")
-            path = "/release_memory_occupation" if op is Op.RELEASE_MEMORY else "/resume_memory_occupation"
-            return post(path, {"tags": None if tags is None else [t.value for t in tags]})
-        if op is Op.GET_VERSION:
-            return HttpRequest("GET", f"{url}/model_info", idempotent=True)
-        if op is Op.LIVE:
-            return HttpRequest("GET", f"{url}/health", timeout=self.probe_timeout, idempotent=True)
-        if op is Op.READY:
-            return HttpRequest("GET", f"{url}/ready", timeout=5.0, idempotent=True) if self.has_ready_route else None
-        if op is Op.PROBE:
-            return HttpRequest("GET", f"{url}/health_generate", timeout=self.probe_timeout, idempotent=True)
-        raise ValueError(f"unknown op {op}")  # pragma: no cover
+        match op:
+            case AbortRequest(request_id=rid):
+                return post("/abort_request", {"rid": rid, "abort_all": False})
+            case AbortAll():
+                return post("/abort_request", {"rid": "", "abort_all": True})
+            case Pause(mode=mode):
+                return post("/pause_generation", {"mode": mode.value})
+            case Resume():
+                return post("/continue_generation", {})
+            case FlushCache():
+                return post("/flush_cache", None)
+            case InitWeightGroup(group=g, rank_offset=rank_offset):
+                return post("/init_weights_update_group", init_group_body(g, rank_offset))
+            case UpdateFromDistributed():
+                return post("/update_weights_from_distributed", distributed_body(op))
+            case UpdateFromTensors():
+                return post("/update_weights_from_tensor", tensors_body(op, worker.ranks))
+            case UpdateFromDisk():
+                return post("/update_weights_from_disk", disk_body(op))
+            case DestroyWeightGroup(group_name=group_name):
+                return post("/destroy_weights_update_group", {"group_name": group_name})
+            case BeginWeightUpdate(selector=selector):
+                return post("/begin_weight_update", {"selector": selector}) if self.has_begin_end else None
+            case EndWeightUpdate():
+                return post("/end_weight_update", {}) if self.has_begin_end else None
+            case SetVersion(version=version):
+                return post("/update_weight_version", set_version_body(version))
+            case ReleaseMemory(tags=tags):
+                return post("/release_memory_occupation", memory_body(tags))
+            case ResumeMemory(tags=tags):
+                return post("/resume_memory_occupation", memory_body(tags))
+            case GetVersion():
+                return HttpRequest("GET", f"{url}/model_info", idempotent=True)
+            case Live():
+                return HttpRequest("GET", f"{url}/health", timeout=self.probe_timeout, idempotent=True)
+            case Ready():
+                return (
+                    HttpRequest("GET", f"{url}/ready", timeout=5.0, idempotent=True) if self.has_ready_route else None
+                )
+            case Progress():
+                return HttpRequest("GET", f"{url}/health_generate", timeout=self.probe_timeout, idempotent=True)
+        unhandled(op)
 
-    def parse_control(self, op: Op, worker: Worker, response: HttpResponse) -> Any:
-        if op in (Op.LIVE, Op.READY, Op.PROBE):
-            return response.ok
+    def parse_control(self, op: Command, worker: Worker, response: HttpResponse) -> None:
         if not response.ok:
             raise ControlFailed(
-                op.value, [WorkerFailure(worker.id, op.value, f"HTTP {response.status}: {_error_message(response)}")]
+                op.name, [WorkerFailure(worker.id, op.name, f"HTTP {response.status}: {_error_message(response)}")]
             )
-        if op is Op.FLUSH_CACHE:
-            return None  # plain text on success
+        if isinstance(op, FlushCache):
+            return  # plain text on success
         data = response.json()
         if isinstance(data, dict) and data.get("success") is False:
-            raise ControlFailed(op.value, [WorkerFailure(worker.id, op.value, str(data.get("message", data)))])
-        if op is Op.GET_VERSION:
-            if not isinstance(data, dict) or "weight_version" not in data:
-                raise ContractViolation("/model_info has no weight_version", worker=worker.id)
-            v = data["weight_version"]
-            return None if v is None else str(v)
-        return data
+            raise ControlFailed(op.name, [WorkerFailure(worker.id, op.name, str(data.get("message", data)))])
+
+    def parse_version(self, worker: Worker, response: HttpResponse) -> str | None:
+        if not response.ok:
+            raise ControlFailed(
+                GetVersion.name,
+                [WorkerFailure(worker.id, GetVersion.name, f"HTTP {response.status}: {_error_message(response)}")],
+            )
+        data = response.json()
+        if not isinstance(data, dict) or "weight_version" not in data:
+            raise ContractViolation("/model_info has no weight_version", worker=worker.id)
+        v = data["weight_version"]
+        return None if v is None else str(v)
+
+    def parse_probe(self, probe: Probe, worker: Worker, response: HttpResponse) -> bool:
+        return response.ok
 
     def router_health(self) -> HttpRequest | None:
         if self.routing is RoutingKind.SINGLE:
             return None
         return HttpRequest("GET", f"{self.entry_url}/health", timeout=5.0, idempotent=True)
+
+
+# -- SGLang's control bodies (also built by the Dynamo wire for dynamo.sglang's engine routes) --
+
+
+def init_group_body(g: WeightGroup, rank_offset: int) -> dict[str, Any]:
+    return {
+        "master_address": g.master_address,
+        "master_port": g.master_port,
+        "rank_offset": rank_offset,
+        "world_size": g.world_size,
+        "group_name": g.group_name,
+        "backend": g.backend,
+    }
+
+
+def distributed_body(op: UpdateFromDistributed) -> dict[str, Any]:
+    b = op.bucket
+    body: dict[str, Any] = {
+        "names": b.names,
+        "dtypes": b.dtypes,
+        "shapes": b.shapes,
+        "group_name": op.group_name,
+        "flush_cache": op.flush_cache,
+        "abort_all_requests": False,
+    }
+    if op.version is not None:
+        body["weight_version"] = op.version
+    return body
+
+
+def tensors_body(op: UpdateFromTensors, ranks: int) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        # One entry per TP rank of the worker: each rank loads the same handles.
+        "serialized_named_tensors": [op.tensors.payload()] * ranks,
+        "load_format": op.load_format,
+        "flush_cache": op.flush_cache,
+        "abort_all_requests": False,
+    }
+    if op.version is not None:
+        body["weight_version"] = op.version
+    return body
+
+
+def disk_body(op: UpdateFromDisk) -> dict[str, Any]:
+    body: dict[str, Any] = {"model_path": op.path, "abort_all_requests": False, "flush_cache": op.flush_cache}
+    if op.load_format is not None:
+        body["load_format"] = op.load_format
+    if op.version is not None:
+        body["weight_version"] = op.version
+    return body
+
+
+def set_version_body(version: str) -> dict[str, Any]:
+    # abort_all_requests defaults to true upstream and kills in-flight rollouts (miles#2372).
+    return {"new_version": version, "abort_all_requests": False}
+
+
+def memory_body(tags: tuple[MemoryTag, ...] | None) -> dict[str, Any]:
+    return {"tags": None if tags is None else [t.value for t in tags]}

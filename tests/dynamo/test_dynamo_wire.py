@@ -8,6 +8,7 @@ from typing import Any
 
 import attrs
 import pytest
+import torch
 
 from rollout_backends import (
     BackendUnavailable,
@@ -23,12 +24,24 @@ from rollout_backends import (
     Unsupported,
     WeightGroup,
 )
-from rollout_backends._fleet import HttpFleetBackend, Op, Worker
+from rollout_backends._fleet import HttpFleetBackend, Worker
 from rollout_backends._http import HttpClient, HttpRequest, HttpResponse, MockTransport
 from rollout_backends.adapters.dynamo import DynamoFleet, DynamoWire
 from rollout_backends.adapters.dynamo._launcher import _WorkerPorts, frontend_argv, worker_argv, worker_env
 from rollout_backends.adapters.dynamo._wire import completion_body
 from rollout_backends.adapters.sglang import sampling_params_body
+from rollout_backends.kit import (
+    AbortAll,
+    AbortRequest,
+    FlushCache,
+    InitWeightGroup,
+    NamedTensors,
+    Pause,
+    ReleaseMemory,
+    SetVersion,
+    UpdateFromDisk,
+    UpdateFromTensors,
+)
 
 W0 = Worker(id="127.0.0.1:21001", control_url="http://127.0.0.1:21001", instance_id=111)
 W1 = Worker(id="127.0.0.1:21002", control_url="http://127.0.0.1:21002", instance_id=222)
@@ -116,38 +129,45 @@ def test_parse_generation_errors() -> None:
 @pytest.mark.parametrize("flavor", ["rollout", "sglang14", "sglang14-shim", "sglang16"])
 def test_control_routes(flavor: str) -> None:
     w = _wire(flavor=flavor)
-    pause = w.control(Op.PAUSE, W0, mode=PauseMode.IN_PLACE)
+    pause = w.control(Pause(PauseMode.IN_PLACE), W0)
     assert pause is not None
     if flavor == "sglang16":
         assert pause.url.endswith("/engine/pause_generation") and pause.json == {"mode": "in_place"}
     else:
         assert pause.url.endswith("/engine/call_tokenizer_manager")
         assert pause.json["args"] == [{"io_struct.PauseGenerationReqInput": {"mode": "in_place"}}]
-    sv = w.control(Op.SET_VERSION, W0, version="v2")
+    sv = w.control(SetVersion("v2"), W0)
     assert sv is not None and sv.json == {"new_version": "v2", "abort_all_requests": False}
     g = WeightGroup(master_address="h", master_port=1234, world_size=3, backend="gloo")
-    init = w.control(Op.INIT_GROUP, W0, group=g, rank_offset=2)
+    init = w.control(InitWeightGroup(g, 2), W0)
     assert init is not None and "2" in str(init.json) and "gloo" in str(init.json)
-    disk = w.control(Op.UPDATE_DISK, W0, path="/ck", version=None, load_format=None, flush_cache=False)
+    disk = w.control(UpdateFromDisk(path="/ck", version=None, load_format=None, flush_cache=False), W0)
     assert disk is not None and disk.url.endswith("/engine/control/update_weights_from_disk")
     assert disk.json == {"model_path": "/ck", "abort_all_requests": False, "flush_cache": False}
-    abort = w.control(Op.ABORT, W0, request_id="r")
-    assert (abort is not None) == (flavor in ("rollout", "sglang14-shim"))
+    abort = w.control(AbortRequest("r"), W0)
+    assert (abort is not None) == (flavor in ("rollout", "sglang14-shim")) == w.aborts_by_id
+    named = NamedTensors((("x", torch.zeros(1)),))
+    tensors = w.control(UpdateFromTensors(tensors=named, version=None, flush_cache=False, load_format=None), W0)
+    assert tensors is not None and tensors.url.endswith("/engine/control/update_weights_from_tensor")
     if abort is not None:
         assert abort.url.endswith("/engine/rollout/abort") and abort.json == {"rid": "r"}
     # success is checked in every body
     with pytest.raises(ControlFailed):
-        w.parse_control(Op.UPDATE_DISK, W0, HttpResponse.from_json({"success": False, "message": "no"}))
+        w.parse_control(
+            UpdateFromDisk(path="/ck", version=None, load_format=None, flush_cache=False),
+            W0,
+            HttpResponse.from_json({"success": False, "message": "no"}),
+        )
     with pytest.raises(ControlFailed):
-        w.parse_control(Op.RELEASE_MEMORY, W0, HttpResponse.from_json({"status": "error", "message": "no"}))
+        w.parse_control(ReleaseMemory(None), W0, HttpResponse.from_json({"status": "error", "message": "no"}))
 
 
 def test_sglang14_abort_all_500_is_success() -> None:
     w = _wire(flavor="sglang14")
     msg = {"error": "Handler error", "message": "TypeError: object NoneType can't be used in 'await' expression"}
-    assert w.parse_control(Op.ABORT_ALL, W0, HttpResponse.from_json(msg, 500)) is None
+    w.parse_control(AbortAll(), W0, HttpResponse.from_json(msg, 500))  # no raise
     with pytest.raises(ControlFailed):
-        w.parse_control(Op.FLUSH_CACHE, W0, HttpResponse.from_json(msg, 500))
+        w.parse_control(FlushCache(), W0, HttpResponse.from_json(msg, 500))
 
 
 def test_stringified_struct_results_keep_their_success() -> None:
@@ -155,15 +175,15 @@ def test_stringified_struct_results_keep_their_success() -> None:
     w = _wire(flavor="sglang14")
     refused = {"result": "FlushCacheReqOutput(rid=None, http_worker_ipc=None, success=False, message='')"}
     with pytest.raises(ControlFailed) as e:
-        w.parse_control(Op.FLUSH_CACHE, W0, HttpResponse.from_json(refused))
+        w.parse_control(FlushCache(), W0, HttpResponse.from_json(refused))
     assert "FlushCacheReqOutput" in str(e.value) and W0.id in str(e.value)
     busy = {"result": "FlushCacheReqOutput(rid=None, success=False, message='not idle, 3 running')"}
     with pytest.raises(ControlFailed, match="not idle, 3 running"):
-        w.parse_control(Op.FLUSH_CACHE, W0, HttpResponse.from_json(busy))
+        w.parse_control(FlushCache(), W0, HttpResponse.from_json(busy))
     done = {"result": "FlushCacheReqOutput(rid=None, http_worker_ipc=None, success=True, message='')"}
-    assert w.parse_control(Op.FLUSH_CACHE, W0, HttpResponse.from_json(done))["success"] is True
-    # Anything else in "result" is passed through untouched.
-    assert w.parse_control(Op.FLUSH_CACHE, W0, HttpResponse.from_json({"result": "ok"})) == {"result": "ok"}
+    w.parse_control(FlushCache(), W0, HttpResponse.from_json(done))  # no raise
+    # Anything else in "result" is taken as it is.
+    w.parse_control(FlushCache(), W0, HttpResponse.from_json({"result": "ok"}))
 
 
 def test_capabilities_by_mode_and_flavor() -> None:

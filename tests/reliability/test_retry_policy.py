@@ -15,14 +15,16 @@ from rollout_backends import (
     BackendUnavailable,
     ConnectionFailed,
     GenerateRequest,
+    PauseMode,
     SamplingParams,
     TransientError,
 )
-from rollout_backends._fleet import HttpFleetBackend, Op, Worker
+from rollout_backends._fleet import HttpFleetBackend, Worker
 from rollout_backends._http import HttpClient, HttpRequest, HttpResponse, MockTransport, RetryPolicy
 from rollout_backends._supervisor import free_port
 from rollout_backends.adapters.dynamo._wire import DynamoWire
 from rollout_backends.adapters.sglang import SGLangWire
+from rollout_backends.kit import Pause, Ready
 
 SAMPLING = SamplingParams(max_new_tokens=3, temperature=0.0)
 FAST = {"backoff_s": 0.001, "max_backoff_s": 0.002}
@@ -188,7 +190,7 @@ async def test_admin_key_on_control_calls_only_and_never_shown() -> None:
     shown = " ".join([repr(client), repr(backend), repr(wire), *(repr(r) for r in seen), str(seen)])
     assert "sk-DATA" not in shown and "sk-ADMIN" not in shown
     assert "***" in repr(seen[0])
-    assert wire.control(Op.PAUSE, backend.worker("w0"), mode="retract") is not None
+    assert wire.control(Pause(PauseMode.RETRACT), backend.worker("w0")) is not None
 
 
 async def test_resend_delay_is_bounded() -> None:
@@ -215,12 +217,10 @@ def test_dynamo_ready_matches_a_restarted_worker_by_rpc_port() -> None:
     wire = DynamoWire(frontend_url="http://fe:1", model="m", worker_rpc_ports={"127.0.0.1:21000": 21001})
     worker = Worker(id="127.0.0.1:21000", control_url="http://127.0.0.1:21000", instance_id=111)
     health = {"instances": [{"endpoint": "generate", "instance_id": 222, "transport": {"tcp": "127.0.0.1:21001/x"}}]}
-    assert wire.parse_control(Op.READY, worker, HttpResponse.from_json(health)) is True
+    assert wire.parse_probe(Ready(), worker, HttpResponse.from_json(health)) is True
     other = {"instances": [{"endpoint": "generate", "instance_id": 333, "transport": {"tcp": "127.0.0.1:29999/x"}}]}
-    assert wire.parse_control(Op.READY, worker, HttpResponse.from_json(other)) is False
+    assert wire.parse_probe(Ready(), worker, HttpResponse.from_json(other)) is False
     assert (
-        DynamoWire(frontend_url="http://fe:1", model="m").parse_control(
-            Op.READY, worker, HttpResponse.from_json(health)
-        )
+        DynamoWire(frontend_url="http://fe:1", model="m").parse_probe(Ready(), worker, HttpResponse.from_json(health))
         is False
     )

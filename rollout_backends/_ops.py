@@ -1,0 +1,231 @@
+"""Control operations as values: what a fleet asks one worker to do.
+
+A closed set of frozen values, one class per operation, each carrying exactly its arguments with
+their types. Adapters dispatch on them with ``match`` (``Wire.control``, in-process drivers), so a
+new operation is a type error in every adapter that does not handle it, not a ``KeyError`` at run
+time; before these values, arguments travelled as ``**args: Any`` read by string key.
+
+``Command`` values change a worker and answer nothing (success, or an error); ``GetVersion``
+answers the version a worker serves; ``Probe`` values (``Live``, ``Ready``, ``Progress``) answer a
+bool. Each has a ``name``: the protocol method it serves, which error messages carry
+(``ControlFailed.operation``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, ClassVar, NoReturn, TypeAlias
+
+import attrs
+
+from rollout_backends._types import MemoryTag, PauseMode, WeightBucket, WeightGroup
+
+__all__ = [
+    "AbortAll",
+    "AbortRequest",
+    "BeginWeightUpdate",
+    "Command",
+    "DestroyWeightGroup",
+    "EndWeightUpdate",
+    "FlushCache",
+    "GetVersion",
+    "InitWeightGroup",
+    "Live",
+    "NamedTensors",
+    "Operation",
+    "Pause",
+    "Probe",
+    "Progress",
+    "Ready",
+    "ReleaseMemory",
+    "Resume",
+    "ResumeMemory",
+    "SetVersion",
+    "UpdateFromDisk",
+    "UpdateFromDistributed",
+    "UpdateFromTensors",
+    "unhandled",
+]
+
+
+@attrs.define(slots=True, eq=False)
+class NamedTensors:
+    """``(name, tensor)`` pairs for an in-memory load, and their wire payload made once.
+
+    Not a value type: it memoises SGLang's serialized form, so a fleet of N workers makes one set
+    of CUDA-IPC handles per load, not N (``serialize_named_tensors`` pickles every tensor).
+    """
+
+    items: tuple[tuple[str, Any], ...]
+    _payload: str | None = attrs.field(default=None, init=False, repr=False)
+
+    @classmethod
+    def of(cls, named_tensors: Sequence[tuple[str, Any]]) -> NamedTensors:
+        return cls(tuple(named_tensors))
+
+    def payload(self) -> str:
+        """SGLang's ``serialized_named_tensors`` entry (``InvalidRequest`` naming a bad pair)."""
+        if self._payload is None:
+            from rollout_backends._tensors import serialize_named_tensors
+
+            self._payload = serialize_named_tensors(self.items)
+        return self._payload
+
+
+@attrs.frozen(slots=True)
+class AbortRequest:
+    """Abort one in-flight request by id (unknown ids are ignored)."""
+
+    name: ClassVar[str] = "abort"
+    request_id: str
+
+
+@attrs.frozen(slots=True)
+class AbortAll:
+    name: ClassVar[str] = "abort_all"
+
+
+@attrs.frozen(slots=True)
+class Pause:
+    name: ClassVar[str] = "pause"
+    mode: PauseMode
+
+
+@attrs.frozen(slots=True)
+class Resume:
+    name: ClassVar[str] = "resume"
+
+
+@attrs.frozen(slots=True)
+class FlushCache:
+    name: ClassVar[str] = "flush_cache"
+
+
+@attrs.frozen(slots=True)
+class InitWeightGroup:
+    """Join ``group`` at global rank ``rank_offset`` (the fleet assigns each worker its offset)."""
+
+    name: ClassVar[str] = "init_weight_group"
+    group: WeightGroup
+    rank_offset: int
+
+
+@attrs.frozen(slots=True)
+class DestroyWeightGroup:
+    name: ClassVar[str] = "destroy_weight_group"
+    group_name: str
+
+
+@attrs.frozen(slots=True, kw_only=True)
+class UpdateFromDistributed:
+    name: ClassVar[str] = "update_weights_from_distributed"
+    bucket: WeightBucket
+    group_name: str
+    version: str | None
+    flush_cache: bool
+
+
+@attrs.frozen(slots=True, kw_only=True)
+class UpdateFromTensors:
+    name: ClassVar[str] = "update_weights_from_tensors"
+    tensors: NamedTensors
+    version: str | None
+    flush_cache: bool
+    load_format: str | None
+
+
+@attrs.frozen(slots=True, kw_only=True)
+class UpdateFromDisk:
+    name: ClassVar[str] = "update_weights_from_disk"
+    path: str
+    version: str | None
+    load_format: str | None
+    flush_cache: bool
+
+
+@attrs.frozen(slots=True)
+class BeginWeightUpdate:
+    name: ClassVar[str] = "begin_weight_update"
+    selector: str
+
+
+@attrs.frozen(slots=True)
+class EndWeightUpdate:
+    name: ClassVar[str] = "end_weight_update"
+
+
+@attrs.frozen(slots=True)
+class SetVersion:
+    """Label the weights served from now on (never aborts in-flight requests)."""
+
+    name: ClassVar[str] = "set_weight_version"
+    version: str
+
+
+@attrs.frozen(slots=True)
+class ReleaseMemory:
+    """Free GPU memory; ``tags=None`` = all."""
+
+    name: ClassVar[str] = "release_memory"
+    tags: tuple[MemoryTag, ...] | None
+
+
+@attrs.frozen(slots=True)
+class ResumeMemory:
+    name: ClassVar[str] = "resume_memory"
+    tags: tuple[MemoryTag, ...] | None
+
+
+@attrs.frozen(slots=True)
+class GetVersion:
+    """Read the version a worker serves (where engines report it)."""
+
+    name: ClassVar[str] = "weight_version"
+
+
+@attrs.frozen(slots=True)
+class Live:
+    """Whether the worker's process answers."""
+
+    name: ClassVar[str] = "live"
+
+
+@attrs.frozen(slots=True)
+class Ready:
+    """Whether the worker takes generation (``None`` from a wire's builder: ready when live)."""
+
+    name: ClassVar[str] = "ready"
+
+
+@attrs.frozen(slots=True)
+class Progress:
+    """Whether a 1-token generation on the worker completes."""
+
+    name: ClassVar[str] = "probe"
+
+
+Command: TypeAlias = (
+    AbortRequest
+    | AbortAll
+    | Pause
+    | Resume
+    | FlushCache
+    | InitWeightGroup
+    | DestroyWeightGroup
+    | UpdateFromDistributed
+    | UpdateFromTensors
+    | UpdateFromDisk
+    | BeginWeightUpdate
+    | EndWeightUpdate
+    | SetVersion
+    | ReleaseMemory
+    | ResumeMemory
+)
+Probe: TypeAlias = Live | Ready | Progress
+Operation: TypeAlias = Command | GetVersion | Probe
+
+
+def unhandled(op: NoReturn) -> NoReturn:
+    """The end of a ``match`` over operations: mypy proves it unreachable (every case handled);
+    at run time it names a value that is not an operation at all."""
+    raise TypeError(f"not an operation: {op!r}")
