@@ -35,9 +35,16 @@ from typing import Any
 import attrs
 
 from rollout_backends._errors import ContractViolation, InvalidRequest
-from rollout_backends._types import FinishReason, GenerateRequest, Generation, SamplingParams
+from rollout_backends._ops import UpdateFromDisk, UpdateFromDistributed, UpdateFromTensors
+from rollout_backends._types import FinishReason, GenerateRequest, Generation, MemoryTag, SamplingParams, WeightGroup
 
 __all__ = [
+    "disk_body",
+    "distributed_body",
+    "init_group_body",
+    "memory_body",
+    "set_version_body",
+    "tensors_body",
     "ABORT_MESSAGE",
     "ADMIN_ROUTES",
     "ROUTING_KEY_HEADER",
@@ -857,3 +864,63 @@ def error_field(data: object, message: str) -> str:
     if "input_ids" in low or "vocabulary" in low:
         return "input_ids"
     return "request"
+
+
+# -- control bodies (the SGLang wire's admin routes; the Dynamo wire's dynamo.sglang engine routes) --
+
+
+def init_group_body(g: WeightGroup, rank_offset: int) -> dict[str, Any]:
+    return {
+        "master_address": g.master_address,
+        "master_port": g.master_port,
+        "rank_offset": rank_offset,
+        "world_size": g.world_size,
+        "group_name": g.group_name,
+        "backend": g.backend,
+    }
+
+
+def distributed_body(op: UpdateFromDistributed) -> dict[str, Any]:
+    b = op.bucket
+    body: dict[str, Any] = {
+        "names": b.names,
+        "dtypes": b.dtypes,
+        "shapes": b.shapes,
+        "group_name": op.group_name,
+        "flush_cache": op.flush_cache,
+        "abort_all_requests": False,
+    }
+    if op.version is not None:
+        body["weight_version"] = op.version
+    return body
+
+
+def tensors_body(op: UpdateFromTensors, ranks: int) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        # One entry per TP rank of the worker: each rank loads the same handles.
+        "serialized_named_tensors": [op.tensors.payload()] * ranks,
+        "load_format": op.load_format,
+        "flush_cache": op.flush_cache,
+        "abort_all_requests": False,
+    }
+    if op.version is not None:
+        body["weight_version"] = op.version
+    return body
+
+
+def disk_body(op: UpdateFromDisk) -> dict[str, Any]:
+    body: dict[str, Any] = {"model_path": op.path, "abort_all_requests": False, "flush_cache": op.flush_cache}
+    if op.load_format is not None:
+        body["load_format"] = op.load_format
+    if op.version is not None:
+        body["weight_version"] = op.version
+    return body
+
+
+def set_version_body(version: str) -> dict[str, Any]:
+    # abort_all_requests defaults to true upstream and kills in-flight rollouts (miles#2372).
+    return {"new_version": version, "abort_all_requests": False}
+
+
+def memory_body(tags: tuple[MemoryTag, ...] | None) -> dict[str, Any]:
+    return {"tags": None if tags is None else [t.value for t in tags]}

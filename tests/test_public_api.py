@@ -39,6 +39,7 @@ EXPECTED_LAUNCH = {
 }  # fmt: skip
 
 EXPECTED_SGLANG_NATIVE = {
+    "disk_body", "distributed_body", "init_group_body", "memory_body", "set_version_body", "tensors_body",
     "ABORT_MESSAGE", "ADMIN_ROUTES", "ROUTING_KEY_HEADER", "SAMPLING_PARAM_KEYS", "NativeRequest",
     "ParseRules", "TextOptions", "UnknownKeys", "answer_body", "check_depth", "decode_text", "error_body",
     "error_field", "error_message", "finish_reason_body", "meta_info", "native_field", "our_field",

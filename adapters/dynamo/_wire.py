@@ -79,13 +79,13 @@ from rollout_backends.kit import (
     json_loads,
     unhandled,
 )
-from rollout_backends.sglang_native import parse_answer, request_body
-
-from ..sglang._wire import (
+from rollout_backends.sglang_native import (
     disk_body,
     distributed_body,
     init_group_body,
     memory_body,
+    parse_answer,
+    request_body,
     set_version_body,
     tensors_body,
 )

@@ -21,13 +21,11 @@ from rollout_backends import (
     GenerateRequest,
     Generation,
     InvalidRequest,
-    MemoryTag,
     Overloaded,
     PauseMode,
     RolloutBackendError,
     RoutingKind,
     VersionSource,
-    WeightGroup,
     WeightTransport,
     WorkerFailure,
 )
@@ -61,11 +59,17 @@ from rollout_backends.kit import (
 )
 from rollout_backends.sglang_native import (
     ROUTING_KEY_HEADER,
+    disk_body,
+    distributed_body,
     error_field,
     error_message,
+    init_group_body,
+    memory_body,
     parse_answer,
     request_body,
     sampling_params_body,
+    set_version_body,
+    tensors_body,
 )
 
 __all__ = ["ROUTED_WORKER_HEADER", "ROUTING_KEY_HEADER", "SGLangWire", "sampling_params_body"]
@@ -269,63 +273,3 @@ class SGLangWire:
         if self.routing is RoutingKind.SINGLE:
             return None
         return HttpRequest("GET", f"{self.entry_url}/health", timeout=5.0, idempotent=True)
-
-
-# -- SGLang's control bodies (also built by the Dynamo wire for dynamo.sglang's engine routes) --
-
-
-def init_group_body(g: WeightGroup, rank_offset: int) -> dict[str, Any]:
-    return {
-        "master_address": g.master_address,
-        "master_port": g.master_port,
-        "rank_offset": rank_offset,
-        "world_size": g.world_size,
-        "group_name": g.group_name,
-        "backend": g.backend,
-    }
-
-
-def distributed_body(op: UpdateFromDistributed) -> dict[str, Any]:
-    b = op.bucket
-    body: dict[str, Any] = {
-        "names": b.names,
-        "dtypes": b.dtypes,
-        "shapes": b.shapes,
-        "group_name": op.group_name,
-        "flush_cache": op.flush_cache,
-        "abort_all_requests": False,
-    }
-    if op.version is not None:
-        body["weight_version"] = op.version
-    return body
-
-
-def tensors_body(op: UpdateFromTensors, ranks: int) -> dict[str, Any]:
-    body: dict[str, Any] = {
-        # One entry per TP rank of the worker: each rank loads the same handles.
-        "serialized_named_tensors": [op.tensors.payload()] * ranks,
-        "load_format": op.load_format,
-        "flush_cache": op.flush_cache,
-        "abort_all_requests": False,
-    }
-    if op.version is not None:
-        body["weight_version"] = op.version
-    return body
-
-
-def disk_body(op: UpdateFromDisk) -> dict[str, Any]:
-    body: dict[str, Any] = {"model_path": op.path, "abort_all_requests": False, "flush_cache": op.flush_cache}
-    if op.load_format is not None:
-        body["load_format"] = op.load_format
-    if op.version is not None:
-        body["weight_version"] = op.version
-    return body
-
-
-def set_version_body(version: str) -> dict[str, Any]:
-    # abort_all_requests defaults to true upstream and kills in-flight rollouts (miles#2372).
-    return {"new_version": version, "abort_all_requests": False}
-
-
-def memory_body(tags: tuple[MemoryTag, ...] | None) -> dict[str, Any]:
-    return {"tags": None if tags is None else [t.value for t in tags]}
