@@ -13,6 +13,7 @@ Errors: the ``RolloutBackendError`` tree below (``docs/errors.md``).
 
 from rollout_backends._errors import (
     Aborted,
+    BackendClosed,
     BackendTimeout,
     BackendUnavailable,
     ConnectionFailed,
@@ -81,6 +82,7 @@ __all__ = [
     "StaleWeights",
     "TensorSpec",
     "TransientError",
+    "BackendClosed",
     "Unsupported",
     "VersionSource",
     "WeightBucket",

@@ -8,6 +8,7 @@ Every error this library raises derives from :class:`RolloutBackendError`. The t
     │   ├── ConnectionFailed      could not connect / connection dropped before an answer
     │   └── Overloaded            the server said "busy" (HTTP 429/503 while serving)
     ├── BackendUnavailable        a worker or the whole fleet is down (after retries, or none registered)
+    │   └── BackendClosed         the backend was closed (``aclose``): no call reaches an engine again
     ├── InvalidRequest            the caller's input is wrong; ``.field`` names the offending field
     ├── Aborted                   a generation ended by abort, where the caller asked to treat that as an error
     ├── ControlFailed             a control call (pause, flush, update, ...) failed on one or more workers
@@ -35,6 +36,7 @@ from collections.abc import Sequence
 import attrs
 
 __all__ = [
+    "BackendClosed",
     "Aborted",
     "BackendTimeout",
     "BackendUnavailable",
@@ -91,6 +93,13 @@ class BackendUnavailable(RolloutBackendError):
     def __init__(self, message: str, *, worker: str | None = None) -> None:
         super().__init__(message)
         self.worker = worker
+
+
+class BackendClosed(BackendUnavailable):
+    """A call on a backend after its ``aclose()``: its client (and any fleet it launched) is gone.
+
+    Before this error a closed HTTP fleet still generated through a fresh connection pool
+    (issue 16); a closed backend now refuses every call that would reach an engine."""
 
 
 class InvalidRequest(RolloutBackendError):

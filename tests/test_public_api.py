@@ -8,7 +8,7 @@ import rollout_backends.launch as launch
 import rollout_backends.sglang_native as sglang_native
 
 EXPECTED_TOP = {
-    "Aborted", "BackendTimeout", "BackendUnavailable", "Capabilities", "ConnectionFailed",
+    "Aborted", "BackendClosed", "BackendTimeout", "BackendUnavailable", "Capabilities", "ConnectionFailed",
     "Completions", "ContractViolation", "ControlFailed", "FinishReason", "GenerateRequest", "Generation",
     "HealthReport", "InvalidRequest", "MemoryTag", "Overloaded", "PauseMode", "RolloutBackend",
     "RolloutBackendError", "RoutingKind", "SamplingParams", "StaleWeights", "TensorSpec",

@@ -266,3 +266,21 @@ def test_refusals_name_the_field() -> None:
     with pytest.raises(rb.InvalidRequest) as e:
         wire.parse_generation(req, sglang, 0.0)
     assert e.value.field == "sampling.max_new_tokens"
+
+
+async def test_calls_after_aclose_raise_backend_closed() -> None:
+    """Issue 16: a closed fleet generated through a fresh pool; now every engine call is refused."""
+    seen: list[str] = []
+
+    def handler(req: HttpRequest) -> HttpResponse:
+        seen.append(req.url)
+        return HttpResponse.from_json({"success": True})
+
+    backend, _ = _backend(handler)
+    await backend.aclose()
+    with pytest.raises(rb.BackendClosed, match="generate after aclose"):
+        await backend.generate(rb.GenerateRequest(input_ids=[1, 2]))
+    with pytest.raises(rb.BackendClosed, match="pause after aclose"):
+        await backend.pause()
+    assert isinstance(rb.BackendClosed("x"), rb.BackendUnavailable)
+    assert seen == []
