@@ -66,7 +66,10 @@ class FakeSGLangFleet:
         elif path == "/model_info":
             return HttpResponse.from_json({"weight_version": w.version})
         elif path in ("/health", "/health_generate"):
-            return HttpResponse(200, b"")
+            # Stock SGLang (0.5.x, SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION on by default) serves both
+            # by generating one token: while paused that blocks SGLANG_HEALTH_CHECK_TIMEOUT (20 s),
+            # then answers 503. The wait is left out; the answer is not.
+            return HttpResponse(503, b"") if w.paused else HttpResponse(200, b"")
         elif path == "/generate":
             n = body["sampling_params"]["max_new_tokens"]
             out = list(range(1, n + 1))

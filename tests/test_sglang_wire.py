@@ -284,3 +284,19 @@ async def test_calls_after_aclose_raise_backend_closed() -> None:
         await backend.pause()
     assert isinstance(rb.BackendClosed("x"), rb.BackendUnavailable)
     assert seen == []
+
+
+async def test_health_of_a_paused_stock_server_is_live_without_the_generating_probe() -> None:
+    """Stock SGLang generates a token on /health while paused (20 s, then 503); health() must not ask it."""
+    from tests.fake_sglang import FakeSGLangFleet
+
+    fleet = FakeSGLangFleet(2)
+    backend = fleet.backend()
+    await backend.pause(rb.PauseMode.RETRACT)
+    fleet.calls.clear()
+    report = await backend.health()
+    assert all(w.live and not w.ready for w in report.workers), report
+    assert not [p for _, p, _ in fleet.calls if p in ("/health", "/health_generate")]
+    await backend.resume()
+    report = await backend.health()
+    assert all(w.live and w.ready for w in report.workers), report

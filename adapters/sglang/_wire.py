@@ -234,7 +234,12 @@ class SGLangWire:
             case GetVersion():
                 return HttpRequest("GET", f"{url}/model_info", idempotent=True)
             case Live():
-                return HttpRequest("GET", f"{url}/health", timeout=self.probe_timeout, idempotent=True)
+                # Not /health: stock SGLang 0.5.x serves /health and /health_generate with one handler
+                # that generates a token unless SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=0 (only fleets
+                # we launch set it), so on a paused server it blocks SGLANG_HEALTH_CHECK_TIMEOUT (20 s)
+                # and answers 503 (http_server.py, health_generate). /model_info answers from the
+                # tokenizer manager, paused or not: the server is up and serving its routes.
+                return HttpRequest("GET", f"{url}/model_info", timeout=self.probe_timeout, idempotent=True)
             case Ready():
                 return (
                     HttpRequest("GET", f"{url}/ready", timeout=5.0, idempotent=True) if self.has_ready_route else None
