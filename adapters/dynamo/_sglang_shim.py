@@ -321,8 +321,12 @@ def patch_control_results(mixin_cls: Any = None) -> bool:
 
     def _normalize_result(self: Any, result: Any) -> dict[str, Any]:
         if isinstance(result, msgspec.Struct):
-            fields = msgspec.to_builtins(result)
-            return fields if isinstance(fields, dict) else {"result": fields}
+            # By field name, not msgspec.to_builtins(result): SGLang 0.5.16's io_struct.BaseReq is
+            # ``array_like=True, tag=True``, which to_builtins encodes as a list
+            # (["FlushCacheReqOutput", rid, ipc, success, message]); the wire then saw no
+            # ``success`` and a flush SGLang refused under pause(IN_PLACE) read as done (the
+            # 2026-12-02 H200 tier's one Dynamo failure).
+            return {name: msgspec.to_builtins(getattr(result, name)) for name in result.__struct_fields__}
         return orig(self, result)  # type: ignore[no-any-return]
 
     setattr(_normalize_result, _PATCHED, True)

@@ -706,6 +706,10 @@ class DynamoWire:
                 name, [WorkerFailure(worker.id, name, f"HTTP {response.status}: {_error_message(response)}")]
             )
         data = _struct_result(response.json())
+        if isinstance(data, dict) and set(data) == {"result"}:
+            # ``RLMixin._normalize_result``'s fallback for a value it does not know: whether the
+            # engine did it is unknown, and a refused flush must never read as done.
+            raise ContractViolation(f"{name}: unreadable engine result {str(data['result'])[:120]!r}", worker=worker.id)
         if isinstance(data, dict) and (data.get("success") is False or data.get("status") == "error"):
             raise ControlFailed(name, [WorkerFailure(worker.id, name, str(data.get("message", data)))])
         return data

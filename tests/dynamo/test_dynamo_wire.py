@@ -182,8 +182,11 @@ def test_stringified_struct_results_keep_their_success() -> None:
         w.parse_control(FlushCache(), W0, HttpResponse.from_json(busy))
     done = {"result": "FlushCacheReqOutput(rid=None, http_worker_ipc=None, success=True, message='')"}
     w.parse_control(FlushCache(), W0, HttpResponse.from_json(done))  # no raise
-    # Anything else in "result" is taken as it is.
-    w.parse_control(FlushCache(), W0, HttpResponse.from_json({"result": "ok"}))
+    # Anything else in "result" is unreadable: never taken as done (the shim once sent an
+    # array_like struct as a list, and a refused flush passed).
+    for unreadable in ("ok", ["FlushCacheReqOutput", None, None, False, ""]):
+        with pytest.raises(ContractViolation, match="unreadable"):
+            w.parse_control(FlushCache(), W0, HttpResponse.from_json({"result": unreadable}))
 
 
 def test_capabilities_by_mode_and_flavor() -> None:

@@ -242,9 +242,12 @@ def test_abort_by_our_request_id_reaches_sglang_with_its_id() -> None:
 def test_msgspec_control_results_keep_success() -> None:
     msgspec = pytest.importorskip("msgspec")
 
-    class FlushCacheReqOutput(msgspec.Struct):  # SGLang 0.5.16's io_struct shape
+    class BaseReq(msgspec.Struct, tag=True, kw_only=True, array_like=True):  # SGLang 0.5.16's io_struct
         rid: Any = None
-        success: bool = False
+        http_worker_ipc: Any = None
+
+    class FlushCacheReqOutput(BaseReq, kw_only=True):
+        success: bool
         message: str = ""
 
     class Mixin:
@@ -254,7 +257,7 @@ def test_msgspec_control_results_keep_success() -> None:
     assert patch_control_results(Mixin) and patch_control_results(Mixin)
     m = Mixin()
     assert m._normalize_result(FlushCacheReqOutput(success=False, message="busy")) == {
-        "rid": None, "success": False, "message": "busy",
+        "rid": None, "http_worker_ipc": None, "success": False, "message": "busy",
     }  # fmt: skip
     assert m._normalize_result(None) == {"status": "ok"}
 
