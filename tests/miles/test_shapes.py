@@ -1,4 +1,4 @@
-"""SGLang shapes: sampling params in, tensor payloads in, finish reasons and text out."""
+"""Miles' shapes through the codec: its sampling params in, its tensor payloads in, finish reasons and text out."""
 
 from __future__ import annotations
 
@@ -12,13 +12,8 @@ from typing import Any
 import pytest
 
 import rollout_backends as rb
-from rollout_backends.integrations.miles._shapes import (
-    TextOptions,
-    decode_tensor_payload,
-    decode_text,
-    finish_reason_body,
-    sampling_from_sglang,
-)
+from rollout_backends.integrations.miles._shapes import decode_tensor_payload
+from rollout_backends.sglang_native import TextOptions, decode_text, finish_reason_body, parse_sampling
 
 
 def _payload(obj: Any) -> str:
@@ -44,12 +39,13 @@ def test_miles_sampling_params_map_exactly() -> None:
         "spaces_between_special_tokens": False,
         "sampling_seed": 44,
     }
-    sampling, opts = sampling_from_sglang(miles)
+    sampling, opts = parse_sampling(miles)
     assert sampling == rb.SamplingParams(
         max_new_tokens=64, temperature=0.7, top_p=0.9, top_k=20, stop_token_ids=(2,), seed=44
     )
     assert opts == TextOptions(skip_special_tokens=False, spaces_between_special_tokens=False, no_stop_trim=True)
-    assert sampling_from_sglang(None)[0].max_new_tokens == 128  # SGLang's default
+    default, _ = parse_sampling(None)
+    assert default is not None and default.max_new_tokens == 128  # SGLang's default
 
 
 @pytest.mark.parametrize(
@@ -66,7 +62,7 @@ def test_miles_sampling_params_map_exactly() -> None:
 )
 def test_refusals_name_the_field(params: dict[str, Any], field: str) -> None:
     with pytest.raises(rb.InvalidRequest) as info:
-        sampling_from_sglang(params)
+        parse_sampling(params)
     assert info.value.field == field
 
 

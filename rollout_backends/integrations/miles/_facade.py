@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import json
 import logging
 import re
 import time
@@ -51,48 +50,35 @@ from rollout_backends import (
     WeightGroup,
     __version__,
 )
+from rollout_backends.kit import json_loads
+from rollout_backends.sglang_native import (
+    ADMIN_ROUTES,
+    ROUTING_KEY_HEADER,
+    NativeRequest,
+    ParseRules,
+    UnknownKeys,
+    answer_body,
+    decode_text,
+    meta_info,
+    native_field,
+    parse_request,
+)
 
-from ._shapes import decode_tensor_payload, decode_text, generation_body, meta_info, sampling_from_sglang
+from ._shapes import decode_tensor_payload
 
 __all__ = ["ROUTING_KEY_HEADER", "MilesFacade", "RunningFacade", "start_facade"]
 
 logger = logging.getLogger(__name__)
 
-ROUTING_KEY_HEADER = "X-SMG-Routing-Key"
 _SAFE_TOKEN = re.compile(r"^[A-Za-z0-9._:@-]+$")
 _FLUSH_OK = (
     "Cache flushed.\nPlease check backend logs for more details. "
     "(When there are running or waiting requests, the operation will not be performed.)"
 )
-#: Top-level ``/generate`` keys the protocol cannot honour when set.
-_GENERATE_UNSUPPORTED = {
-    "stream": "streaming is not supported by the facade",
-    "top_logprobs_num": "top logprobs are not part of the protocol",
-    "token_ids_logprob": "token-id logprobs are not part of the protocol",
-    "return_routed_experts": "routed experts are not part of the protocol",
-    "return_indexer_topk": "indexer top-k is not part of the protocol",
-    "return_hidden_states": "hidden states are not part of the protocol",
-    "return_entropy": "entropy is not part of the protocol",
-    "lora_path": "LoRA is not part of the protocol",
-    "image_data": "multimodal input is not part of the protocol",
-    "video_data": "multimodal input is not part of the protocol",
-    "audio_data": "multimodal input is not part of the protocol",
-    "custom_logit_processor": "custom logit processors are not part of the protocol",
-}
-
 Handler = Callable[[web.Request, "tuple[str, ...] | None"], Awaitable[web.StreamResponse]]
+#: How a route answers an error: (status, message, the field a refusal names) -> the response.
+ErrorAnswer = Callable[[int, str, "str | None"], web.StreamResponse]
 
-#: SGLang's admin routes (``ADMIN_OPTIONAL``): with an admin key set, they take only that key.
-ADMIN_ROUTES = frozenset(
-    {
-        "/abort_request", "/pause_generation", "/continue_generation", "/flush_cache", "/update_weight_version",
-        "/update_weights_from_disk", "/update_weights_from_tensor", "/init_weights_update_group",
-        "/update_weights_from_distributed", "/destroy_weights_update_group", "/begin_weight_update",
-        "/end_weight_update", "/release_memory_occupation", "/resume_memory_occupation", "/weights_checker",
-        "/pull_weights", "/load_lora_adapter", "/load_lora_adapter_from_tensors",
-        "/load_lora_adapter_from_distributed", "/unload_lora_adapter",
-    }
-)  # fmt: skip
 _OPEN_PREFIXES = ("/health", "/metrics")
 _WORKER_PREFIX = re.compile(r"^/w/[^/]+(?=/)")
 
@@ -114,15 +100,17 @@ def _status_of(exc: BaseException) -> int:
     return 400
 
 
-def _openai_error(status: int, message: str) -> web.Response:
+def _openai_error(status: int, message: str, field: str | None = None) -> web.Response:
+    """SGLang's error shape; a refusal of the caller's input also names the field as the caller
+    spelled it (``param``, the codec's :func:`~rollout_backends.sglang_native.error_body`)."""
     kind = "BadRequestError" if status < 500 else "ServiceUnavailableError"
-    return web.json_response(
-        {"object": "error", "error": {"message": message, "type": kind, "code": status}, "message": message},
-        status=status,
-    )
+    err: dict[str, Any] = {"message": message, "type": kind, "code": status}
+    if field is not None:
+        err.update(type="invalid_request_error", param=field)
+    return web.json_response({"object": "error", "error": err, "message": message}, status=status)
 
 
-def _control_error(status: int, message: str) -> web.Response:
+def _control_error(status: int, message: str, field: str | None = None) -> web.Response:
     return web.json_response({"success": False, "message": message}, status=status)
 
 
@@ -135,22 +123,85 @@ async def _json_body(request: web.Request) -> dict[str, Any]:
     if not raw.strip():
         return {}
     try:
-        data = json.loads(raw)
-    except ValueError as exc:
-        raise _HttpError(400, f"invalid JSON body: {exc}") from None
+        data = json_loads(raw)
+    except (ValueError, RecursionError) as exc:  # orjson refuses past 1024 levels, the stdlib recurses
+        raise InvalidRequest("body", f"invalid JSON: {exc}") from None
     if data is None:
         return {}
     if not isinstance(data, dict):
-        raise _HttpError(400, f"the body must be a JSON object, got {type(data).__name__}")
+        raise InvalidRequest("body", f"must be a JSON object, got {type(data).__name__}")
     return data
 
 
-def _int_list(field: str, value: Any) -> list[int]:
-    if not isinstance(value, list) or not value:
-        raise InvalidRequest(field, "must be a non-empty list of token ids (batches are not supported)")
-    if any(isinstance(v, list) for v in value):
-        raise InvalidRequest(field, "batched input_ids are not supported: send one request per prompt")
-    return value
+def _caller_field(exc: InvalidRequest) -> InvalidRequest:
+    """A backend's refusal (our field names) as a native caller spells it (``sampling_params.sampling_seed``)."""
+    return InvalidRequest(native_field(exc.field), exc.reason)
+
+
+#: Chat keys that are SGLang sampling parameters (``ChatCompletionRequest.to_sampling_params``);
+#: the first of two spellings present wins (``max_completion_tokens`` over ``max_tokens``).
+_CHAT_SAMPLING = {
+    "max_completion_tokens": "max_new_tokens",
+    "max_tokens": "max_new_tokens",
+    "min_tokens": "min_new_tokens",
+    "seed": "sampling_seed",
+    "stop": "stop",
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "stop_token_ids": "stop_token_ids",
+    "ignore_eos": "ignore_eos",
+    "repetition_penalty": "repetition_penalty",
+    "frequency_penalty": "frequency_penalty",
+    "presence_penalty": "presence_penalty",
+    "no_stop_trim": "no_stop_trim",
+    "skip_special_tokens": "skip_special_tokens",
+    "spaces_between_special_tokens": "spaces_between_special_tokens",
+    "logit_bias": "logit_bias",
+    "regex": "regex",
+    "ebnf": "ebnf",
+}
+#: Chat keys the protocol cannot honour: refused while set.
+_CHAT_REFUSED = {
+    "lora_path": "LoRA is not part of the protocol",
+    "return_routed_experts": "routed experts are not part of the protocol",
+    "return_indexer_topk": "indexer top-k is not part of the protocol",
+    "return_hidden_states": "hidden states are not part of the protocol",
+    "response_format": "constrained decoding is not part of the protocol",
+    "tool_choice": "tool choice is not supported by the facade",
+    "custom_logit_processor": "custom logit processors are not part of the protocol",
+}
+#: Every key a chat completion may carry (OpenAI's, and SGLang's extensions); others are refused
+#: unless ``UnknownKeys.IGNORE``.
+_CHAT_KEYS = frozenset(
+    {
+        *_CHAT_SAMPLING, *_CHAT_REFUSED, "messages", "model", "n", "stream", "stream_options", "logprobs",
+        "top_logprobs", "tools", "parallel_tool_calls", "user", "metadata", "store", "reasoning_effort",
+        "service_tier", "chat_template_kwargs", "continue_final_message", "separate_reasoning",
+        "stream_reasoning", "rid", "return_meta_info", "return_prompt_token_ids", "input_ids",
+    }
+)  # fmt: skip
+
+
+def _opt_bool(body: Mapping[str, Any], key: str) -> bool:
+    """``body[key]`` as a JSON boolean (absent or null: false); a string is not one."""
+    v = body.get(key)
+    if v is None:
+        return False
+    if type(v) is not bool:
+        raise InvalidRequest(key, f"must be a boolean (true/false), got {type(v).__name__}")
+    return v
+
+
+def _chat_field(exc: InvalidRequest, body: Mapping[str, Any]) -> InvalidRequest:
+    """A refusal of the chat's native body, naming the chat key the caller wrote (``seed``, ``max_tokens``)."""
+    field = exc.field
+    if field.startswith("sampling_params."):
+        name, bracket, index = field.removeprefix("sampling_params.").partition("[")
+        spelled = [k for k, v in _CHAT_SAMPLING.items() if v == name and body.get(k) is not None]
+        field = f"{spelled[0] if spelled else name}{bracket}{index}"
+    return InvalidRequest(field, exc.reason)
 
 
 @attrs.define
@@ -173,7 +224,12 @@ class MilesFacade:
     api_key: str | None = attrs.field(default=None, repr=False)
     #: SGLang's ``--admin-api-key``: the control routes need it (and only it) when set.
     admin_api_key: str | None = attrs.field(default=None, repr=False)
+    #: Unknown top-level keys: refused naming them (a ``return_logprobs`` typo is caught);
+    #: ``UnknownKeys.IGNORE`` (``--ignore-unknown-keys``) keeps SGLang's rule of dropping them.
+    unknown_keys: UnknownKeys = UnknownKeys.REFUSE
     _aborts: set[asyncio.Task[None]] = attrs.field(factory=set, init=False)
+    #: Request ids in flight: a second request with one is refused (SGLang's rule), not merged.
+    _inflight: set[str] = attrs.field(factory=set, init=False)
 
     # -- auth (SGLang's rules: 401 {"error": "Unauthorized"}) ---------------------------------
 
@@ -244,7 +300,7 @@ class MilesFacade:
     def _register(
         self, app: web.Application, prefix: str, resolve: Callable[[web.Request], tuple[str, ...] | None]
     ) -> None:
-        routes: list[tuple[Sequence[str], str, Handler, Callable[[int, str], web.StreamResponse]]] = [
+        routes: list[tuple[Sequence[str], str, Handler, ErrorAnswer]] = [
             (("POST", "PUT"), "/generate", self.generate, _openai_error),
             (("GET",), "/health", self.health, _plain_error),
             (("GET",), "/health_generate", self.health_generate, _plain_error),
@@ -341,108 +397,72 @@ class MilesFacade:
             raise Unsupported("worker_pinning", "this backend cannot serve a request on a chosen worker")
         return workers[0]
 
+    def _rules(self) -> ParseRules:
+        caps = self.backend.capabilities
+        return ParseRules(unknown_keys=self.unknown_keys, vocab_size=caps.vocab_size, max_context=caps.max_context)
+
+    def _encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def parse(self, body: object, *, routing_key: str | None = None, worker: str | None = None) -> NativeRequest:
+        """A ``/generate`` body -> the request, by the codec's one strictness rule (an
+        ``InvalidRequest`` names the field as the caller spelled it)."""
+        return parse_request(
+            body,
+            rules=self._rules(),
+            encode=self._encode if self.tokenizer is not None else None,
+            routing_key=routing_key,
+            worker=worker,
+            new_rid=lambda: uuid.uuid4().hex,
+        )
+
+    async def _served(self, req: GenerateRequest) -> Generation:
+        """``req`` generated; a duplicate in-flight request id is refused (SGLang's words), and the
+        backend's refusals name the caller's field."""
+        if req.request_id in self._inflight:
+            raise InvalidRequest("rid", f"Duplicate request ID detected: {req.request_id}")
+        self._inflight.add(req.request_id)
+        try:
+            return await self._run_generation(req)
+        except InvalidRequest as exc:
+            raise _caller_field(exc) from None
+        finally:
+            self._inflight.discard(req.request_id)
+
     async def generate(self, request: web.Request, workers: tuple[str, ...] | None) -> web.StreamResponse:
         body = await _json_body(request)
-        for key, why in _GENERATE_UNSUPPORTED.items():
-            value = body.get(key)
-            if value not in (None, False, 0, [], ""):
-                raise InvalidRequest(key, why)
-        if body.get("logprob_start_len") not in (None, -1):
-            raise InvalidRequest("logprob_start_len", "prompt logprobs are not part of the protocol (use -1)")
-        if "input_ids" in body and body["input_ids"] is not None:
-            input_ids = _int_list("input_ids", body["input_ids"])
-        elif isinstance(body.get("text"), str):
-            if self.tokenizer is None:
-                raise InvalidRequest("text", "the facade has no tokenizer: send input_ids (or use --tokenizer)")
-            input_ids = list(self.tokenizer.encode(body["text"], add_special_tokens=False))
-        else:
-            raise InvalidRequest("input_ids", "send input_ids (one prompt)")
-        if isinstance(body.get("sampling_params"), list):
-            raise InvalidRequest("sampling_params", "batched sampling_params are not supported")
-        sampling, opts = sampling_from_sglang(body.get("sampling_params"))
-        rid = body.get("rid")
-        if rid is not None and not isinstance(rid, str):
-            raise InvalidRequest("rid", "must be a string (batches are not supported)")
-        return_logprob = bool(body.get("return_logprob", False))
-        req = GenerateRequest(
-            input_ids=input_ids,
-            sampling=sampling,
-            request_id=rid or uuid.uuid4().hex,
-            return_logprobs=return_logprob,
-            worker=self._pinned(workers),
-            routing_key=request.headers.get(ROUTING_KEY_HEADER) or body.get("routing_key") or None,
+        parsed = self.parse(
+            body, routing_key=request.headers.get(ROUTING_KEY_HEADER) or None, worker=self._pinned(workers)
         )
-        gen = await self._run_generation(req)
-        out = generation_body(gen, text=decode_text(self.tokenizer, gen, opts), return_logprob=return_logprob)
-        if body.get("return_prompt_token_ids"):
-            out["prompt_token_ids"] = list(input_ids)
-        return web.json_response(out)
+        req = parsed.request
+        gen = await self._served(req)
+        text = decode_text(self.tokenizer, gen, parsed.text_options)
+        prompt = req.input_ids if parsed.return_prompt_token_ids else None
+        return web.json_response(
+            answer_body(gen, return_logprob=req.return_logprobs, text=text, prompt_token_ids=prompt)
+        )
 
     async def handle_chat(self, request: web.Request) -> web.StreamResponse:
         try:
             return await self._chat(request)
         except (RolloutBackendError, _HttpError) as exc:
-            return _openai_error(_status_of(exc), str(exc))
+            return _openai_error(_status_of(exc), str(exc), exc.field if isinstance(exc, InvalidRequest) else None)
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         body = await _json_body(request)
-        if body.get("stream"):
-            raise InvalidRequest("stream", "streaming is not supported by the facade (Miles' session server fakes it)")
-        if body.get("n") not in (None, 1):
-            raise InvalidRequest("n", "n > 1 is not supported: send n requests")
-        if body.get("top_logprobs"):
-            raise InvalidRequest("top_logprobs", "top logprobs are not part of the protocol")
-        for key in ("lora_path", "return_routed_experts", "return_indexer_topk", "response_format", "tool_choice"):
-            if body.get(key) not in (None, False, "auto", "none"):
-                raise InvalidRequest(key, "not supported by the facade")
-        if body.get("input_ids") is not None:
-            input_ids = _int_list("input_ids", body["input_ids"])
-        else:
-            if self.tokenizer is None:
-                raise InvalidRequest("input_ids", "the facade has no tokenizer: send input_ids (SGLang's extension)")
-            ids = self.tokenizer.apply_chat_template(
-                body.get("messages") or [],
-                tokenize=True,
-                add_generation_prompt=True,
-                tools=body.get("tools"),
-                **(body.get("chat_template_kwargs") or {}),
-            )
-            input_ids = list(ids["input_ids"] if isinstance(ids, Mapping) else ids)
-        max_tokens = body.get("max_completion_tokens") or body.get("max_tokens")
-        if max_tokens is None:
-            ctx = self.backend.capabilities.max_context
-            max_tokens = ctx - len(input_ids) if ctx is not None else self.default_max_new_tokens
-        params: dict[str, Any] = {
-            "max_new_tokens": max_tokens,
-            "min_new_tokens": body.get("min_tokens"),
-            "sampling_seed": body.get("seed"),
-            "stop": body.get("stop"),
-        }
-        for key in (
-            "temperature",
-            "top_p",
-            "top_k",
-            "min_p",
-            "stop_token_ids",
-            "ignore_eos",
-            "repetition_penalty",
-            "frequency_penalty",
-            "presence_penalty",
-            "no_stop_trim",
-            "skip_special_tokens",
-            "spaces_between_special_tokens",
-        ):
-            params[key] = body.get(key)
-        sampling, opts = sampling_from_sglang(params, field="body")
-        want_logprobs = bool(body.get("logprobs"))
-        req = GenerateRequest(
-            input_ids=input_ids,
-            sampling=sampling,
-            request_id=str(body.get("rid") or uuid.uuid4().hex),
-            return_logprobs=True,
-            routing_key=request.headers.get(ROUTING_KEY_HEADER) or None,
-        )
-        gen = await self._run_generation(req)
+        native = self._chat_native_body(body)
+        want_logprobs = _opt_bool(body, "logprobs")
+        try:
+            parsed = self.parse(native, routing_key=request.headers.get(ROUTING_KEY_HEADER) or None)
+        except InvalidRequest as exc:
+            raise _chat_field(exc, body) from None
+        req = parsed.request
+        input_ids = list(req.input_ids)
+        opts = parsed.text_options
+        try:
+            gen = await self._served(req)
+        except InvalidRequest as exc:
+            raise _chat_field(exc, body) from None
         text = decode_text(self.tokenizer, gen, opts)
         choice: dict[str, Any] = {
             "index": 0,
@@ -451,9 +471,9 @@ class MilesFacade:
             "finish_reason": gen.finish_reason.value,
             "matched_stop": gen.matched_stop if gen.finish_reason is FinishReason.STOP else None,
         }
-        if body.get("return_meta_info") or want_logprobs:
+        if _opt_bool(body, "return_meta_info") or want_logprobs:
             choice["meta_info"] = meta_info(gen, return_logprob=True)
-        if body.get("return_prompt_token_ids"):
+        if parsed.return_prompt_token_ids:
             choice["prompt_token_ids"] = list(input_ids)
         out: dict[str, Any] = {
             "id": f"chatcmpl-{gen.request_id}",
@@ -471,6 +491,54 @@ class MilesFacade:
         if gen.weight_version is not None:
             out["metadata"] = {"weight_version": gen.weight_version}
         return web.json_response(out)
+
+    def _chat_native_body(self, body: Mapping[str, Any]) -> dict[str, Any]:
+        """A chat completion body (OpenAI's keys with SGLang's extensions) -> SGLang's ``/generate``
+        body, so the codec's one rule checks it; refusals name the chat key (:func:`_chat_field`)."""
+        for key in body:
+            if key not in _CHAT_KEYS and self.unknown_keys is UnknownKeys.REFUSE:
+                raise InvalidRequest(key, "unknown field: a chat completion has no such key (a typo?)")
+        if _opt_bool(body, "stream"):
+            raise InvalidRequest("stream", "streaming is not supported by the facade (Miles' session server fakes it)")
+        n = body.get("n")
+        if n is not None and (type(n) is not int or n != 1):
+            raise InvalidRequest("n", "n > 1 is not supported: send n requests")
+        if body.get("top_logprobs"):
+            raise InvalidRequest("top_logprobs", "top logprobs are not part of the protocol")
+        for key, why in _CHAT_REFUSED.items():
+            if body.get(key) not in (None, False, "auto", "none", [], {}, ""):
+                raise InvalidRequest(key, why)
+        if body.get("input_ids") is not None:
+            input_ids: Any = body["input_ids"]
+        else:
+            if self.tokenizer is None:
+                raise InvalidRequest("input_ids", "the facade has no tokenizer: send input_ids (SGLang's extension)")
+            messages = body.get("messages")
+            if not isinstance(messages, list) or not messages:
+                raise InvalidRequest("messages", "must be a non-empty list of messages")
+            kwargs = body.get("chat_template_kwargs") or {}
+            if not isinstance(kwargs, dict):
+                raise InvalidRequest("chat_template_kwargs", f"must be an object, got {type(kwargs).__name__}")
+            try:
+                ids = self.tokenizer.apply_chat_template(
+                    messages, tokenize=True, add_generation_prompt=True, tools=body.get("tools"), **kwargs
+                )
+            except (TypeError, ValueError, KeyError) as exc:  # a malformed message or template argument
+                raise InvalidRequest("messages", f"cannot apply the chat template: {exc}") from None
+            input_ids = list(ids["input_ids"] if isinstance(ids, Mapping) else ids)
+        params: dict[str, Any] = {}
+        for key, native in _CHAT_SAMPLING.items():
+            if body.get(key) is not None:
+                params.setdefault(native, body[key])
+        if "max_new_tokens" not in params:
+            # Up to the context where the backend declares it (the codec's room), else the default.
+            has_ctx = self.backend.capabilities.max_context is not None
+            params["max_new_tokens"] = None if has_ctx else self.default_max_new_tokens
+        native_body: dict[str, Any] = {"input_ids": input_ids, "sampling_params": params, "return_logprob": True}
+        for key in ("rid", "return_prompt_token_ids"):
+            if body.get(key) is not None:
+                native_body[key] = body[key]
+        return native_body
 
     def _chat_logprobs(self, gen: Generation) -> dict[str, Any]:
         convert = getattr(self.tokenizer, "convert_ids_to_tokens", None)
@@ -711,14 +779,14 @@ class MilesFacade:
         return handler
 
 
-def _plain_error(status: int, message: str) -> web.Response:
+def _plain_error(status: int, message: str, field: str | None = None) -> web.Response:
     return web.Response(status=status, text=message)
 
 
 def _wrap(
     handler: Handler,
     resolve: Callable[[web.Request], tuple[str, ...] | None],
-    on_error: Callable[[int, str], web.StreamResponse],
+    on_error: ErrorAnswer,
 ) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
     async def wrapped(request: web.Request) -> web.StreamResponse:
         try:
@@ -727,9 +795,9 @@ def _wrap(
             status = _status_of(exc)
             if status >= 500:
                 logger.warning("%s %s: %s", request.method, request.path, exc)
-            return on_error(status, str(exc))
+            return on_error(status, str(exc), exc.field if isinstance(exc, InvalidRequest) else None)
         except asyncio.TimeoutError:
-            return on_error(503, "timed out")
+            return on_error(503, "timed out", None)
 
     return wrapped
 

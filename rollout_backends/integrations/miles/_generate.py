@@ -27,9 +27,9 @@ from rollout_backends import (
     TransientError,
     Unsupported,
 )
+from rollout_backends.sglang_native import decode_text, meta_info, parse_sampling
 
 from ._config import add_arguments, get_backend
-from ._shapes import decode_text, meta_info, sampling_from_sglang
 
 __all__ = ["GenerateOutput", "apply_generation", "generate", "prompt_ids_from_sample"]
 
@@ -178,7 +178,8 @@ async def generate(input: Any) -> Any:
     _check_supported(args)
     if (getattr(sample, "multimodal_inputs", None) or {}).get("images"):
         raise InvalidRequest("sample.multimodal_inputs", "images are not supported by the rollout backends")
-    sampling, text_opts = sampling_from_sglang({**sampling_params, "max_new_tokens": max_new_tokens})
+    sampling, text_opts = parse_sampling({**sampling_params, "max_new_tokens": max_new_tokens})
+    assert sampling is not None  # max_new_tokens > 0: not a prefill
     request = GenerateRequest(
         input_ids=input_ids,
         sampling=sampling,

@@ -19,6 +19,7 @@ from typing import Any
 
 from rollout_backends import open_backend
 from rollout_backends.launch import HelpFormatter
+from rollout_backends.sglang_native import UnknownKeys
 
 from ._facade import MilesFacade, start_facade
 
@@ -68,6 +69,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=os.environ.get("RB_FACADE_ADMIN_API_KEY"),
         help="require this key (only) on control routes (default: $RB_FACADE_ADMIN_API_KEY)",
     )
+    p.add_argument(
+        "--ignore-unknown-keys",
+        action="store_true",
+        help="drop unknown top-level /generate and chat keys, as stock SGLang does (default: refuse them with a "
+        "400 naming the key)",
+    )
     p.add_argument("--wait-ready", type=float, default=600.0, help="seconds to wait for the fleet (0: do not)")
     p.add_argument("--log-level", default="INFO", help="logging level")
     return p
@@ -98,6 +105,7 @@ async def serve(
             server_info=ns.server_info,
             api_key=getattr(ns, "api_key", None),
             admin_api_key=getattr(ns, "admin_api_key", None),
+            unknown_keys=UnknownKeys.IGNORE if getattr(ns, "ignore_unknown_keys", False) else UnknownKeys.REFUSE,
         )
         ports = None
         if ns.worker_port_base is not None:
