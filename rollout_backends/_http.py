@@ -5,8 +5,8 @@ Adapters never do I/O: they build ``HttpRequest`` values and parse ``HttpRespons
 ``MockTransport`` for tests (no network).
 
 aiohttp is the core client because it keeps CPU per request flat at hundreds of concurrent
-requests (measured on 2 cores, 8-token /generate: aiohttp 3.14 2,344 req/s at 512 concurrent,
-httpx 0.28.1 135 req/s); see ``benchmarks/``.
+requests, where httpx's does not (the figures: ``docs/benchmarks.md``, "Figures behind the hot
+path").
 """
 
 from __future__ import annotations

@@ -3,9 +3,9 @@
 ``asyncio.timeout`` arms a loop timer for every call. The loop keeps its timers in a heap whose
 comparisons run in Python (``TimerHandle.__lt__``): every push, and every pop of a cancelled
 handle once its call has ended, costs a few of them, plus the handle, its context copy and the
-two coroutines of ``async with``. Measured on the 2-core dev VM (client-overhead benchmark,
-``/generate`` on loopback, against no timeout at all): ``asyncio.timeout`` cost about 6 µs of a
-120 µs call at 64 calls in flight and 14 µs of 160 at 512; these deadlines cost 2-3 µs at either.
+two coroutines of ``async with``; with hundreds of calls in flight that was a visible share of
+each call in the client-overhead benchmark, and these deadlines cost a fraction of it (the figures:
+``docs/benchmarks.md``, "Figures behind the hot path").
 
 Calls that share a timeout value reach their deadlines in the order they started (the loop's
 clock is monotonic), so per value a FIFO holds them in deadline order, and one timer, armed for

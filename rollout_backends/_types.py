@@ -116,9 +116,9 @@ def _check_float(field: str, value: object) -> float:
 
 def _token_ids(field: str, value: object) -> tuple[int, ...]:
     # Fast path (hot: every request): a list/tuple of plain non-negative ints, in two C-level
-    # passes with no Python frame per token (``all(<genexpr>)`` here took 4 µs of a 128-token
-    # prompt's 6 µs ``GenerateRequest``). Anything else, bools included (``type(True) is bool``),
-    # takes the loop below, which names the offending index.
+    # passes with no Python frame per token (``all(<genexpr>)`` here was most of a 128-token
+    # prompt's ``GenerateRequest``: docs/benchmarks.md, "Figures behind the hot path"). Anything
+    # else, bools included (``type(True) is bool``), takes the loop below, which names the index.
     if type(value) is tuple or type(value) is list:
         if not value:
             return ()

@@ -80,9 +80,9 @@ class DynamoWorkerCommand:
     kv_events: bool = True  #: sglang: publish KV events (ZMQ port per worker)
     #: sglang: ``--stream-interval`` (``None``: SGLang's default, 1). ``dynamo.sglang`` streams every
     #: request, so at 1 the scheduler, detokenizer, handler and frontend handle a chunk per token:
-    #: measured on one H200 (2026-12-02, ``bench fanout --preset layers``) 1.20x [1.04, 1.44] the
-    #: step time of 50 and 2.5x the CPU. 50 is what SGLang itself uses for requests that do not
-    #: stream (``SGLANG_FORCE_STREAM_INTERVAL``) and what Miles #1514 set.
+    #: slower and several times the CPU of 50 on one H200 (``docs/benchmarks.md``, RL fan-out
+    #: routing, 2026-12-02). 50 is what SGLang itself uses for requests that do not stream
+    #: (``SGLANG_FORCE_STREAM_INTERVAL``) and what Miles #1514 set.
     stream_interval: int | None = DEFAULT_STREAM_INTERVAL
     sglang_shim: bool = True  #: sglang: run the adapter's shim (False: stock ``dynamo.sglang``)
     mocker_speedup_ratio: float = 10.0

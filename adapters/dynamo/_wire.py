@@ -327,8 +327,9 @@ def _is_int(v: object) -> bool:
 
 def _int_list(value: object) -> TypeGuard[list[int]]:
     """Whether ``value`` is a list of ints (not bools). JSON ints are exact ``int``: one C-level
-    pass decides (a generator of ``_is_int`` calls cost ~2 µs per answer, ~4 in the overhead
-    benchmark); anything else (int subclasses, bools, other types) gets the per-item rule."""
+    pass decides (a Python frame per item was measurable per answer: ``docs/benchmarks.md``,
+    "Figures behind the hot path"); anything else (int subclasses, bools, other types) gets the
+    per-item rule."""
     if not isinstance(value, list):
         return False
     return countOf(map(type, value), int) == len(value) or all(_is_int(t) for t in value)

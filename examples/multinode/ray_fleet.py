@@ -35,7 +35,7 @@ async def run(args: argparse.Namespace) -> None:
     import ray
 
     from rollout_backends.adapters.sglang import SmgRouter
-    from rollout_backends.ray import RayFleet, RayFleetSpec, start_local_cluster
+    from rollout_backends.ray import RayFleetConfig, RunningRayFleet, start_local_cluster
 
     async with Supervisor(tempfile.mkdtemp(prefix="ray-fleet-demo-"), grace=5.0) as sup:
         if args.local:
@@ -47,7 +47,7 @@ async def run(args: argparse.Namespace) -> None:
             from rollout_backends.adapters.reference import make_tiny_model
 
             model_path = str(make_tiny_model(tempfile.mkdtemp(prefix="tiny-"), seed=0))
-        spec = RayFleetSpec(
+        spec = RayFleetConfig(
             engine=engine_command(args, model_path),
             num_engines=args.engines,
             cpus_per_engine=args.cpus_per_engine,
@@ -56,7 +56,7 @@ async def run(args: argparse.Namespace) -> None:
             entry=SmgRouter(policy="round_robin"),
             bind_host="127.0.0.1" if args.local else None,
         )
-        async with await RayFleet.launch(spec) as fleet:
+        async with await RunningRayFleet.launch(spec) as fleet:
             for e in fleet.engines:
                 where = f"node {e.node_id} ({e.node_ip}) pid {e.pid}"
                 print(f"engine {e.index}: {where} url {e.generate_url} gpus {list(e.gpu_ids)}")
