@@ -446,7 +446,7 @@ _CARRIED = frozenset(
 )  # fmt: skip
 #: Keys that change nothing in one non-streamed token answer (or that smg adds to every request it
 #: forwards: ``model``, ``log_metrics``, ``background``, ``no_logs``, ``return_bytes``,
-#: ``return_entropy``, docs/smg-notes.md §3): accepted when their JSON type is right.
+#: ``return_entropy``, docs/sglang.md, smg's /generate forwarding): accepted when their JSON type is right.
 _INERT: dict[str, str] = {
     "model": "str",
     "log_metrics": "bool",

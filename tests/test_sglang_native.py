@@ -157,7 +157,7 @@ def test_unknown_keys_refused_unless_lenient() -> None:
 
 
 def test_what_smg_adds_is_accepted() -> None:
-    # docs/smg-notes.md §3: smg adds these to every body it forwards.
+    # docs/sglang.md (smg's /generate forwarding): smg adds these to every body it forwards.
     added = {"model": "unknown", "log_metrics": True, "background": False, "no_logs": False,
              "return_bytes": False, "return_entropy": False, "logprob_start_len": -1, "top_logprobs_num": 0,
              "return_text_in_logprobs": False, "stream": False}  # fmt: skip

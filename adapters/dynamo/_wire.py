@@ -1,8 +1,8 @@
 """Dynamo as a ``Wire``: the frontend's ``/v1/completions`` for generation, each worker's system
 port (``/engine/<route>``) for control. Request builders and response parsers only.
 
-Shapes are Dynamo 1.4.2's (``docs/dynamo-notes.md``); engine routes follow the flavor detected
-once at connect time:
+Shapes are Dynamo 1.4.2's (``docs/dynamo.md``, "Dynamo as observed"); engine routes follow the
+flavor detected once at connect time:
 
 * ``rollout``: our Python worker (``_worker.py``): the ``dynamo.sglang`` 1.4.2 routes plus
   ``rollout/{weight_version,info,abort}`` (abort by request id, served version).
@@ -18,7 +18,7 @@ Generation path, also detected once (``native_generate``): a 1.6.x frontend star
 ``DYN_SGLANG_ENABLE_GENERATE=1`` serves SGLang's native ``POST /generate`` (SSE); the adapter uses
 it for unpinned requests to our worker, whose answers name the worker and the served version and
 carry every float unrounded. Pinned requests stay on ``/v1/completions``: 1.6.1's ``/generate``
-ignores ``x-dynamo-worker-instance-id`` (measured, ``docs/dynamo-notes.md`` §7).
+ignores ``x-dynamo-worker-instance-id`` (measured: ``docs/dynamo.md``, "Dynamo as observed").
 """
 
 from __future__ import annotations

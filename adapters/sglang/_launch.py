@@ -252,8 +252,8 @@ class ReferenceServerCommand(NativeServerCommand):
 
 @attrs.frozen(kw_only=True)
 class SmgRouter:
-    """A router in front of the engines (``docs/smg-notes.md``): ``python -m smg.launch_router``, or
-    ``sglang_router.launch_router`` with ``router="sglang-router"``.
+    """A router in front of the engines (``docs/sglang.md``, "smg 1.13.0, as observed"):
+    ``python -m smg.launch_router``, or ``sglang_router.launch_router`` with ``router="sglang-router"``.
 
     ``register_workers``: pass the engines as ``--worker-urls`` (ready = smg ``/readiness``, i.e. it
     can route); False starts it without workers, to be given them through ``POST /workers`` (ready =
