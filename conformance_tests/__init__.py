@@ -72,6 +72,7 @@ from ._health import (
     check_reject_unknown_sampling_key,
     check_staleness_visible,
 )
+from ._logprobs import check_top_logprobs
 from ._parity import (
     HFParity,
     PairParity,
@@ -141,6 +142,7 @@ __all__ = [
     "check_stale_prefix_after_update",
     "check_staleness_visible",
     "check_tensor_update_matches_fresh",
+    "check_top_logprobs",
     "check_update_failure_keeps_version",
     "compare",
     "default_parity_prompts",

@@ -39,6 +39,9 @@ __all__ = [
 #: JSON encoder (orjson) raises a bare TypeError past 64 bits. Also the largest seed.
 _INT64_MAX = 2**63 - 1
 _INT64_MIN = -(2**63)
+#: The most alternatives ``SamplingParams.top_logprobs`` may ask for per token (OpenAI's chat
+#: limit; SGLang has none, but each one costs a detokenisation on SGLang's tokenizer manager).
+MAX_TOP_LOGPROBS = 20
 
 
 class FinishReason(str, enum.Enum):
@@ -174,8 +177,15 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
+    #: ``k``: each output token also gets the ``k`` most likely tokens and their logprobs
+    #: (``Generation.top_logprobs``), from the same distribution as ``Generation.logprobs``.
+    #: ``0`` (none) to ``MAX_TOP_LOGPROBS``; needs ``Capabilities.top_logprobs``.
+    top_logprobs: int = 0
 
     def __attrs_post_init__(self) -> None:
+        tk = _check_int("sampling.top_logprobs", self.top_logprobs)
+        if not 0 <= tk <= MAX_TOP_LOGPROBS:
+            raise _fail("sampling.top_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}], got {tk}")
         m = _check_int("sampling.max_new_tokens", self.max_new_tokens)
         if m < 1:
             raise _fail("sampling.max_new_tokens", f"must be >= 1, got {m}")
@@ -253,6 +263,8 @@ class GenerateRequest:
             raise _fail("request_id", "must be a non-empty string")
         if not isinstance(self.return_logprobs, bool):
             raise _fail("return_logprobs", "must be a bool")
+        if self.sampling.top_logprobs and not self.return_logprobs:
+            raise _fail("sampling.top_logprobs", "needs return_logprobs=True (top logprobs come with the logprobs)")
         if self.worker is not None and not isinstance(self.worker, str):
             raise _fail("worker", f"must be a worker id (str) or None, got {type(self.worker).__name__}")
         if self.routing_key is not None and not isinstance(self.routing_key, str):
@@ -279,12 +291,19 @@ class Generation:
     latency_s: float = 0.0
     #: The stop/EOS token that ended the generation, when ``finish_reason`` is STOP.
     matched_stop: int | None = None
+    #: With ``SamplingParams.top_logprobs = k``: for each output token, the ``k`` most likely
+    #: ``(token_id, logprob)`` pairs, most likely first (``None`` when not asked for).
+    top_logprobs: tuple[tuple[tuple[int, float], ...], ...] | None = None
 
     def __attrs_post_init__(self) -> None:
         if self.logprobs is not None and len(self.logprobs) != len(self.output_ids):
             # A value type cannot name a worker; adapters check first and raise ContractViolation.
             raise ValueError(
                 f"logprobs ({len(self.logprobs)}) and output_ids ({len(self.output_ids)}) differ in length"
+            )
+        if self.top_logprobs is not None and len(self.top_logprobs) != len(self.output_ids):
+            raise ValueError(
+                f"top_logprobs ({len(self.top_logprobs)}) and output_ids ({len(self.output_ids)}) differ in length"
             )
 
     @property
@@ -464,6 +483,8 @@ class Capabilities:
     worker_pinning: bool = False  #: ``GenerateRequest.worker`` is honoured
     #: ``health(probe=True)`` runs a generation on each worker and reports ``making_progress``.
     progress_probe: bool = True
+    #: The largest ``SamplingParams.top_logprobs`` honoured (``Generation.top_logprobs``); 0: none.
+    top_logprobs: int = 0
     #: Greedy outputs do not depend on what else is batched (SGLang: deterministic inference).
     #: Without it, concurrent traffic can flip near-tied tokens (measured on the H200: 1 of 200).
     batch_invariant: bool = False

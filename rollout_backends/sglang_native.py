@@ -36,7 +36,15 @@ import attrs
 
 from rollout_backends._errors import ContractViolation, InvalidRequest
 from rollout_backends._ops import UpdateFromDisk, UpdateFromDistributed, UpdateFromTensors
-from rollout_backends._types import FinishReason, GenerateRequest, Generation, MemoryTag, SamplingParams, WeightGroup
+from rollout_backends._types import (
+    MAX_TOP_LOGPROBS,
+    FinishReason,
+    GenerateRequest,
+    Generation,
+    MemoryTag,
+    SamplingParams,
+    WeightGroup,
+)
 
 __all__ = [
     "disk_body",
@@ -108,6 +116,9 @@ _NATIVE_TO_OURS = {v: k for k, v in _OURS_TO_NATIVE.items()}
 #: ``GenerateRequest`` fields -> SGLang's top-level keys, where they differ.
 _TOP_OURS_TO_NATIVE = {"request_id": "rid", "return_logprobs": "return_logprob", "sampling": "sampling_params"}
 _TOP_NATIVE_TO_OURS = {v: k for k, v in _TOP_OURS_TO_NATIVE.items()}
+#: ``SamplingParams`` fields SGLang carries at the top level of the body, not in ``sampling_params``.
+_SAMPLING_AT_TOP = {"top_logprobs": "top_logprobs_num"}
+_TOP_AT_SAMPLING = {v: k for k, v in _SAMPLING_AT_TOP.items()}
 
 
 class UnknownKeys(enum.Enum):
@@ -171,6 +182,8 @@ def native_field(field: str) -> str:
     head, dot, rest = field.partition(".")
     if head == "sampling" and dot:
         name, bracket, index = rest.partition("[")
+        if name in _SAMPLING_AT_TOP:
+            return f"{_SAMPLING_AT_TOP[name]}{bracket}{index}"
         return f"sampling_params.{_OURS_TO_NATIVE.get(name, name)}{bracket}{index}"
     name, bracket, index = field.partition("[")
     return f"{_TOP_OURS_TO_NATIVE.get(name, name)}{bracket}{index}"
@@ -183,6 +196,8 @@ def our_field(field: str) -> str:
         name, bracket, index = rest.partition("[")
         return f"sampling.{_NATIVE_TO_OURS.get(name, name)}{bracket}{index}"
     name, bracket, index = field.partition("[")
+    if name in _TOP_AT_SAMPLING:
+        return f"sampling.{_TOP_AT_SAMPLING[name]}{bracket}{index}"
     return f"{_TOP_NATIVE_TO_OURS.get(name, name)}{bracket}{index}"
 
 
@@ -228,6 +243,8 @@ def request_body(request: GenerateRequest, *, stream: bool = False) -> dict[str,
         "return_logprob": request.return_logprobs,
         "rid": request.request_id,
     }
+    if request.sampling.top_logprobs:
+        body["top_logprobs_num"] = request.sampling.top_logprobs
     if stream:
         body["stream"] = True
     return body
@@ -566,8 +583,7 @@ def parse_request(
     if start is not None and _int("logprob_start_len", start) != -1:
         raise InvalidRequest("logprob_start_len", "prompt logprobs are not part of the protocol (use -1)")
     top = body.get("top_logprobs_num")
-    if top is not None and _int("top_logprobs_num", top) != 0:
-        raise InvalidRequest("top_logprobs_num", "top logprobs are not part of the protocol")
+    top_k = 0 if top is None else _int("top_logprobs_num", top, low=0, high=MAX_TOP_LOGPROBS)
     tid_lp = body.get("token_ids_logprob")
     if tid_lp is not None and (type(tid_lp) is not list or tid_lp):
         raise InvalidRequest("token_ids_logprob", "token-id logprobs are not part of the protocol")
@@ -604,6 +620,10 @@ def parse_request(
         raise InvalidRequest("rid", "must not be empty")
     ret_lp = body.get("return_logprob")
     ret_lp = False if ret_lp is None else _bool("return_logprob", ret_lp)
+    if top_k and not ret_lp:
+        raise InvalidRequest("top_logprobs_num", "needs return_logprob=true (SGLang returns top logprobs only then)")
+    if top_k and sampling is not None:
+        sampling = attrs.evolve(sampling, top_logprobs=top_k)
     ret_prompt = body.get("return_prompt_token_ids")
     ret_prompt = False if ret_prompt is None else _bool("return_prompt_token_ids", ret_prompt)
     key = routing_key
@@ -663,6 +683,8 @@ def meta_info(gen: Generation, *, return_logprob: bool, worker: str | None = Non
     if return_logprob:
         lps = gen.logprobs if gen.logprobs is not None else (None,) * len(gen.output_ids)
         meta["output_token_logprobs"] = [[lp, tid, None] for lp, tid in zip(lps, gen.output_ids, strict=True)]
+        if gen.top_logprobs is not None:
+            meta["output_top_logprobs"] = [[[lp, tid, None] for tid, lp in top] for top in gen.top_logprobs]
     return meta
 
 
@@ -749,6 +771,31 @@ def _checked_logprobs(entries: list[Any], out: Sequence[int], worker: str | None
     return tuple(lps)
 
 
+def _top_logprobs(
+    entries: object, n: int, k: int, field: str, worker: str | None
+) -> tuple[tuple[tuple[int, float], ...], ...]:
+    """SGLang's ``output_top_logprobs`` (per token, ``[[logprob, id, text], ...]``) -> per token, the
+    ``(id, logprob)`` pairs, most likely first (ties by id). Fewer than ``k`` only past the vocabulary."""
+    if type(entries) is not list or len(entries) != n:
+        got = len(entries) if type(entries) is list else _type_name(entries)
+        raise ContractViolation(f"meta_info.{field} has {got} entries for {n} output tokens", worker=worker)
+    out = []
+    for i, position in enumerate(entries):
+        if type(position) is not list or not position or len(position) > k:
+            raise ContractViolation(f"meta_info.{field}[{i}] is not a list of 1..{k} entries", worker=worker)
+        pairs = []
+        for e in position:
+            if type(e) is not list or len(e) < 2 or type(e[1]) is not int:
+                raise ContractViolation(f"meta_info.{field}[{i}] has an entry that is not [logprob, id]", worker=worker)
+            lp = e[0]
+            if (type(lp) is not float and type(lp) is not int) or math.isnan(lp):
+                raise ContractViolation(f"meta_info.{field}[{i}] has no logprob ({lp!r})", worker=worker)
+            pairs.append((e[1], float(lp)))
+        pairs.sort(key=lambda p: (-p[1], p[0]))
+        out.append(tuple(pairs))
+    return tuple(out)
+
+
 def _finish(meta: Mapping[str, Any], worker: str | None) -> tuple[FinishReason, int | None]:
     fr = meta.get("finish_reason")
     if fr is None:
@@ -796,6 +843,10 @@ def parse_answer(request: GenerateRequest, data: object, latency_s: float, *, wo
         logprobs = _fast_logprobs(entries, output_ids) if entries else ()
         if logprobs is None:
             logprobs = _checked_logprobs(entries, output_ids, worker)
+    top: tuple[tuple[tuple[int, float], ...], ...] | None = None
+    k = request.sampling.top_logprobs
+    if k and request.return_logprobs:
+        top = _top_logprobs(meta.get("output_top_logprobs"), len(out), k, "output_top_logprobs", worker)
     version = meta.get("weight_version")
     rid = meta.get("id")
     return Generation(
@@ -809,6 +860,7 @@ def parse_answer(request: GenerateRequest, data: object, latency_s: float, *, wo
         worker=worker,
         latency_s=latency_s,
         matched_stop=matched if reason is FinishReason.STOP else None,
+        top_logprobs=top,
     )
 
 

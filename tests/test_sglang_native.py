@@ -36,16 +36,19 @@ def sampling_params(draw: st.DrawFn) -> rb.SamplingParams:
         repetition_penalty=draw(st.floats(1e-3, 2.0)),
         frequency_penalty=draw(st.floats(-2.0, 2.0)),
         presence_penalty=draw(st.floats(-2.0, 2.0)),
+        top_logprobs=draw(st.integers(0, 20)),
     )
 
 
 @st.composite
 def requests(draw: st.DrawFn) -> rb.GenerateRequest:
+    sampling = draw(sampling_params())
     return rb.GenerateRequest(
         input_ids=draw(_ids),
-        sampling=draw(sampling_params()),
+        sampling=sampling,
         request_id=draw(st.text(min_size=1, max_size=30)),
-        return_logprobs=draw(st.booleans()),
+        # Top logprobs come only with the logprobs.
+        return_logprobs=draw(st.booleans()) or sampling.top_logprobs > 0,
     )
 
 
@@ -82,7 +85,16 @@ def generations(draw: st.DrawFn) -> tuple[rb.GenerateRequest, rb.Generation]:
     reason = draw(st.sampled_from(list(rb.FinishReason)))
     lps = tuple(draw(st.lists(st.floats(-1e6, 0.0), min_size=len(out), max_size=len(out)))) if want_lp else None
     matched = draw(st.one_of(st.none(), st.integers(0, 2**63 - 1))) if reason is rb.FinishReason.STOP else None
-    request = rb.GenerateRequest(input_ids=draw(_ids), return_logprobs=want_lp)
+    k = draw(st.integers(0, 20)) if want_lp else 0
+    tops = None
+    if k:
+        position = st.lists(st.tuples(st.integers(0, 2**63 - 1), st.floats(-1e6, 0.0)), min_size=1, max_size=k,
+                            unique_by=lambda p: p[0])  # fmt: skip
+        drawn = draw(st.lists(position, min_size=len(out), max_size=len(out)))
+        tops = tuple(tuple(sorted(p, key=lambda e: (-e[1], e[0]))) for p in drawn)
+    request = rb.GenerateRequest(
+        input_ids=draw(_ids), sampling=rb.SamplingParams(top_logprobs=k), return_logprobs=want_lp
+    )
     gen = rb.Generation(
         request_id=draw(st.text(min_size=1, max_size=30)),
         output_ids=out,
@@ -94,6 +106,7 @@ def generations(draw: st.DrawFn) -> tuple[rb.GenerateRequest, rb.Generation]:
         worker=draw(st.one_of(st.none(), st.text(min_size=1, max_size=10))),
         latency_s=draw(st.floats(0.0, 1e4)),
         matched_stop=matched,
+        top_logprobs=tops,
     )
     return request, gen
 
@@ -201,8 +214,24 @@ def test_python_api_refuses_integers_wider_than_64_bits() -> None:
     assert e.value.field == "sampling.stop_token_ids[0]"
 
 
+def test_top_logprobs_need_the_logprobs() -> None:
+    with pytest.raises(rb.InvalidRequest) as e:
+        sn.parse_request({**_base_body(), "return_logprob": False, "top_logprobs_num": 3})
+    assert e.value.field == "top_logprobs_num"
+    with pytest.raises(rb.InvalidRequest) as e:
+        rb.GenerateRequest(input_ids=[1], sampling=rb.SamplingParams(top_logprobs=3), return_logprobs=False)
+    assert e.value.field == "sampling.top_logprobs"
+    for bad in (-1, 21, True, 2.0):
+        with pytest.raises(rb.InvalidRequest) as e:
+            rb.SamplingParams(top_logprobs=bad)
+        assert e.value.field == "sampling.top_logprobs"
+    parsed = sn.parse_request({**_base_body(), "top_logprobs_num": 3})
+    assert parsed.request.sampling.top_logprobs == 3
+
+
 def test_field_names_both_ways() -> None:
-    pairs = [("sampling.seed", "sampling_params.sampling_seed"), ("sampling.stop_token_ids[2]",
+    pairs = [("sampling.top_logprobs", "top_logprobs_num")]
+    pairs += [("sampling.seed", "sampling_params.sampling_seed"), ("sampling.stop_token_ids[2]",
              "sampling_params.stop_token_ids[2]"), ("request_id", "rid"), ("return_logprobs", "return_logprob"),
              ("input_ids[3]", "input_ids[3]")]  # fmt: skip
     for ours, native in pairs:

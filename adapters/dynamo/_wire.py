@@ -133,6 +133,9 @@ class FlavorRoutes:
     logprobs: bool = True
     #: Seeded sampling and batch-invariant numerics (our reference worker; SGLang is not by default).
     deterministic: bool = False
+    #: The most top logprobs per token (the frontend takes ``logprobs`` <= 5; stock dynamo.sglang
+    #: refuses >= 1 unless its workers run with ``DYN_SGL_ALLOW_TOP_LOGPROBS=1``).
+    top_logprobs: int = 0
     #: dynamo.sglang 1.4.x awaits the synchronous ``TokenizerManager.abort_request``: the abort is
     #: dispatched, then the route fails with "object NoneType can't be used in 'await' expression".
     abort_all_await_bug: bool = False
@@ -140,7 +143,7 @@ class FlavorRoutes:
 
 ROUTES: Mapping[DynamoFlavor, FlavorRoutes] = {
     DynamoFlavor.ROLLOUT: FlavorRoutes(
-        sglang=True, rollout_routes=True, rollout_abort_all=True, tensors=True, deterministic=True
+        sglang=True, rollout_routes=True, rollout_abort_all=True, tensors=True, deterministic=True, top_logprobs=5
     ),
     DynamoFlavor.SGLANG14: FlavorRoutes(sglang=True, abort_all_await_bug=True),
     DynamoFlavor.SGLANG14_SHIM: FlavorRoutes(sglang=True, rollout_routes=True, abort_all_await_bug=True),
@@ -250,7 +253,11 @@ def completion_body(request: GenerateRequest, model: str, *, logprobs: bool, ins
     if s.seed is not None:
         body["seed"] = s.seed
     if logprobs:
-        body["logprobs"] = 0  # the chosen token's logprob only (>= 1 is refused for SGLang workers)
+        # k alternatives per token (0: the chosen token's only; >= 1 is refused by stock SGLang workers);
+        # named by id, not by text (two ids can decode to the same string).
+        body["logprobs"] = s.top_logprobs
+        if s.top_logprobs:
+            body["return_tokens_as_token_ids"] = True
     nvext: dict[str, Any] = {
         "extra_fields": list(EXTRA_FIELDS),
         # The request id reaches the worker whatever its form (x-dynamo-request-id takes UUIDs only).
@@ -319,6 +326,37 @@ def _f32(value: float) -> float:
     """The float32 the frontend serialised (it keeps logprobs as f32 and prints the shortest
     decimal): its exact value, i.e. what the engine's float32 tensor held."""
     return float(struct.unpack("<f", struct.pack("<f", value))[0])
+
+
+_TOKEN_ID = re.compile(r"token_id:(\d+)")
+
+
+def _completion_top_logprobs(
+    lp_obj: object, n: int, k: int, worker: str | None
+) -> tuple[tuple[tuple[int, float], ...], ...]:
+    """``choices[0].logprobs.top_logprobs`` of 1.4.2 (per token, ``[{"token": "token_id:<id>",
+    "logprob", "bytes"}]``: ``return_tokens_as_token_ids`` names tokens by id) -> per token, the
+    ``(id, logprob)`` pairs, most likely first (ties by id)."""
+    tops = lp_obj.get("top_logprobs") if isinstance(lp_obj, dict) else None
+    if not isinstance(tops, list) or len(tops) != n:
+        got = len(tops) if isinstance(tops, list) else type(tops).__name__
+        raise ContractViolation(f"choices[0].logprobs.top_logprobs has {got} entries for {n} tokens", worker=worker)
+    out = []
+    for i, position in enumerate(tops):
+        if not isinstance(position, list) or not 0 < len(position) <= k:
+            raise ContractViolation(f"top_logprobs[{i}] is not a list of 1..{k} entries", worker=worker)
+        pairs = []
+        for e in position:
+            m = _TOKEN_ID.fullmatch(str(e.get("token"))) if isinstance(e, dict) else None
+            lp = e.get("logprob") if isinstance(e, dict) else None
+            if m is None or not isinstance(lp, (int, float)) or isinstance(lp, bool) or math.isnan(lp):
+                raise ContractViolation(
+                    f"top_logprobs[{i}] has an entry that is not a token id and logprob", worker=worker
+                )
+            pairs.append((int(m.group(1)), _f32(float(lp))))
+        pairs.sort(key=lambda p: (-p[1], p[0]))
+        out.append(tuple(pairs))
+    return tuple(out)
 
 
 def _is_int(v: object) -> bool:
@@ -404,6 +442,7 @@ class DynamoWire:
             weight_transports=transports,
             memory_release=sg and self.memory_saver,
             logprobs=routes.logprobs,
+            top_logprobs=routes.top_logprobs,
             streaming=False,
             routing=_ROUTING.get(self.router_mode, RoutingKind.OTHER),
             abort=True,
@@ -422,6 +461,12 @@ class DynamoWire:
     # -- generation -------------------------------------------------------------------------
 
     def generate(self, request: GenerateRequest, worker: Worker | None) -> HttpRequest:
+        k = request.sampling.top_logprobs
+        if k > self.routes.top_logprobs:
+            raise InvalidRequest(
+                "sampling.top_logprobs",
+                f"{k} > {self.routes.top_logprobs}, the most this Dynamo fleet ({self.flavor.value} workers) returns",
+            )
         if self.native_generate and worker is None:
             return HttpRequest("POST", f"{self.frontend_url}/generate", json=native_body(request))
         body = completion_body(
@@ -482,6 +527,7 @@ class DynamoWire:
         An error after the stream started comes as an event ``{"error": {"message"}}`` (HTTP 200)."""
         ids: list[Any] = []
         entries: list[Any] = []
+        tops: list[Any] = []
         meta: dict[str, Any] | None = None
         for ev in sse_events(body):
             if not isinstance(ev, dict):
@@ -497,6 +543,9 @@ class DynamoWire:
             lps = m.get("output_token_logprobs")
             if isinstance(lps, list):
                 entries.extend(lps)
+            top = m.get("output_top_logprobs")
+            if isinstance(top, list):
+                tops.extend(top)
             meta = m
         if meta is None or meta.get("finish_reason") is None:
             raise ContractViolation("/generate stream ended without a finished event")
@@ -504,7 +553,10 @@ class DynamoWire:
         total = meta.get("completion_tokens")
         if _is_int(total) and total != len(ids):
             raise ContractViolation(f"/generate sent {len(ids)} output ids, completion_tokens={total}", worker=worker)
-        merged = {"output_ids": ids, "meta_info": {**meta, "output_token_logprobs": entries}}
+        merged_meta = {**meta, "output_token_logprobs": entries}
+        if tops:
+            merged_meta["output_top_logprobs"] = tops
+        merged = {"output_ids": ids, "meta_info": merged_meta}
         gen = parse_answer(request, merged, latency_s, worker=worker)
         # meta_info.id is whatever id the frontend settled on; the caller's request id is the one we sent.
         return attrs.evolve(gen, request_id=request.request_id)
@@ -540,6 +592,7 @@ class DynamoWire:
         assert isinstance(engine_data, dict)
         reason, matched = self._finish(request, choice, nvext, engine_data, ids, worker)
         logprobs: tuple[float, ...] | None = None
+        top: tuple[tuple[tuple[int, float], ...], ...] | None = None
         if request.return_logprobs and self.flavor != "mocker":
             lp_obj = choice.get("logprobs")
             lps = lp_obj.get("token_logprobs") if isinstance(lp_obj, dict) else None
@@ -557,6 +610,8 @@ class DynamoWire:
                     raise ContractViolation(f"token_logprobs[{i}] is not a number ({lp!r})", worker=worker)
                 out.append(_f32(float(lp)))
             logprobs = tuple(out)
+            if request.sampling.top_logprobs:
+                top = _completion_top_logprobs(lp_obj, len(ids), request.sampling.top_logprobs, worker)
         usage = data.get("usage") if isinstance(data.get("usage"), dict) else {}
         assert isinstance(usage, dict)
         details = usage.get("prompt_tokens_details") if isinstance(usage.get("prompt_tokens_details"), dict) else {}
@@ -574,6 +629,7 @@ class DynamoWire:
             worker=worker,
             latency_s=latency_s,
             matched_stop=matched,
+            top_logprobs=top,
         )
 
     def _finish(

@@ -153,6 +153,10 @@ def build_generate_request(request: Mapping[str, Any], request_id: str) -> Gener
         kwargs["top_k"] = -1 if k <= 0 else k
     if samp.get("seed") is not None:
         kwargs["seed"] = int(samp["seed"])
+    # ``logprobs: k`` of /v1/completions: k alternatives per token (0: the chosen token's only).
+    top = (request.get("output_options") or {}).get("logprobs")
+    if top:
+        kwargs["top_logprobs"] = int(top)
     return GenerateRequest(
         input_ids=tuple(request["token_ids"]),
         sampling=SamplingParams(**kwargs),
@@ -322,11 +326,22 @@ class DynamoWorker:
     def _chunks(self, gen: Generation, request: Mapping[str, Any] | None = None) -> list[dict[str, Any]]:
         ids = list(gen.output_ids)
         lps = list(gen.logprobs) if gen.logprobs is not None else None
+        tops = gen.top_logprobs
         chunks: list[dict[str, Any]] = []
         for i, t in enumerate(ids):
             c: dict[str, Any] = {"token_ids": [t], "index": 0}
             if lps is not None:
                 c["log_probs"] = [float(lps[i])]
+            if tops is not None:
+                # Dynamo's chunk shape (dynamo.common.backend.logprobs): per token, ranked entries.
+                # The token is named by id: the frontend keys its OpenAI top_logprobs by this string,
+                # and two ids can decode to the same text.
+                c["top_logprobs"] = [
+                    [
+                        {"rank": r + 1, "token_id": tid, "token": f"token_id:{tid}", "logprob": float(lp)}
+                        for r, (tid, lp) in enumerate(tops[i])
+                    ]
+                ]
             chunks.append(c)
         if not chunks:
             chunks.append({"token_ids": [], "index": 0})

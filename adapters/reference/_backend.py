@@ -92,6 +92,7 @@ class ReferenceBackend(BackendBase):
             weight_transports=set(WeightTransport),
             memory_release=True,
             logprobs=True,
+            top_logprobs=20,  # SamplingParams' limit
             streaming=False,
             routing=RoutingKind.ROUND_ROBIN if len(engines) > 1 else RoutingKind.SINGLE,
             abort=True,

@@ -119,6 +119,8 @@ class _Req:
     admitted: bool
     output_ids: list[int] = attrs.field(factory=list)
     logprobs: list[float] = attrs.field(factory=list)
+    #: Per output token, the ``sampling.top_logprobs`` most likely ``(id, logprob)`` pairs.
+    top_logprobs: list[tuple[tuple[int, float], ...]] = attrs.field(factory=list)
     cache: Any = None  #: KV cache; None = not computed yet, or dropped by a RETRACT pause
     generator: Any = None
     counts: Any = None  #: output-token counts (only when a penalty needs them)
@@ -385,13 +387,13 @@ class ReferenceEngine:
                     req.cached_tokens = self._index.match(req.request.input_ids)
                     self._index.insert(req.request.input_ids)
                 try:
-                    token, logprob = await loop.run_in_executor(self._executor, self._step, req)
+                    token, logprob, top = await loop.run_in_executor(self._executor, self._step, req)
                 except Exception as exc:  # a bug or a broken weight set: fail this request, keep serving
                     self._fail(req, EngineError(f"{self._worker_id}: forward failed: {type(exc).__name__}: {exc}"))
                     continue
-                self._apply(req, token, logprob)
+                self._apply(req, token, logprob, top)
 
-    def _step(self, req: _Req) -> tuple[int, float]:
+    def _step(self, req: _Req) -> tuple[int, float, tuple[tuple[int, float], ...] | None]:
         """Worker thread: run the forward for the tokens not in the cache, pick the next token."""
         import torch
         from transformers import DynamicCache
@@ -415,11 +417,23 @@ class ReferenceEngine:
             logits = out.logits[0, -1].to(torch.float32)
             return self._sample(req, logits)
 
-    def _sample(self, req: _Req, logits: Any) -> tuple[int, float]:
+    @staticmethod
+    def _top(logprobs: Any, k: int) -> tuple[tuple[int, float], ...] | None:
+        """The ``k`` most likely ``(id, logprob)`` pairs of one position (ties by id), or ``None``."""
+        import torch
+
+        if k <= 0:
+            return None
+        values, ids = torch.topk(logprobs, min(k, int(logprobs.numel())))
+        pairs = [(int(i), float(v)) for v, i in zip(values.tolist(), ids.tolist(), strict=True)]
+        return tuple(sorted(pairs, key=lambda p: (-p[1], p[0])))
+
+    def _sample(self, req: _Req, logits: Any) -> tuple[int, float, tuple[tuple[int, float], ...] | None]:
         """SGLang's order: penalties → min_new_tokens mask → (temperature, filters, draw).
 
         The logprob is ``log_softmax`` of the very logits the token was chosen from (scaled by the
-        temperature when sampling, not renormalised after top-k/top-p/min-p), like SGLang.
+        temperature when sampling, not renormalised after top-k/top-p/min-p), like SGLang; so are
+        the top logprobs (SGLang takes them from the same tensor).
         """
         import torch
 
@@ -437,7 +451,8 @@ class ReferenceEngine:
                 logits[stops] = -math.inf
         if sp.greedy:
             token = int(torch.argmax(logits))
-            return token, float(torch.log_softmax(logits, dim=-1)[token])
+            greedy_lps = torch.log_softmax(logits, dim=-1)
+            return token, float(greedy_lps[token]), self._top(greedy_lps, sp.top_logprobs)
         scaled = logits / sp.temperature
         logprobs = torch.log_softmax(scaled, dim=-1)
         probs = torch.softmax(scaled, dim=-1)
@@ -456,9 +471,9 @@ class ReferenceEngine:
         pos = int(torch.searchsorted(cdf, torch.tensor([u], dtype=cdf.dtype), right=True)[0])
         last = int(keep.nonzero()[-1])
         token = int(order[min(pos, last)])
-        return token, float(logprobs[token])
+        return token, float(logprobs[token]), self._top(logprobs, sp.top_logprobs)
 
-    def _apply(self, req: _Req, token: int, logprob: float) -> None:
+    def _apply(self, req: _Req, token: int, logprob: float, top: tuple[tuple[int, float], ...] | None) -> None:
         """Loop thread: record a step's token and decide whether the request is done."""
         if req.finished:  # aborted during the step: that token is not delivered
             req.cache = None
@@ -466,6 +481,8 @@ class ReferenceEngine:
         sp = req.sampling
         req.output_ids.append(token)
         req.logprobs.append(logprob)
+        if top is not None:
+            req.top_logprobs.append(top)
         self._token_count += 1
         if req.counts is not None:
             req.counts[token] += 1
@@ -499,6 +516,9 @@ class ReferenceEngine:
             worker=self._worker_id,
             latency_s=time.monotonic() - req.t0,
             matched_stop=matched,
+            top_logprobs=tuple(req.top_logprobs)
+            if req.request.return_logprobs and req.request.sampling.top_logprobs
+            else None,
         )
         if not req.future.done():
             req.future.set_result(gen)

@@ -9,7 +9,7 @@ tokenizer-free mode (token ids only, no ``text`` key). Bodies are parsed by the 
 ``400 {"error": {"message", "type", "param"}}`` naming the field as the caller spelled it.
 
 What it cannot honour is refused (400), never ignored: streaming, batches, stop strings, ``n > 1``,
-constrained decoding, ``logit_bias``, input/top logprobs, LoRA, routed experts, hidden states,
+constrained decoding, ``logit_bias``, input logprobs, LoRA, routed experts, hidden states,
 multimodal data, custom logit processors, sessions, disaggregation (the codec's list), and unknown
 keys (``unknown_keys=UnknownKeys.IGNORE`` keeps SGLang's ignore-unknown-keys rule). Like SGLang it
 refuses ``len(input_ids) + max_new_tokens >= context`` (it does not truncate).

@@ -153,6 +153,7 @@ class SGLangWire:
             weight_transports=set(WeightTransport),
             memory_release=self.memory_saver,
             logprobs=True,
+            top_logprobs=20,  # SGLang's top_logprobs_num has no limit; SamplingParams' is 20
             streaming=False,
             routing=self.routing,
             abort=True,

@@ -68,6 +68,7 @@ BUGS = frozenset(
         "resume_not_idempotent",
         "paused_still_ready",
         "wrong_prompt_tokens",
+        "top_logprobs_skip_best",
     }
 )
 
@@ -77,6 +78,7 @@ FULL = Capabilities(
     seeded_sampling=True,
     abort=True,
     batch_invariant=True,
+    top_logprobs=20,
     vocab_size=VOCAB,
     max_context=CONTEXT,
 )
@@ -115,6 +117,7 @@ class _Req:
     abort: bool = False
     out: list[int] = attrs.field(factory=list)
     lps: list[float] = attrs.field(factory=list)
+    tops: list[tuple[tuple[int, float], ...]] = attrs.field(factory=list)
 
 
 @attrs.define(eq=False)
@@ -210,10 +213,16 @@ class FakeBackend(BackendBase):
                 lp = abs(lp) + 0.5
             r.out.append(tok)
             r.lps.append(lp)
+            if sp.top_logprobs:
+                ranked = sorted(range(VOCAB), key=lambda i: (-lps[i], i))
+                if "top_logprobs_skip_best" in self.bugs:
+                    ranked = ranked[1:]  # the bug: alternatives only, the most likely token left out
+                r.tops.append(tuple((i, lps[i]) for i in ranked[: sp.top_logprobs]))
             if not sp.ignore_eos and (tok == EOS or (tok in sp.stop_token_ids and "ignore_stop" not in self.bugs)):
                 finish = FinishReason.STOP
                 break
         out, lps_out = tuple(r.out), tuple(r.lps)
+        tops = tuple(r.tops) if r.request.return_logprobs and sp.top_logprobs else None
         if finish is FinishReason.ABORT and "abort_drops_tokens" in self.bugs:
             out, lps_out = (), ()
         return Generation(
@@ -226,6 +235,7 @@ class FakeBackend(BackendBase):
             cached_tokens=cached,
             worker=r.worker,
             matched_stop=out[-1] if finish is FinishReason.STOP else None,
+            top_logprobs=tops[: len(out)] if tops is not None else None,
         )
 
     async def abort(self, request_id: str) -> None:

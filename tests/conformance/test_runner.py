@@ -123,6 +123,7 @@ BUG_TO_CHECK = {
     "probe_none": "health_progress_probe",
     "resume_not_idempotent": "resume_idempotent",
     "paused_still_ready": "health_paused_not_ready",
+    "top_logprobs_skip_best": "top_logprobs",
 }
 
 

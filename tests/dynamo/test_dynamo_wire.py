@@ -516,3 +516,32 @@ def test_completion_token_ids_of_an_int_subclass_still_pass() -> None:
     req = GenerateRequest(input_ids=[1, 2, 3], sampling=SamplingParams(max_new_tokens=2), return_logprobs=False)
     gen = wire.parse_completion(req, _answer([Tok.A, 6], None), 0.0)
     assert gen.output_ids == (5, 6)
+
+
+def test_top_logprobs_by_token_id() -> None:
+    """``logprobs: k`` with ids as token names (1.4.2 renders the worker's ``top_logprobs`` as
+    ``[{"token": "token_id:<id>", "logprob", "bytes"}]`` per token); at most 5 (the frontend's limit)."""
+    w = _wire()
+    req = GenerateRequest(input_ids=[1, 2], sampling=SamplingParams(max_new_tokens=2, top_logprobs=2))
+    body = w.generate(req, None).json
+    assert body["logprobs"] == 2 and body["return_tokens_as_token_ids"] is True
+    ans = _answer([4, 5], [-0.1, -0.2])
+    ans["choices"][0]["logprobs"]["top_logprobs"] = [
+        [{"token": "token_id:4", "logprob": -0.1, "bytes": []}, {"token": "token_id:9", "logprob": -2.5}],
+        [{"token": "token_id:3", "logprob": -0.2}, {"token": "token_id:5", "logprob": -0.2}],
+    ]
+    g = w.parse_generation(req, HttpResponse.from_json(ans), 0.1)
+    assert g.top_logprobs is not None
+    assert [[t for t, _ in top] for top in g.top_logprobs] == [[4, 9], [3, 5]]  # ties by id
+    ans["choices"][0]["logprobs"]["top_logprobs"][1] = [{"token": "x", "logprob": -0.2}]
+    with pytest.raises(ContractViolation):  # a token named by text, not by id
+        w.parse_generation(req, HttpResponse.from_json(ans), 0.1)
+    with pytest.raises(InvalidRequest) as e:
+        w.generate(attrs.evolve(req, sampling=SamplingParams(top_logprobs=6)), None)
+    assert e.value.field == "sampling.top_logprobs"
+    assert _wire().capabilities().top_logprobs == 5
+    assert _wire(flavor="sglang14").capabilities().top_logprobs == 0
+    with pytest.raises(InvalidRequest):  # stock dynamo.sglang refuses >= 1
+        _wire(flavor="sglang14").generate(req, None)
+    # without top_logprobs the body is as before
+    assert "return_tokens_as_token_ids" not in w.generate(attrs.evolve(req, sampling=SamplingParams()), None).json

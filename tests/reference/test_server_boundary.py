@@ -81,11 +81,12 @@ def test_refusals_lose_nothing_and_the_server_stays_healthy(server: tuple[str, F
                     if "keep" in engine._inflight:
                         break
                     time.sleep(0.005)
-                for where, value, _field in SERVER_BAD:
-                    assert c.post(f"{url}/generate", json=with_value(long_body, where, value)).status_code == 400
-                # A duplicate in-flight rid is refused; it neither aborts nor disturbs the first.
+                # A duplicate in-flight rid is refused; it neither aborts nor disturbs the first. (First:
+                # the long request must still run, and the refusals below take a while.)
                 dup = c.post(f"{url}/generate", json=long_body)
                 assert dup.status_code == 400 and dup.json()["error"]["param"] == "rid"
+                for where, value, _field in SERVER_BAD:
+                    assert c.post(f"{url}/generate", json=with_value(long_body, where, value)).status_code == 400
                 # Deep nesting past what the JSON parser takes: a typed 400, not a 500.
                 deep = "[" * 5000 + "]" * 5000
                 r = c.post(f"{url}/generate", content=deep, headers={"Content-Type": "application/json"})
