@@ -81,6 +81,7 @@ from ._parity import (
     check_parity,
     default_parity_prompts,
     hf_logprobs,
+    pair_parity,
 )
 from ._weights import (
     check_disk_update_matches_fresh,
@@ -149,6 +150,7 @@ __all__ = [
     "expect",
     "hf_logprobs",
     "load_safetensors_dir",
+    "pair_parity",
     "prompts",
     "requires",
     "run_check",

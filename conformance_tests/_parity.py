@@ -34,6 +34,7 @@ __all__ = [
     "check_parity",
     "default_parity_prompts",
     "hf_logprobs",
+    "pair_parity",
 ]
 
 
@@ -186,7 +187,10 @@ async def _hf_compare(
     )
 
 
-def _pair(a: str, b: str, ga: Sequence[Generation], gb: Sequence[Generation], tol: float) -> PairParity:
+def pair_parity(a: str, b: str, ga: Sequence[Generation], gb: Sequence[Generation], tol: float) -> PairParity:
+    """Two runs of the same cases compared: ``ga[i]`` with ``gb[i]`` (ids equal, |Δlogprob| <= ``tol``
+    over the ids they share before the first difference). ``check_parity`` uses it across backends,
+    the GPU tier (``bench/rb_bench/gpu_tier.py``) for one backend's cold and warm runs."""
     worst = 0.0
     mismatch: tuple[int, int] | None = None
     for case, (x, y) in enumerate(zip(ga, gb, strict=True)):
@@ -252,7 +256,7 @@ async def check_parity(
         finally:
             await backend.aclose()
     assert chosen is not None
-    pairs = tuple(_pair(a, b, outputs[a], outputs[b], tolerance) for a, b in itertools.combinations(names, 2))
+    pairs = tuple(pair_parity(a, b, outputs[a], outputs[b], tolerance) for a, b in itertools.combinations(names, 2))
     hf: tuple[HFParity, ...] = ()
     if hf_model_path is not None:
         hf = tuple([await _hf_compare(n, hf_model_path, chosen, outputs[n], hf_tolerance) for n in names])

@@ -13,10 +13,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rollout_backends._bench import fanout
-from rollout_backends._bench.proc import CpuSampler, cpu_seconds, role_of
-from rollout_backends._bench.serverargs import compare, flags_of, resolved_of
-from rollout_backends._bench.stats import judge, paired_ratio
+from rb_bench import fanout
+from rb_bench.proc import CpuSampler, cpu_seconds, role_of
+from rb_bench.serverargs import compare, flags_of, resolved_of
+from rb_bench.stats import judge, paired_ratio
 
 # -- intervals and verdicts --------------------------------------------------------------------------
 

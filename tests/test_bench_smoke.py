@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -10,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from rollout_backends._bench import fanout, overhead, report, weightsync
+from rb_bench import fanout, overhead, report, weightsync, with_bench_path
 
 RAW = ("raw aiohttp", "raw httpx", "miles httpx")
 
@@ -85,16 +86,6 @@ def test_targets_judge_cpu_per_server_and_rps_on_loopback_only() -> None:
     assert f"| dynamo | 64 | ours | 1000 | 800 | 230 | 1.15{X} |" in table
 
 
-def test_thin_script_imports_the_same_main() -> None:
-    root = Path(__file__).resolve().parents[1]
-    sys.path.insert(0, str(root))
-    try:
-        from benchmarks import client_overhead
-    finally:
-        sys.path.remove(str(root))
-    assert client_overhead.main is overhead.main
-
-
 # -- RL fan-out routing and weight sync (issue 7 parts 2-4) -------------------------------------
 
 
@@ -164,10 +155,11 @@ def test_markdown_section_is_replaced_in_place(tmp_path: Path) -> None:
 def _smoke(tmp_path: Path, *extra: str) -> dict[str, Any]:
     # Its own process: tensor hand-over switches torch's sharing strategy for the whole process.
     res = subprocess.run(
-        [sys.executable, "-m", "rollout_backends._bench.weightsync", "--smoke", "--out", str(tmp_path), *extra],
+        [sys.executable, "-m", "rb_bench.weightsync", "--smoke", "--out", str(tmp_path), *extra],
         capture_output=True,
         text=True,
         timeout=120,
+        env=with_bench_path(os.environ),
     )
     assert res.returncode == 0, res.stdout + res.stderr
     data: dict[str, Any] = json.loads((tmp_path / "results.json").read_text())["weightsync"]

@@ -92,6 +92,22 @@ def test_launcher_command_lines_are_delegated() -> None:
     assert {k for k in _DELEGATES if k.startswith("launch ")} == {"launch sglang", "launch dynamo"}
 
 
+def test_the_library_cli_keeps_only_its_own_commands() -> None:
+    # Benchmarks and the GPU tier live in the checkout's bench/, not in the installed package.
+    assert {k.split()[0] for k in _DELEGATES} == {"launch", "serve-reference", "make-model", "facade"}
+    assert all(not target.startswith(("rb_bench", "rollout_backends._bench")) for target in _DELEGATES.values())
+
+
+@pytest.mark.parametrize(
+    ("argv", "module"), [(["bench", "fanout", "--smoke"], "rb_bench.<"), (["gpu-tier"], "rb_bench.gpu_tier")]
+)
+def test_moved_commands_say_where_they_went(argv: list[str], module: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"'rollout-backends {argv[0]}' is not part of the installed library" in err
+    assert f"PYTHONPATH=bench python -m {module}" in err and "bench/README.md" in err
+
+
 def test_help_never_shows_a_key_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SGLANG_API_KEY", "sekrit-sglang")
     monkeypatch.setenv("RB_FACADE_API_KEY", "sekrit-facade")

@@ -3,7 +3,8 @@
 Nothing is imported: every ``.py`` file in scope is parsed and its ``import`` statements (module
 level and function level alike) are resolved to absolute module names, with the folder-to-package
 mapping of pyproject.toml (``adapters/`` is ``rollout_backends.adapters``, ``conformance_tests/`` is
-``rollout_backends.conformance``). The rules:
+``rollout_backends.conformance``) and the checkout's benchmarks (``bench/rb_bench/`` is ``rb_bench``,
+never installed; ``bench/probes/`` are scripts). The rules:
 
 ``public``
     Outside the core (``rollout_backends/*.py``), the core is reached only through its public doors
@@ -25,7 +26,8 @@ mapping of pyproject.toml (``adapters/`` is ``rollout_backends.adapters``, ``con
     No cycle between the packages (each adapter, each integration, ``ray``, the conformance suite).
 ``core``
     The core imports no adapter, integration, ``ray``, conformance or benchmark module: the
-    registry and the CLI name them by string.
+    registry and the CLI name them by string. Nothing in the installed package imports the
+    benchmarks (``rb_bench``), which a wheel does not hold.
 
 Not checked yet (later steps of the plan turn them on): first-party function-level imports
 (rule 5), the one-``RolloutBackend``-implementation rule (rule 7, step B7). Rule 6, the pinned
@@ -54,12 +56,13 @@ PACKAGE_DIRS = {
     "rollout_backends.adapters": "adapters",
     "rollout_backends.conformance": "conformance_tests",
 }
-#: Folders whose files obey the rules. ``rollout_backends/_bench/`` (the benchmarks) moves out of the
-#: package at step Z1 and joins the scope then (as ``bench/``); tests are exempt.
-SCOPE = ("rollout_backends", "adapters", "conformance_tests", "examples")
-EXEMPT = ("rollout_backends/_bench",)
+#: The benchmarks' package, run from the checkout (``PYTHONPATH=bench``), and its folder.
+BENCH_DIRS = {"rb_bench": "bench/rb_bench"}
+#: Folders whose files obey the rules; tests are exempt.
+SCOPE = ("rollout_backends", "adapters", "conformance_tests", "examples", "bench")
 
 CORE = "rollout_backends"
+BENCH = "rb_bench"
 #: The core's public doors (``testing`` joins them in a later step).
 CORE_DOORS = frozenset(
     {"rollout_backends", "rollout_backends.kit", "rollout_backends.launch", "rollout_backends.sglang_native"}
@@ -83,9 +86,9 @@ class Violation:
 
 def module_of(rel: Path) -> str | None:
     """The import name of a file (``adapters/sglang/_wire.py`` -> ``rollout_backends.adapters.sglang._wire``);
-    ``None`` outside the package (examples are scripts)."""
+    ``None`` outside a package (examples and probes are scripts)."""
     parts = rel.with_suffix("").parts
-    for package, folder in PACKAGE_DIRS.items():
+    for package, folder in {**PACKAGE_DIRS, **BENCH_DIRS}.items():
         if parts[: len(Path(folder).parts)] == Path(folder).parts:
             rest = parts[len(Path(folder).parts) :]
             names = [*package.split("."), *rest]
@@ -103,7 +106,7 @@ def package_of(module: str) -> str:
         return parts[0]
     if parts[1] in ("adapters", "integrations"):
         return ".".join(parts[:3])
-    if parts[1] in ("ray", "conformance", "_bench"):
+    if parts[1] in ("ray", "conformance"):
         return ".".join(parts[:2])
     return CORE
 
@@ -207,11 +210,9 @@ def check(root: Path) -> set[Violation]:
     found: set[Violation] = set()
     edges: dict[tuple[str, str], set[tuple[str, str]]] = {}  # (from, to) package -> {(file, module)}
     for rel, (module, _) in tree.files.items():
-        if any(rel.startswith(e + "/") for e in EXEMPT):
-            continue
         own = package_of(module) if module else None
         for imp in tree.imports(rel):
-            if imp.module != CORE and not imp.module.startswith(CORE + "."):
+            if imp.module.split(".")[0] not in (CORE, BENCH):
                 continue  # stdlib or third party
             target = package_of(imp.module)
 
@@ -221,6 +222,9 @@ def check(root: Path) -> set[Violation]:
             if own == CORE:
                 if target != CORE:
                     report("core")
+                continue
+            if target == BENCH and not rel.startswith(BENCH_DIRS[BENCH].split("/")[0] + "/"):
+                report("core")  # the installed package (or an example) needs what a wheel does not hold
                 continue
             if own is not None and target == own:
                 if not imp.relative and not Path(rel).name.startswith("test_"):
@@ -300,6 +304,8 @@ def test_the_checker_reads_the_whole_tree() -> None:
     assert "rollout_backends.conformance._core" in tree.modules
     assert "rollout_backends.integrations.miles._facade" in tree.modules
     assert "examples/multinode/ray_fleet.py" in tree.files
+    assert "rb_bench.fanout" in tree.modules and "rb_bench.gpu_tier" in tree.modules
+    assert "bench/probes/_probe.py" in tree.files
     assert sum(1 for rel in tree.files for _ in tree.imports(rel)) > 500
 
 
@@ -400,6 +406,36 @@ _BREACHES = {
         "def f() -> None:\n    from rollout_backends.adapters.reference import Engine",
         {Violation("rollout_backends/_types.py", "rollout_backends.adapters.reference", "core")},
     ),
+    "the core importing the benchmarks": (
+        "rollout_backends/_types.py",
+        "def f() -> None:\n    from rb_bench import fanout",
+        {Violation("rollout_backends/_types.py", "rb_bench", "core")},
+    ),
+    "the installed conformance suite importing the benchmarks": (
+        "conformance_tests/_core.py",
+        "from rb_bench.stats import judge",
+        {Violation("conformance_tests/_core.py", "rb_bench.stats", "core")},
+    ),
+    "an example importing the benchmarks": (
+        "examples/demo.py",
+        "import rb_bench",
+        {Violation("examples/demo.py", "rb_bench", "core")},
+    ),
+    "a benchmark reaching a private core module": (
+        "bench/rb_bench/fanout.py",
+        "from rollout_backends._types import Generation",
+        {Violation("bench/rb_bench/fanout.py", "rollout_backends._types", "public")},
+    ),
+    "a benchmark importing its own package by absolute path": (
+        "bench/rb_bench/fanout.py",
+        "from rb_bench.stats import judge",
+        {Violation("bench/rb_bench/fanout.py", "rb_bench.stats", "relative")},
+    ),
+    "a probe reaching an adapter's private module": (
+        "bench/probes/detok.py",
+        "from rollout_backends.adapters.sglang._launch import Cmd",
+        {Violation("bench/probes/detok.py", "rollout_backends.adapters.sglang._launch", "public")},
+    ),
 }
 
 
@@ -424,10 +460,15 @@ def test_each_rule_catches_its_breach(tmp_path: Path, breach: str) -> None:
     assert check(tmp_path) == expected
 
 
-def test_benchmarks_are_exempt_until_they_move(tmp_path: Path) -> None:
+def test_the_benchmarks_may_use_the_library_through_its_doors(tmp_path: Path) -> None:
     files = dict(_FACES)
-    files["rollout_backends/_bench/__init__.py"] = ""
-    files["rollout_backends/_bench/overhead.py"] = "from rollout_backends.adapters.sglang._wire import x\n"
+    files["bench/rb_bench/__init__.py"] = "def with_bench_path() -> None: ...\n"
+    files["bench/rb_bench/stats.py"] = "def judge() -> None: ...\n"
+    files["bench/rb_bench/fanout.py"] = (
+        "from rollout_backends import Generation\nfrom rollout_backends.adapters.sglang import Cmd\n"
+        "from . import with_bench_path\nfrom .stats import judge\n"
+    )
+    files["bench/probes/probe.py"] = "import rollout_backends\nfrom rb_bench.stats import judge\n"
     _write(tmp_path, files)
     assert check(tmp_path) == set()
 

@@ -1,7 +1,9 @@
-"""The distribution maps adapters/ and conformance_tests/ into rollout_backends.*, editable and wheel alike."""
+"""The distribution maps adapters/ and conformance_tests/ into rollout_backends.*, editable and wheel alike;
+the benchmarks (bench/) stay in the checkout."""
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -46,6 +48,9 @@ def test_editable_install_imports_mapped_packages(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_wheel_contains_only_rollout_backends_and_imports(tmp_path: Path) -> None:
     dist = tmp_path / "dist"
+    # setuptools builds in the checkout's build/: a stale build/lib from before a module was moved
+    # or deleted would still be copied into the wheel.
+    shutil.rmtree(ROOT / "build", ignore_errors=True)
     subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(dist), str(ROOT)],
         check=True,
@@ -59,6 +64,9 @@ def test_wheel_contains_only_rollout_backends_and_imports(tmp_path: Path) -> Non
     assert "rollout_backends/conformance/plugin.py" in names
     assert "rollout_backends/py.typed" in names
     assert any(n.startswith("rollout_backends/adapters/reference/data/") for n in names)
+    # The product is the library: no benchmark, probe or GPU-tier orchestration is installed.
+    bench = [n for n in names if any(part in n for part in ("_bench", "rb_bench", "gpu_tier", "smg_probe", "probes/"))]
+    assert not bench, bench
     target = tmp_path / "site"
     subprocess.run(
         [sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(target), str(wheel)],

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # mypy --strict over the package as it is imported: the design card's folders (adapters/,
 # conformance_tests/) are mapped into rollout_backends.* by setuptools, so mypy gets the same
-# view through a tree of symlinks.
+# view through a tree of symlinks. The benchmarks (bench/rb_bench, run from a checkout) too.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 stage="$root/.rb-cache/typecheck"
@@ -9,5 +9,6 @@ rm -rf "$stage"; mkdir -p "$stage/rollout_backends"
 for f in "$root"/rollout_backends/*; do ln -s "$f" "$stage/rollout_backends/$(basename "$f")"; done
 ln -s "$root/adapters" "$stage/rollout_backends/adapters"
 ln -s "$root/conformance_tests" "$stage/rollout_backends/conformance"
+ln -s "$root/bench/rb_bench" "$stage/rb_bench"
 cd "$stage"
-exec "${PYTHON:-python}" -m mypy --config-file "$root/pyproject.toml" -p rollout_backends "$@"
+exec "${PYTHON:-python}" -m mypy --config-file "$root/pyproject.toml" -p rollout_backends -p rb_bench "$@"

@@ -184,12 +184,10 @@ class Fleet:
         await self.stop()
 
     async def start(self) -> None:
-        from rollout_backends._launch import NodeContext
-        from rollout_backends._supervisor import Supervisor
-        from rollout_backends.adapters.dynamo import DynamoFleet
-        from rollout_backends.adapters.dynamo._commands import DynamoFrontend, DynamoWorkerCommand
+        from rollout_backends.adapters.dynamo import DynamoFleetConfig, DynamoFrontend, DynamoWorkerCommand
         from rollout_backends.adapters.dynamo._launcher import fleet_planes
-        from rollout_backends.adapters.reference._backend import cached_tiny_model
+        from rollout_backends.adapters.reference import cached_tiny_model
+        from rollout_backends.launch import NodeContext, Supervisor
 
         model = cached_tiny_model()
         self.model_path, self.model_name = str(model), model.name
@@ -199,7 +197,9 @@ class Fleet:
         kv = self._run_dir / "kv"
         kv.mkdir()
         logs = self.log_dir or (self._run_dir / "logs")
-        cfg = DynamoFleet(model_path=model, workers=self.workers, worker_kind="mocker", router_mode=self.router_mode)
+        cfg = DynamoFleetConfig(
+            model_path=model, workers=self.workers, worker_kind="mocker", router_mode=self.router_mode
+        )
         planes = fleet_planes(cfg, kv)
         self._sup = Supervisor(logs, grace=5.0)
         taken: set[int] = set()
@@ -289,7 +289,7 @@ class Fleet:
         }
 
     async def connect(self, frontend: str, **kw: Any) -> Any:
-        from rollout_backends.adapters.dynamo._client import connect
+        from rollout_backends.adapters.dynamo import connect
 
         kw.setdefault("flavor", "mocker" if self.kind == "mocker" else "rollout")
         return await connect(
@@ -323,7 +323,7 @@ def gen_request(tokens: int) -> Any:
 
 def wire_body(fleet: Fleet, tokens: int) -> dict[str, Any]:
     """Exactly the ``/v1/completions`` body our wire builds for this fleet (``completion_body``)."""
-    from rollout_backends.adapters.dynamo._wire import completion_body
+    from rollout_backends.adapters.dynamo import completion_body
 
     body = completion_body(gen_request(tokens), fleet.model_name, logprobs=fleet.kind != "mocker")
     return json.loads(json.dumps(body))

@@ -37,7 +37,7 @@ def bench(decode, vocab: int, per_chunk: int, fn, tokens: int = 512, reps: int =
 
 
 def main() -> None:
-    from rollout_backends.adapters.reference._backend import cached_tiny_model
+    from rollout_backends.adapters.reference import cached_tiny_model
     from rollout_backends.adapters.reference._model import _write_tokenizer
 
     big = Path(tempfile.mkdtemp(prefix="tok151k-"))

@@ -138,7 +138,7 @@ def main() -> None:
     p.add_argument("--python", default=sys.executable)
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "probes" / "out")
     a = p.parse_args()
-    from rollout_backends.adapters.reference._backend import cached_tiny_model
+    from rollout_backends.adapters.reference import cached_tiny_model
 
     model = str(cached_tiny_model())
     if a.one:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every probe, one after another (about 75-90 min on the 2-core VM); logs and JSON in bench/probes/out/.
 #   bench/probes/run_all.sh [TAG]      # ai-dynamo 1.4.2 (.venv) and, if built, 1.6.1 (.venv-dynamo16)
-# Run it on a quiet machine: other load on the 2 cores widens every spread (see PROFILE-REPORT.md).
+# Run it on a quiet machine: other load on the 2 cores widens every spread (see docs/data/dynamo-cpu-profile-2026-12-02.md).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 PY=.venv/bin/python

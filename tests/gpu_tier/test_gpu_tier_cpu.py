@@ -1,4 +1,4 @@
-"""The GPU tier command (``rollout_backends.conformance.gpu_tier``) on CPU.
+"""The GPU tier command (``rb_bench.gpu_tier``) on CPU.
 
 The end-to-end test runs the whole orchestration with ``--engine reference``: reference SGLang
 servers (one direct, two behind a real ``smg``), a Dynamo frontend with a reference worker, an
@@ -17,8 +17,8 @@ from typing import Any
 
 import pytest
 
-from rollout_backends.conformance import select_checks
-from rollout_backends.conformance.gpu_tier import (
+from rb_bench import with_bench_path
+from rb_bench.gpu_tier import (
     BACKENDS,
     LOGS_TAIL,
     RESULTS_JSON,
@@ -28,6 +28,7 @@ from rollout_backends.conformance.gpu_tier import (
     _Tier,
     main,
 )
+from rollout_backends.conformance import select_checks
 from tests.conformance.fake_backend import fake_factory, fake_harness
 
 CHECKS = (
@@ -107,11 +108,12 @@ def _leftovers(marker: str) -> list[str]:
 @pytest.mark.slow
 def test_gpu_tier_reference_end_to_end(tmp_path: Path) -> None:
     out, work = tmp_path / "out", tmp_path / "work"
-    argv = [sys.executable, "-m", "rollout_backends.conformance.gpu_tier", "--out", str(out), "--engine", "reference",
+    argv = [sys.executable, "-m", "rb_bench.gpu_tier", "--out", str(out), "--engine", "reference",
             "--budget-s", "240", "--work-dir", str(work)]  # fmt: skip
     for c in CHECKS:
         argv += ["--check", c]
-    proc = subprocess.run(argv, capture_output=True, text=True, timeout=300, check=False)
+    env = with_bench_path(os.environ)
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=300, check=False, env=env)
     print(proc.stdout[-4000:], proc.stderr[-4000:])
     assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-3000:])
     assert "gpu-tier reference: OK" in proc.stdout
@@ -168,8 +170,8 @@ def test_sender_group_matches_sglangs_construction() -> None:
     """``NcclWeightSender`` builds its group as SGLang's engines build theirs (checked over gloo)."""
     import torch
 
+    from rb_bench.gpu_tier import NcclWeightSender
     from rollout_backends.adapters.reference import free_port
-    from rollout_backends.conformance.gpu_tier import NcclWeightSender
 
     port, name = free_port(), "rb-test-group"
     engine = subprocess.Popen(
@@ -201,11 +203,12 @@ def test_sender_group_matches_sglangs_construction() -> None:
 def test_cpu_tier_full_suite_over_every_http_path(tmp_path: Path) -> None:
     """The whole suite via SGLang HTTP (direct, behind smg) and via the Dynamo frontend, on reference engines."""
     out, work = tmp_path / "out", tmp_path / "work"
-    argv = [sys.executable, "-m", "rollout_backends.conformance.gpu_tier", "--out", str(out), "--engine", "reference",
+    argv = [sys.executable, "-m", "rb_bench.gpu_tier", "--out", str(out), "--engine", "reference",
             "--budget-s", "400", "--work-dir", str(work), "--sequential"]  # fmt: skip
     # --sequential: one backend's checks at a time. On 2 cores, three suites at once starve the
     # servers' event loops enough that an abort can arrive after a 2048-token request finished.
-    proc = subprocess.run(argv, capture_output=True, text=True, timeout=480, check=False)
+    env = with_bench_path(os.environ)
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=480, check=False, env=env)
     print(proc.stdout[-4000:])
     data: dict[str, Any] = json.loads((out / RESULTS_JSON).read_text())
     every = {c.name for c in select_checks(None)}

@@ -20,8 +20,8 @@ from typing import Any
 import pytest
 import pytest_asyncio
 
+from rb_bench.soak import LoadReport, run_load
 from rollout_backends import GenerateRequest, SamplingParams
-from rollout_backends._bench.soak import LoadReport, run_load
 from rollout_backends._fleet import HttpFleetBackend
 from rollout_backends._http import HttpClient, RetryPolicy
 from rollout_backends.adapters.dynamo import DynamoFleet, RunningDynamoFleet, launch_dynamo_fleet

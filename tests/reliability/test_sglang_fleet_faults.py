@@ -24,6 +24,7 @@ import attrs
 import pytest
 import pytest_asyncio
 
+from rb_bench.soak import run_load
 from rollout_backends import (
     BackendTimeout,
     ControlFailed,
@@ -31,7 +32,6 @@ from rollout_backends import (
     SamplingParams,
     WeightUpdateFailed,
 )
-from rollout_backends._bench.soak import run_load
 from rollout_backends._fleet import HttpFleetBackend
 from rollout_backends._http import HttpClient
 from rollout_backends._supervisor import redact_argv

@@ -1,6 +1,6 @@
 """Soak: requests through a Dynamo mocker fleet; none lost, client memory and descriptors flat.
 
-CI: 3,000 requests; ``RB_RELIABILITY_FULL=1``: 100,000 (also ``python -m rollout_backends._bench.soak``).
+CI: 3,000 requests; ``RB_RELIABILITY_FULL=1``: 100,000 (also ``python -m rb_bench.soak``).
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from rollout_backends._bench.soak import main, soak
+from rb_bench.soak import main, soak
 
 from .conftest import HAS_DYNAMO, size
 

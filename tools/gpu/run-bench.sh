@@ -28,14 +28,15 @@ cd "$root"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
-export PYTHONPATH=${PYTHONPATH:-/tmp/site}
+# The benchmarks run from the checkout's bench/ (rb_bench, not part of the wheel).
+export PYTHONPATH=${PYTHONPATH:-/tmp/site}:$root/bench
 unset CUDA_VISIBLE_DEVICES  # the benchmarks place every process themselves (--gpus)
 PY=${PYTHON:-python3}
 
 # rollout_backends.adapters is the top-level adapters/ folder (setuptools package-dir); without
 # an installed copy, give Python the same view through a tree of symlinks (as tools/typecheck.sh),
 # and run from there: the checkout's own rollout_backends/ (no adapters in it) must not come first.
-if ! "$PY" -c "import rollout_backends.adapters.sglang, rollout_backends._bench.fanout" 2>/dev/null; then
+if ! "$PY" -c "import rollout_backends.adapters.sglang, rb_bench.fanout" 2>/dev/null; then
     stage=/tmp/rb-stage
     rm -rf "$stage"; mkdir -p "$stage/rollout_backends"
     for f in "$root"/rollout_backends/*; do ln -s "$f" "$stage/rollout_backends/$(basename "$f")"; done
@@ -44,7 +45,7 @@ if ! "$PY" -c "import rollout_backends.adapters.sglang, rollout_backends._bench.
     export PYTHONPATH="$stage:$PYTHONPATH"
     cd "$stage"
 fi
-"$PY" -c "import rollout_backends.adapters.sglang, rollout_backends._bench.fanout" || exit 1
+"$PY" -c "import rollout_backends.adapters.sglang, rb_bench.fanout" || exit 1
 
 MODEL=${MODEL:-/tmp/rb-bench/qwen2.5-0.5b}
 t0=$(date +%s)
@@ -67,13 +68,13 @@ echo "GPUs: ${ngpus:-?}; benchmarks: $BENCHES; weight sync on --gpus ${WEIGHTSYN
 
 rc=0
 if [[ " $BENCHES " == *" fanout "* ]]; then
-    "$PY" -m rollout_backends._bench.fanout --engine sglang --model-size qwen2.5-0.5b --model-path "$MODEL" \
+    "$PY" -m rb_bench.fanout --engine sglang --model-size qwen2.5-0.5b --model-path "$MODEL" \
         --workers 2 --gpus "${FANOUT_GPUS:-0,1}" --budget-s "${FANOUT_BUDGET_S:-330}" --out "$OUT" ${FANOUT_ARGS:-} || rc=1
     echo "fanout done ($(( $(date +%s) - t0 )) s), rc=$rc" >&2
 fi
 
 if [[ " $BENCHES " == *" weightsync "* ]]; then
-    "$PY" -m rollout_backends._bench.weightsync --engine sglang --model-size qwen2.5-0.5b --model-path "$MODEL" \
+    "$PY" -m rb_bench.weightsync --engine sglang --model-size qwen2.5-0.5b --model-path "$MODEL" \
         --gpus "${WEIGHTSYNC_GPUS:-0,1}" --budget-s "${WEIGHTSYNC_BUDGET_S:-110}" --out "$OUT" \
         ${WEIGHTSYNC_ARGS:-} || rc=1
     echo "weightsync done ($(( $(date +%s) - t0 )) s), rc=$rc" >&2

@@ -28,7 +28,8 @@ if [ "${1:-}" = "--install-only" ]; then install_only=1; shift; fi
 
 mkdir -p "$SITE" "$OUT"
 OUT=$(cd "$OUT" && pwd)   # absolute: the run itself happens in another folder
-export PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+# The GPU tier runs from the checkout's bench/ (rb_bench, not part of the wheel).
+export PYTHONPATH=$SITE:$ROOT/bench${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
 # ninja (the JIT kernel builds call it) sits next to python3; nvcc in CUDA_HOME.
 export PATH=$PATH:$CUDA_HOME/bin:$(dirname "$(command -v python3)")
@@ -72,7 +73,7 @@ nvidia-smi --query-gpu=index,name,memory.used,memory.total --format=csv,noheader
 python3 - "$ENGINE" <<'EOF' || { echo "run-gpu: a package is missing (see above); nothing was started" >&2; exit 3; }
 import importlib, importlib.metadata as md, sys
 engine = sys.argv[1]
-need = ["attrs", "orjson", "aiohttp", "safetensors", "tokenizers", "transformers", "torch", "rollout_backends.conformance.gpu_tier"]
+need = ["attrs", "orjson", "aiohttp", "safetensors", "tokenizers", "transformers", "torch", "rb_bench.gpu_tier"]
 if engine == "sglang":
     need += ["sglang", "sglang.srt.entrypoints.http_server", "dynamo.frontend", "dynamo.sglang", "smg"]
 else:
@@ -101,7 +102,7 @@ fi
 left=$(( 575 - ($(date +%s) - T0) ))
 BUDGET=${BUDGET:-$(( left < 540 ? left : 540 ))}
 log "gpu_tier: engine $ENGINE, GPUs $GPUS, budget ${BUDGET}s, results in $OUT"
-python3 -m rollout_backends.conformance.gpu_tier --out "$OUT" --engine "$ENGINE" --gpus "$GPUS" \
+python3 -m rb_bench.gpu_tier --out "$OUT" --engine "$ENGINE" --gpus "$GPUS" \
   --budget-s "$BUDGET" "$@"
 rc=$?
 cd / && rm -rf "$RUN"

@@ -16,7 +16,7 @@
 # Qwen2.5-0.5B-shaped model once, and writes into $OUT/<stage>/ (benchmarks.md, results.json,
 # fanout.png, fanout-logs.tar.gz) plus $OUT/<stage>.log.
 #
-# Stages (`rollout-backends bench fanout`, both workers of every fleet on GPU 0 with one GPU):
+# Stages (`python -m rb_bench.fanout` from bench/, both workers of every fleet on GPU 0 with one GPU):
 #   client  our adapter vs raw aiohttp on the SGLang fleet (gsm8k)             BUDGET 300 s
 #   main    sglang rr, smg cache_aware, dynamo rr / kv / kv+predict, gsm8k and
 #           agentic; py-spy on the Dynamo fleet's hottest processes             BUDGET 520 s
@@ -34,7 +34,8 @@ export SITE=${SITE:-/tmp/site}
 for w in .gpu-wheels/pyspy/*.whl; do
   [ -e "$w" ] && python3 -m pip install -q --no-deps --no-index --upgrade --target "$SITE" "$w" && echo "installed $(basename "$w")"
 done
-export PYTHONPATH=$SITE CUDA_HOME=${CUDA_HOME:-/usr/local/cuda} HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+# The benchmarks run from the checkout's bench/ (not part of the wheel).
+export PYTHONPATH=$SITE:$root/bench CUDA_HOME=${CUDA_HOME:-/usr/local/cuda} HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 TOKENIZERS_PARALLELISM=false
 export PATH=$PATH:$CUDA_HOME/bin:$(dirname "$(command -v python3)"):$SITE/bin
 unset CUDA_VISIBLE_DEVICES
@@ -52,13 +53,13 @@ model() {
 gpus=0,0; ws_gpus=0; [ "${ngpus:-0}" -ge 2 ] && { gpus=0,1; ws_gpus=0,1; }
 fanout() {  # fanout NAME BUDGET ARGS...
   local name=$1 budget=$2; shift 2
-  python3 -m rollout_backends._bench.fanout --engine sglang --model-size qwen2.5-0.5b --model-path "$MODEL" \
+  python3 -m rb_bench.fanout --engine sglang --model-size qwen2.5-0.5b --model-path "$MODEL" \
     --workers 2 --gpus "$gpus" --budget-s "$budget" --out "$OUT/$name" "$@" 2>&1 | tee "$OUT/$name.log" | tail -45
 }
 
 case "$stage" in
   client)
-    need sglang; need smg; need rollout_backends._bench.fanout; model
+    need sglang; need smg; need rb_bench.fanout; model
     fanout client "${BUDGET:-300}" --rows "sglang rr raw" "sglang rr" --workloads gsm8k "${@:2}"
     ;;
   main)
@@ -71,8 +72,8 @@ case "$stage" in
       --args-differ warn --profile "dynamo rr raw, stock worker" "${@:2}"
     ;;
   weightsync)
-    need sglang; need rollout_backends._bench.weightsync; model
-    python3 -m rollout_backends._bench.weightsync --engine sglang --model-size qwen2.5-0.5b --model-path "$MODEL" \
+    need sglang; need rb_bench.weightsync; model
+    python3 -m rb_bench.weightsync --engine sglang --model-size qwen2.5-0.5b --model-path "$MODEL" \
       --gpus "$ws_gpus" --budget-s "${BUDGET:-270}" --out "$OUT/weightsync" 2>&1 | tee "$OUT/weightsync.log" | tail -40
     ;;
   tier)

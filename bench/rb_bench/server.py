@@ -2,7 +2,7 @@
 
 Run in its own process so that the client's CPU is measured alone::
 
-    python -m rollout_backends._bench.server --port 0
+    python -m rb_bench.server --port 0
 
 It prints ``PORT <n>`` once listening and exits when its standard input closes (so it never
 outlives the benchmark that started it). Every route answers a fixed body:

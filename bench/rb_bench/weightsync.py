@@ -22,7 +22,7 @@ each against a raw baseline of the same bytes measured in the same run.
 Each row is timed over ``--repeats`` rounds after one warm-up round, and each adapter row's ratio
 is against its own baseline (the table's "baseline" column); the goal is ≤ 3 times.
 
-Run: ``python -m rollout_backends._bench.weightsync --engine sglang --model-size qwen2.5-0.5b
+Run: ``python -m rb_bench.weightsync --engine sglang --model-size qwen2.5-0.5b
 --gpus 0 --out DIR`` (one GPU: tensors and disk), ``--gpus 0,1`` (two GPUs: nccl as well),
 ``--smoke`` (CPU: reference engine, gloo, tiny model), ``--dry-run`` (print the plan only).
 """
@@ -49,8 +49,9 @@ from typing import Any
 
 import attrs
 
-from rollout_backends._bench import report
-from rollout_backends._types import GenerateRequest, SamplingParams, WeightBucket, WeightGroup
+from rollout_backends import GenerateRequest, SamplingParams, WeightBucket, WeightGroup
+
+from . import report, with_bench_path
 
 __all__ = [
     "BASELINE",
@@ -151,7 +152,7 @@ def receiver_env(p: Placement, base: Mapping[str, str]) -> dict[str, str]:
 
 
 def receiver_command(flag: str, spec_path: str) -> list[str]:
-    return [sys.executable, "-m", "rollout_backends._bench.weightsync", flag, spec_path]
+    return [sys.executable, "-m", "rb_bench.weightsync", flag, spec_path]
 
 
 def bare_spec(p: Placement, model_path: str, port_file: str, timeout_s: float) -> dict[str, Any]:
@@ -316,7 +317,7 @@ def _decoder(kind: str) -> Callable[[str], list[tuple[str, Any]]]:
         else:
             monkey_patch_torch_reductions()
             return MultiprocessingSerializer.deserialize  # type: ignore[no-any-return]
-    from rollout_backends._tensors import deserialize_named_tensors
+    from rollout_backends.kit import deserialize_named_tensors
 
     return deserialize_named_tensors
 
@@ -498,7 +499,7 @@ def spawn(flag: str, spec: Mapping[str, Any], p: Placement, run_dir: Path, name:
             stdout=log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
-            env=receiver_env(p, os.environ),
+            env=with_bench_path(receiver_env(p, os.environ)),
             start_new_session=True,
         )
     finally:
@@ -656,7 +657,7 @@ class _Run:
     async def raw(self, repeats: int, limit: int) -> Measurement:
         import torch
 
-        from rollout_backends._supervisor import free_port
+        from rollout_backends.launch import free_port
 
         named = self._on(self.named_cpu, self.sender_device)
         self.sync(self.sender_device)
@@ -701,7 +702,7 @@ class _Run:
         return Measurement(RAW_BROADCAST, what, nbytes(named), len(groups), rounds, warm)
 
     async def raw_tensors(self, repeats: int, limit: int) -> Measurement:
-        from rollout_backends._tensors import serialize_named_tensors
+        from rollout_backends.kit import serialize_named_tensors
 
         groups = buckets(self.named_engine, limit)
         bare = await self.bare_ready()
@@ -745,7 +746,7 @@ class _Run:
         return Measurement(RAW_DISK, what + " (page cache warm)", size, 1, rounds, warm)
 
     async def distributed(self, repeats: int, limit: int) -> Measurement:
-        from rollout_backends._supervisor import free_port
+        from rollout_backends.launch import free_port
 
         backend = self.fleet.backend
         named = self._on(self.named_cpu, self.sender_device)
@@ -1112,7 +1113,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if raw_argv[:1] == ["--serve"]:
         return _serve(raw_argv[1])
     p = argparse.ArgumentParser(
-        prog="rollout-backends bench weightsync",
+        prog="python -m rb_bench.weightsync",
         description="Weight sync through the adapter (distributed, tensors, disk), each against a raw baseline.",
     )
     p.add_argument("--engine", choices=("sglang", "reference"), default="reference")
@@ -1183,7 +1184,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     await r.fleet.aclose()
 
         results, notes = asyncio.run(go())
-        m = report.meta("python -m rollout_backends._bench.weightsync", argv, PACKAGES, started)
+        m = report.meta("python -m rb_bench.weightsync", argv, PACKAGES, started)
         m["duration_s"] = round(time.time() - started, 1)
         total = nbytes(r.named_cpu)
         setup = setup_line(gpu, r.place, rows)

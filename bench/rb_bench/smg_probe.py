@@ -1,9 +1,10 @@
 """Probe ``smg`` (the SGLang model gateway) with reference servers as workers; dump what it does.
 
-    .venv/bin/python scripts/smg_probe.py [--out docs/smg-probe.json] [--engine fake|reference]
+    PYTHONPATH=bench .venv/bin/python -m rb_bench.smg_probe [--out docs/data/smg-probe.json] [--engine fake|reference]
 
 Everything binds 127.0.0.1 and is stopped at the end (one ``Supervisor``). The findings are
-summarised in ``docs/smg-notes.md``; this script is the evidence and can be re-run on a new smg.
+summarised in ``docs/sglang.md`` ("smg 1.13.0, as observed"); this script is the evidence and can
+be re-run on a new smg.
 
 Workers: two reference servers (``w0``/``w1``, started with weight versions ``w0``/``w1`` so that a
 response tells which worker served it) and an ``echo`` worker that records the exact request the
@@ -25,15 +26,15 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from rollout_backends.launch import ProcessSpec, Supervisor, free_port
 
-from rollout_backends._supervisor import ProcessSpec, Supervisor, free_port  # noqa: E402
+from . import REPO_ROOT as ROOT
+from . import with_bench_path
 
 PY = sys.executable
 H = "127.0.0.1"
 
-# -- the echo worker (runs as `smg_probe.py echo --port P`) ---------------------------------------
+# -- the echo worker (runs as `python -m rb_bench.smg_probe echo --port P`) ---------------------------------------
 
 ECHO_RESPONSE = {
     "output_ids": [5, 6],
@@ -174,7 +175,9 @@ async def main(args: argparse.Namespace) -> None:
         p.note("smg_version", version("smg"))
         for n in ("w0", "w1"):
             await sup.start(worker_spec(n, ports[n], args.engine))
-        await sup.start(ProcessSpec(name="echo", argv=[PY, __file__, "echo", "--port", str(ports["echo"])],
+        echo = [PY, "-m", "rb_bench.smg_probe", "echo", "--port", str(ports["echo"])]
+        echo_env = with_bench_path({"PYTHONPATH": os.environ.get("PYTHONPATH", "")})
+        await sup.start(ProcessSpec(name="echo", argv=echo, env=echo_env,
                                     ready=f"{u['echo']}/health", ports=[ports["echo"]]))  # fmt: skip
         common = ["--health-check-interval-secs", "1", "--worker-startup-check-interval", "1", "--disable-retries",
                   "--health-failure-threshold", "1", "--health-success-threshold", "1"]  # fmt: skip
@@ -198,7 +201,7 @@ async def main(args: argparse.Namespace) -> None:
         p.note("POST /workers w0", add)
 
         async def w0_routable() -> bool:
-            return (await p.call("POST", f"{R}/generate", gen(max_new_tokens=1)))["status"] == 200
+            return bool((await p.call("POST", f"{R}/generate", gen(max_new_tokens=1)))["status"] == 200)
 
         routable = await wait_until(w0_routable, 30)
         p.note("w0 routable after s", routable and round(time.monotonic() - t0, 3))
@@ -270,8 +273,8 @@ async def main(args: argparse.Namespace) -> None:
         )
 
         # --- control routes through the router --------------------------------------------
-        ctl = {}
-        for method, path, body in [
+        ctl: dict[str, Any] = {}
+        for method, path, payload in [
             ("GET", "/model_info", None), ("GET", "/get_model_info", None), ("GET", "/server_info", None),
             ("GET", "/get_server_info", None), ("GET", "/health_generate", None), ("GET", "/v1/models", None),
             ("GET", "/get_loads", None), ("POST", "/flush_cache", None), ("GET", "/flush_cache", None),
@@ -280,7 +283,7 @@ async def main(args: argparse.Namespace) -> None:
             ("POST", "/update_weights_from_disk", {"model_path": "/x"}), ("GET", "/openapi.json", None),
             ("GET", "/ready", None), ("GET", "/liveness", None), ("GET", "/readiness", None), ("GET", "/health", None),
         ]:  # fmt: skip
-            r = await p.call(method, f"{R}{path}", body)
+            r = await p.call(method, f"{R}{path}", payload)
             if isinstance(r.get("body"), dict) and path == "/openapi.json":
                 r["body"] = sorted(r["body"].get("paths", {}))[:40]
             ctl[f"{method} {path}"] = r
@@ -338,11 +341,11 @@ async def main(args: argparse.Namespace) -> None:
         RE = u["re"]
 
         async def echo_routable() -> bool:
-            return (await p.call("POST", f"{RE}/generate", gen()))["status"] == 200
+            return bool((await p.call("POST", f"{RE}/generate", gen()))["status"] == 200)
 
         p.note("--worker-urls routable after s (from router start)",
                (await wait_until(echo_routable, 30)) and round(time.monotonic() - t0, 3))  # fmt: skip
-        full = {
+        full: dict[str, Any] = {
             "input_ids": [1, 2, 3],
             "rid": "rid-survival",
             "return_logprob": True,
@@ -553,7 +556,7 @@ if __name__ == "__main__":
         run_echo(int(sys.argv[sys.argv.index("--port") + 1]))
         sys.exit(0)
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default=str(ROOT / "docs" / "smg-probe.json"))
+    ap.add_argument("--out", default=str(ROOT / "docs" / "data" / "smg-probe.json"))
     ap.add_argument("--engine", choices=["fake", "reference"], default="fake")
     ap.add_argument("--log-dir", default="/tmp/smg-probe-logs")
     asyncio.run(main(ap.parse_args()))

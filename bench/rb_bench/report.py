@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from rollout_backends._bench.overhead import machine
+from .overhead import machine
 
 __all__ = [
     "MARKDOWN_NAME",

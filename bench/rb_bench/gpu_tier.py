@@ -2,7 +2,7 @@
 
 ::
 
-    python -m rollout_backends.conformance.gpu_tier --out DIR [--engine sglang|reference]
+    python -m rb_bench.gpu_tier --out DIR [--engine sglang|reference]
         [--gpus 0,1] [--budget-s 540] [--check PATTERN ...] [--exclude PATTERN ...]
 
 What it does, within ``--budget-s`` seconds from start to the last process stopped:
@@ -69,11 +69,22 @@ from rollout_backends import (
     WeightGroup,
     WorkerFailure,
 )
+from rollout_backends.conformance import (
+    BackendFactory,
+    Check,
+    CheckResult,
+    Harness,
+    HarnessError,
+    Outcome,
+    ParityReport,
+    WeightSender,
+    check_parity,
+    default_parity_prompts,
+    pair_parity,
+    run_check,
+    select_checks,
+)
 from rollout_backends.kit import Command, HttpFleetBackend, UpdateFromDisk, UpdateFromDistributed, UpdateFromTensors
-
-from ._core import Check, CheckResult, HarnessError, Outcome, run_check, select_checks
-from ._harness import BackendFactory, Harness, WeightSender
-from ._parity import ParityReport, _pair, check_parity, default_parity_prompts
 
 __all__ = [
     "BACKENDS",
@@ -546,7 +557,7 @@ class _Tier:
     # -- models --
 
     async def make_models(self) -> None:
-        from ..adapters.reference import make_tiny_model
+        from rollout_backends.adapters.reference import make_tiny_model
 
         t = time.monotonic()
         await asyncio.to_thread(make_tiny_model, self.base, 0)
@@ -564,8 +575,8 @@ class _Tier:
         return ("--max-total-tokens", str(self.cfg.max_total_tokens)) if self.cfg.sglang else ()
 
     async def _start_sglang(self, key: str, model: Path, workers: int) -> _Running:
-        from ..adapters.sglang import SGLangFleetConfig, start_sglang_fleet
-        from ..adapters.sglang import connect as sglang_connect
+        from rollout_backends.adapters.sglang import SGLangFleetConfig, start_sglang_fleet
+        from rollout_backends.adapters.sglang import connect as sglang_connect
 
         name = self.result.oracle.name if key == ORACLE else BACKENDS[key]
         c = self.cfg
@@ -610,12 +621,12 @@ class _Tier:
         )
 
     async def _start_dynamo(self) -> _Running:
-        from ..adapters.dynamo import DynamoFleet, launch_dynamo_fleet
+        from rollout_backends.adapters.dynamo import DynamoFleetConfig, launch_dynamo_fleet
 
         c = self.cfg
         name = BACKENDS["dynamo"]
         sglang_args = (*SGLANG_FLAGS, "--mem-fraction-static", str(c.mem_fraction), *self._sglang_extra())
-        config = DynamoFleet(
+        config = DynamoFleetConfig(
             model_path=str(self.base),
             served_model_name="tiny",
             workers=1,
@@ -735,8 +746,8 @@ class _Tier:
     def _sender_factory(self) -> Callable[[int], tuple[WeightGroup, WeightSender]]:
         import uuid
 
-        from ..adapters.reference import WeightSender as GlooSender
-        from ..adapters.reference import free_port
+        from rollout_backends.adapters.reference import WeightSender as GlooSender
+        from rollout_backends.adapters.reference import free_port
 
         c = self.cfg
 
@@ -826,7 +837,7 @@ class _Tier:
             second = await run_all("warm")
         finally:
             await backend.aclose()
-        pair = _pair("cold", "warm", first, second, self.cfg.tol.logprob)
+        pair = pair_parity("cold", "warm", first, second, self.cfg.tol.logprob)
         same = sum(a.output_ids == b.output_ids for a, b in zip(first, second, strict=True))
         return {
             "prompts": len(prompts),
@@ -1030,7 +1041,7 @@ def _run_json(run: _BackendRun) -> dict[str, Any]:
 def result_json(res: TierResult) -> dict[str, Any]:
     c = res.config
     return {
-        "tool": "rollout_backends.conformance.gpu_tier",
+        "tool": "rb_bench.gpu_tier",
         "date": res.date,
         "engine": c.engine,
         "gpu": res.gpu,
@@ -1325,7 +1336,7 @@ async def run_gpu_tier(config: TierConfig) -> TierResult:
 
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
-        prog="python -m rollout_backends.conformance.gpu_tier",
+        prog="python -m rb_bench.gpu_tier",
         description="The GPU tier of the rollout-backends conformance suite: SGLang direct, SGLang behind smg "
         "and Dynamo, with an oracle on other weights; results to DIR.",
     )

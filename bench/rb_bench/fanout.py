@@ -36,7 +36,7 @@ Workloads (fixed by ``--seed``):
 * ``agentic``: turn 1 as above, then each sample continues on its own for ``--turns - 1`` turns
   (its context + its response + a new user turn).
 
-Run: ``rollout-backends bench fanout --engine sglang --gpus 0,0 --preset main --out DIR`` (GPU) or
+Run: ``python -m rb_bench.fanout --engine sglang --gpus 0,0 --preset main --out DIR`` (GPU) or
 ``--engine mocker --smoke`` (CPU, seconds: the same code path).
 """
 
@@ -60,14 +60,21 @@ from typing import Any, cast
 
 import attrs
 
-from rollout_backends._bench import report
-from rollout_backends._bench.proc import CpuSampler
-from rollout_backends._bench.serverargs import Comparison, compare, flags_of, resolved_of
-from rollout_backends._bench.stats import Interval, Verdict, judge, paired_ratio
-from rollout_backends._errors import RolloutBackendError, Unsupported
-from rollout_backends._protocol import RolloutBackend
-from rollout_backends._transaction import generate_group
-from rollout_backends._types import GenerateRequest, Generation, RoutingKind, SamplingParams
+from rollout_backends import (
+    GenerateRequest,
+    Generation,
+    RolloutBackend,
+    RolloutBackendError,
+    RoutingKind,
+    SamplingParams,
+    Unsupported,
+    generate_group,
+)
+
+from . import report
+from .proc import CpuSampler
+from .serverargs import Comparison, compare, flags_of, resolved_of
+from .stats import Interval, Verdict, judge, paired_ratio
 
 __all__ = [
     "FLEETS",
@@ -362,7 +369,7 @@ class RawSGLangClient(_RawClient):
     """``POST /generate`` with the body our SGLang wire builds, to the same router."""
 
     def __init__(self, url: str) -> None:
-        from rollout_backends.adapters.sglang._wire import ROUTING_KEY_HEADER, sampling_params_body
+        from rollout_backends.sglang_native import ROUTING_KEY_HEADER, sampling_params_body
 
         super().__init__(f"{url}/generate")
         self._header = ROUTING_KEY_HEADER
@@ -390,7 +397,7 @@ class RawCompletionsClient(_RawClient):
     """``POST /v1/completions`` to a Dynamo frontend with the body our Dynamo wire builds."""
 
     def __init__(self, url: str, model: str, *, logprobs: bool) -> None:
-        from rollout_backends.adapters.dynamo._wire import completion_body
+        from rollout_backends.adapters.dynamo import completion_body
 
         super().__init__(f"{url}/v1/completions")
         self._model = model
@@ -693,7 +700,7 @@ class SGLangSide(Fleet):
         return [worker_argv(self.config, i, 30000 + i) for i in range(self.settings.workers)]
 
     async def resolved_args(self) -> list[Mapping[str, Any] | None]:
-        from rollout_backends._http import get_json
+        from rollout_backends.kit import get_json
 
         out: list[Mapping[str, Any] | None] = []
         for url in self.fleet.worker_urls:
@@ -717,7 +724,7 @@ class DynamoSide(Fleet):
     """Dynamo workers and one frontend per router mode, all over the same workers."""
 
     def __init__(self, key: str, variant: FleetVariant, entries: set[str], s: Settings) -> None:
-        from rollout_backends.adapters.dynamo import DynamoFleet
+        from rollout_backends.adapters.dynamo import DynamoFleetConfig
 
         kind = {"sglang": "sglang", "reference": "reference", "mocker": "mocker"}[s.engine]
         kv_events = variant.kv_events and kind != "reference"  # our reference worker publishes none
@@ -725,7 +732,7 @@ class DynamoSide(Fleet):
         super().__init__(key, variant, {e for e in entries if e not in self.unsupported} or {"rr"}, s)
         self.kind = kind
         first = self.entries[0]
-        self.config = DynamoFleet(
+        self.config = DynamoFleetConfig(
             model_path=s.model_path,
             workers=s.workers,
             worker_kind=kind,
@@ -779,7 +786,7 @@ class DynamoSide(Fleet):
         return [worker_argv(self.config, i, "ns", ports) for i in range(self.settings.workers)]
 
     async def resolved_args(self) -> list[Mapping[str, Any] | None]:
-        from rollout_backends._http import HttpClient, HttpRequest
+        from rollout_backends.kit import HttpClient, HttpRequest
 
         out: list[Mapping[str, Any] | None] = []
         client = HttpClient(control_timeout=10.0)
@@ -1089,7 +1096,7 @@ def _pid_owner(fleets: Mapping[str, Fleet]) -> dict[int, str]:
 
 async def _frontend_metrics(fleet: Fleet) -> list[str]:
     """The Dynamo frontends' request counters and duration sums (``/metrics``), one line each."""
-    from rollout_backends._http import HttpClient, HttpRequest
+    from rollout_backends.kit import HttpClient, HttpRequest
 
     if not isinstance(fleet, DynamoSide):
         return []
@@ -1362,7 +1369,7 @@ async def _run_workload(
 
 def _pids_of_role(pids: Mapping[str, list[int]], key: str) -> list[int]:
     """The pids behind a ``fleet/process/role`` CPU key (the first one is profiled)."""
-    from rollout_backends._bench.proc import role_of
+    from .proc import role_of
 
     _, process, role = key.split("/", 2)
     return [p for p in pids.get(process, []) if role_of(p) == role][:1]
@@ -1710,7 +1717,7 @@ def _vocab_size(model_path: str) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(
-        prog="rollout-backends bench fanout",
+        prog="python -m rb_bench.fanout",
         description="RL fan-out routing: GRPO-shaped rollouts through smg and Dynamo routers, interleaved, "
         "with intervals.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
@@ -1858,7 +1865,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
         )
 
-        m = report.meta("rollout-backends bench fanout", argv, PACKAGES, started)
+        m = report.meta("python -m rb_bench.fanout", argv, PACKAGES, started)
         m["duration_s"] = round(time.time() - started, 1)
         flags = [*RECIPE_FLAGS, "--page-size", "16", *engine_flags(settings)]
         if stream_interval:

@@ -1,6 +1,6 @@
 """First GPU call: real SGLang through our launcher and adapter (also warms the kernel caches).
 
-    python3 tools/gpu/smoke_sglang.py OUT_DIR
+    PYTHONPATH=bench python3 -m rb_bench.smoke_sglang OUT_DIR
 
 One SGLang 0.5.16 worker (no router) on the tiny model: greedy tokens for 8 prompts, the served
 version, a disk-update transaction to other weights (outputs must change, version must move),

@@ -3,7 +3,7 @@
 All clients run in this process, one after another, against one server at a time (each in its own
 processes), with the same request body, at each concurrency. Servers (``--servers``):
 
-* ``loopback``: a trivial SGLang-shaped ``asyncio.Protocol`` server (``rollout_backends._bench.server``);
+* ``loopback``: a trivial SGLang-shaped ``asyncio.Protocol`` server (``rb_bench.server``);
 * ``reference``: the real reference HTTP server (``adapters/reference/_server.py``, SGLang's native
   ``/generate``) over its ``NoComputeEngine`` (``serve-reference --no-compute 8``: fixed tokens with
   logprobs at once, no model);
@@ -30,7 +30,7 @@ Measured per cell: requests/s (wall), client CPU microseconds per request (``tim
 of this process) and the server's CPU per request (loopback: its own ``process_time()``, read over
 HTTP; the others: user + system time of every process of the server, from ``/proc``).
 
-Run: ``rollout-backends bench overhead`` or ``python -m benchmarks.client_overhead``.
+Run (from a checkout): ``PYTHONPATH=bench python -m rb_bench.overhead``.
 """
 
 from __future__ import annotations
@@ -54,6 +54,8 @@ from pathlib import Path
 from typing import Any
 
 import attrs
+
+from . import with_bench_path
 
 __all__ = ["CLIENTS", "SERVERS", "Cell", "Target", "available_servers", "main", "run_benchmark"]
 
@@ -317,10 +319,12 @@ class ServerProcess:
     """The fake SGLang server in a child process; it exits when we close its stdin."""
 
     def __init__(self, *, uvloop: bool = False) -> None:
-        cmd = [sys.executable, "-m", "rollout_backends._bench.server", "--port", "0"]
+        cmd = [sys.executable, "-m", "rb_bench.server", "--port", "0"]
         if uvloop:
             cmd.append("--uvloop")
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        self.proc = subprocess.Popen(
+            cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=with_bench_path(os.environ)
+        )
         assert self.proc.stdout is not None
         line = self.proc.stdout.readline().decode().strip()
         if not line.startswith("PORT "):
@@ -362,7 +366,7 @@ _TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 def _processes_cpu_s(pgids: Iterable[int]) -> float:
     """User + system CPU seconds of every live process in the process groups ``pgids`` (``/proc``;
     the supervisor starts each server process as its own group, so its children count too)."""
-    from rollout_backends._supervisor import group_members
+    from rollout_backends.launch import group_members
 
     total = 0
     for pgid in pgids:
@@ -387,10 +391,9 @@ async def loopback_server(*, uvloop: bool = False, **_: Any) -> AsyncIterator[Ta
 
 @asynccontextmanager
 async def reference_server(*, log_dir: Path, **_: Any) -> AsyncIterator[Target]:
-    from rollout_backends._launch import NodeContext
-    from rollout_backends._supervisor import Supervisor
     from rollout_backends.adapters.reference import ReferenceServerCommand
     from rollout_backends.adapters.sglang import connect
+    from rollout_backends.launch import NodeContext, Supervisor
 
     cmd = ReferenceServerCommand(
         model_path="no-compute", no_compute=OUTPUT_TOKENS, extra_args=["--log-level", "warning"]
@@ -414,13 +417,13 @@ async def reference_server(*, log_dir: Path, **_: Any) -> AsyncIterator[Target]:
 async def dynamo_server(
     *, log_dir: Path, mocker_speedup_ratio: float = MOCKER_SPEEDUP_RATIO, **_: Any
 ) -> AsyncIterator[Target]:
-    from rollout_backends.adapters.dynamo import DynamoFleet, launch_dynamo_fleet
-    from rollout_backends.adapters.reference._backend import cached_tiny_model
+    from rollout_backends.adapters.dynamo import DynamoFleetConfig, launch_dynamo_fleet
+    from rollout_backends.adapters.reference import cached_tiny_model
 
     # The mocker needs a model directory for its tokenizer and config (made locally, no download).
     model = cached_tiny_model()
     vocab = int(json.loads((model / "config.json").read_text())["vocab_size"])
-    cfg = DynamoFleet(model_path=model, workers=1, worker_kind="mocker", router_mode="round-robin",
+    cfg = DynamoFleetConfig(model_path=model, workers=1, worker_kind="mocker", router_mode="round-robin",
                       mocker_speedup_ratio=mocker_speedup_ratio)  # fmt: skip
     async with launch_dynamo_fleet(cfg, log_dir=log_dir) as fleet:
         yield await _target(
@@ -765,7 +768,7 @@ def _row(c: Cell) -> dict[str, Any]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(
-        prog="rollout-backends bench overhead",
+        prog="python -m rb_bench.overhead",
         description="Client CPU per generation: raw aiohttp, raw httpx, Miles' httpx pattern and ours, "
         "on a loopback server, the reference server (no compute) and a Dynamo frontend + mocker.",
     )
@@ -834,7 +837,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "machine": machine(),
         "versions": _versions(),
         "loop": "uvloop" if args.uvloop else "asyncio",
-        "command": "rollout-backends bench overhead " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": "python -m rb_bench.overhead " + " ".join(argv if argv is not None else sys.argv[1:]),
         "duration_s": round(time.time() - started, 1),
         "load_avg_1m_at_start": load_at_start,
         "load_avg_1m_at_end": _load(),

@@ -1,6 +1,6 @@
 """Soak: many requests through a Dynamo mocker fleet; requests lost, latency, client RSS and fds.
 
-    python -m rollout_backends._bench.soak --requests 100000 [--workers 2] [--concurrency 64]
+    python -m rb_bench.soak --requests 100000 [--workers 2] [--concurrency 64]
 
 Starts ``dynamo.frontend`` and ``--workers`` ``dynamo.mocker`` workers on 127.0.0.1 (every process
 stopped at the end), sends ``--requests`` ``generate`` calls, at most ``--concurrency`` at a time,
@@ -31,8 +31,7 @@ from typing import Any
 
 import attrs
 
-from rollout_backends._errors import RolloutBackendError
-from rollout_backends._types import GenerateRequest, Generation
+from rollout_backends import GenerateRequest, Generation, RolloutBackendError
 
 __all__ = ["LoadReport", "ProcessStats", "main", "process_stats", "run_load", "soak"]
 
@@ -197,15 +196,15 @@ async def soak(
     progress: bool = True,
 ) -> dict[str, Any]:
     """Run the soak and return its figures (see the module docstring)."""
-    from rollout_backends._http import HttpClient
-    from rollout_backends._types import SamplingParams
-    from rollout_backends.adapters.dynamo import DynamoFleet, launch_dynamo_fleet
+    from rollout_backends import SamplingParams
+    from rollout_backends.adapters.dynamo import DynamoFleetConfig, launch_dynamo_fleet
+    from rollout_backends.kit import HttpClient
 
     if model_path is None:
-        from rollout_backends.adapters.reference._backend import cached_tiny_model
+        from rollout_backends.adapters.reference import cached_tiny_model
 
         model_path = str(cached_tiny_model(0))
-    cfg = DynamoFleet(model_path=model_path, workers=workers, worker_kind="mocker", router_mode="round-robin")
+    cfg = DynamoFleetConfig(model_path=model_path, workers=workers, worker_kind="mocker", router_mode="round-robin")
     sampling = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, ignore_eos=True)
 
     def make(i: int) -> GenerateRequest:
@@ -270,7 +269,7 @@ async def soak(
 
 
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m rollout_backends._bench.soak", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m rb_bench.soak", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     p.add_argument("--requests", type=int, default=3000)
     p.add_argument("--workers", type=int, default=2)

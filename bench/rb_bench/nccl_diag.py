@@ -1,6 +1,6 @@
 """NCCL between two GPUs on the GPU machine: the default group, then our SGLang-style group.
 
-python3 tools/gpu/nccl_diag.py     (run with NCCL_DEBUG=WARN to see why a case hangs)
+PYTHONPATH=bench python3 -m rb_bench.nccl_diag     (run with NCCL_DEBUG=WARN to see why a case hangs)
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ def worker(rank: int, case: str, port: int, q: mp.Queue[str]) -> None:
             dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
             dist.broadcast(t, src=0)
         else:
-            from rollout_backends._bench.weightsync import broadcast, open_group
+            from .weightsync import broadcast, open_group
 
             pg = open_group("nccl", "127.0.0.1", port, rank, 2, "diag", 30.0)
             broadcast(pg, [t], torch.device(f"cuda:{rank}"))

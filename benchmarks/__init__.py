@@ -1,1 +1,0 @@
-"""Benchmark scripts (not installed). The logic lives in ``rollout_backends._bench``."""
