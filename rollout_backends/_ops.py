@@ -96,9 +96,19 @@ class Resume:
     name: ClassVar[str] = "resume"
 
 
+#: Seconds a flush waits for the engine to go idle before it is refused. A request that has
+#: just answered can still sit in SGLang's running batch for a scheduler step, and an immediate
+#: flush is then refused (seen through Dynamo in the 2026-12-02 H200 tier, once the shim
+#: stopped hiding refusals); SGLang 0.5.16 defers a flush with ``timeout_s`` until idle.
+FLUSH_WAIT_S = 3.0
+
+
 @attrs.frozen(slots=True)
 class FlushCache:
+    """Clear the prefix cache once the engine is idle, waiting at most ``wait_s`` for it."""
+
     name: ClassVar[str] = "flush_cache"
+    wait_s: float = FLUSH_WAIT_S
 
 
 @attrs.frozen(slots=True)

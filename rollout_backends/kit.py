@@ -25,6 +25,7 @@ from rollout_backends._http import (
     worker_id_of,
 )
 from rollout_backends._ops import (
+    FLUSH_WAIT_S,
     AbortAll,
     AbortRequest,
     BeginWeightUpdate,
@@ -63,6 +64,7 @@ __all__ = [
     "Command",
     "DestroyWeightGroup",
     "EndWeightUpdate",
+    "FLUSH_WAIT_S",
     "FlushCache",
     "GetVersion",
     "HttpClient",

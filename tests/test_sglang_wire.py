@@ -300,3 +300,16 @@ async def test_health_of_a_paused_stock_server_is_live_without_the_generating_pr
     await backend.resume()
     report = await backend.health()
     assert all(w.live and w.ready for w in report.workers), report
+
+
+def test_flush_waits_for_idle_through_sglangs_timeout_query() -> None:
+    """An immediate flush right after a request answered can be refused (the request is still in
+    the running batch for a scheduler step); SGLang's ``/flush_cache?timeout=`` defers it."""
+    from rollout_backends.kit import FLUSH_WAIT_S, FlushCache
+
+    w = SGLangWire(entry_url="http://h:1")
+    worker = Worker(id="w0", control_url="http://h:1", generate_url="http://h:1")
+    default = w.control(FlushCache(), worker)
+    assert default is not None and default.url == f"http://h:1/flush_cache?timeout={FLUSH_WAIT_S:g}"
+    now = w.control(FlushCache(wait_s=0.0), worker)
+    assert now is not None and now.url == "http://h:1/flush_cache?timeout=0"

@@ -725,8 +725,12 @@ class DynamoWire:
                 return native_or_tm("pause_generation", {"mode": mode.value}, "PauseGenerationReqInput")
             case Resume():
                 return native_or_tm("continue_generation", {}, "ContinueGenerationReqInput")
-            case FlushCache():
-                return native_or_tm("flush_cache", None, None)
+            case FlushCache(wait_s=wait_s):
+                if native:  # 1.6.x's flush_cache route takes no wait (its body is not passed on)
+                    return self._engine(worker, "flush_cache")
+                # TokenizerManager.flush_cache(timeout_s=): SGLang defers the flush until idle.
+                body = {"method": "flush_cache", "args": [], "kwargs": {"timeout_s": wait_s}}
+                return HttpRequest("POST", f"{worker.control_url}/engine/call_tokenizer_manager", json=body)
             case InitWeightGroup(group=g, rank_offset=rank_offset):
                 body = init_group_body(g, rank_offset)
                 return native_or_tm("init_weights_update_group", body, "InitWeightsUpdateGroupReqInput")

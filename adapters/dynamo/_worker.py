@@ -507,7 +507,8 @@ class DynamoWorker:
             return {"status": "ok"}
         if method == "flush_cache":
             try:
-                await _maybe_await(self.engine.flush_cache())
+                wait_s = float(kwargs.get("timeout_s") or 0.0)  # TokenizerManager.flush_cache(timeout_s=)
+                await _maybe_await(self.engine.flush_cache(wait_s=wait_s))
             except Exception as e:
                 return {"success": False, "message": str(e)}
             return {"success": True, "message": ""}

@@ -596,14 +596,20 @@ class ReferenceEngine:
                 return f"paused in_place and {holding} request(s) hold KV cache"
         return None
 
-    async def flush_cache(self) -> None:
-        """Clear the prefix index. Refused while requests run unpaused or hold KV (IN_PLACE)."""
+    async def flush_cache(self, wait_s: float = 0.0) -> None:
+        """Clear the prefix index. Refused while requests run unpaused or hold KV (IN_PLACE),
+        after waiting up to ``wait_s`` for that to end, as SGLang's deferred flush does."""
         self._bind()
-        async with self._step_lock:
-            why = self._flush_refusal()
-            if why is not None:
+        deadline = time.monotonic() + wait_s
+        while True:
+            async with self._step_lock:
+                why = self._flush_refusal()
+                if why is None:
+                    self._index.clear()
+                    return
+            if time.monotonic() >= deadline:
                 raise EngineError(f"{self._worker_id}: cannot flush cache: {why}")
-            self._index.clear()
+            await asyncio.sleep(min(0.02, max(0.0, deadline - time.monotonic())))
 
     # -- weights ----------------------------------------------------------------------------
 

@@ -114,7 +114,7 @@ class NoComputeEngine:
         self._paused = None
         self._resumed.set()
 
-    async def flush_cache(self) -> None:
+    async def flush_cache(self, wait_s: float = 0.0) -> None:
         return None  # nothing is cached
 
     async def set_weight_version(self, version: str) -> None:

@@ -493,8 +493,15 @@ class ReferenceServer:
         return _json({"message": "Generation continued successfully.", "status": "ok"})
 
     async def flush_cache(self, request: web.Request) -> web.StreamResponse:
+        raw = request.query.get("timeout", "0")
+        try:  # SGLang's ``timeout`` query (seconds to wait for idle, >= 0)
+            wait_s = float(raw)
+        except ValueError:
+            wait_s = -1.0
+        if not (0.0 <= wait_s <= 3600.0):
+            return web.Response(text=f"timeout: must be a number of seconds in [0, 3600], got {raw!r}\n", status=400)
         try:
-            await self.engine.flush_cache()
+            await self.engine.flush_cache(wait_s=wait_s)
         except Exception as e:
             return web.Response(text=f"{e}\n", status=400)
         return web.Response(text=_FLUSH_OK, status=200)

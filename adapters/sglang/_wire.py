@@ -210,8 +210,8 @@ class SGLangWire:
                 return post("/pause_generation", {"mode": mode.value})
             case Resume():
                 return post("/continue_generation", {})
-            case FlushCache():
-                return post("/flush_cache", None)
+            case FlushCache(wait_s=wait_s):
+                return post(f"/flush_cache?timeout={wait_s:g}", None)
             case InitWeightGroup(group=g, rank_offset=rank_offset):
                 return post("/init_weights_update_group", init_group_body(g, rank_offset))
             case UpdateFromDistributed():

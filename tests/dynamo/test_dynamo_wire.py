@@ -138,6 +138,12 @@ def test_control_routes(flavor: str) -> None:
         assert pause.json["args"] == [{"io_struct.PauseGenerationReqInput": {"mode": "in_place"}}]
     sv = w.control(SetVersion("v2"), W0)
     assert sv is not None and sv.json == {"new_version": "v2", "abort_all_requests": False}
+    flush = w.control(FlushCache(wait_s=2.5), W0)
+    assert flush is not None
+    if flavor == "sglang16":
+        assert flush.url.endswith("/engine/flush_cache")
+    else:  # TokenizerManager.flush_cache(timeout_s=): deferred until idle (SGLang 0.5.16)
+        assert flush.json == {"method": "flush_cache", "args": [], "kwargs": {"timeout_s": 2.5}}
     g = WeightGroup(master_address="h", master_port=1234, world_size=3, backend="gloo")
     init = w.control(InitWeightGroup(g, 2), W0)
     assert init is not None and "2" in str(init.json) and "gloo" in str(init.json)

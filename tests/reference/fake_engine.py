@@ -105,7 +105,8 @@ class FakeEngine:
         self.calls.append(("resume",))
         self._running.set()
 
-    async def flush_cache(self) -> None:
+    async def flush_cache(self, wait_s: float = 0.0) -> None:
+        self.calls.append(("flush_cache", wait_s))
         self._maybe_fail("flush_cache")
         if self._inflight and not self.paused:
             raise EngineError("Cache not flushed because there are pending requests.")

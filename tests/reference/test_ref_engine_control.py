@@ -126,6 +126,27 @@ async def test_flush_refused_while_running_unpaused(engine: ReferenceEngine) -> 
     await engine.flush_cache()  # idle: fine
 
 
+async def test_flush_waits_for_idle_up_to_wait_s(engine: ReferenceEngine) -> None:
+    """SGLang's deferred flush (``timeout_s``): refused only if the engine stays busy that long."""
+    task = await _started(engine, PROMPTS[0])
+    with pytest.raises(EngineError, match="running"):
+        await engine.flush_cache(wait_s=0.1)  # still running after the wait
+    assert not task.done()
+    flush = asyncio.ensure_future(engine.flush_cache(wait_s=30.0))
+    await asyncio.sleep(0.05)
+    assert not flush.done()  # waiting, not refused
+    await engine.abort("long")
+    await task
+    await asyncio.wait_for(flush, 5.0)  # done once idle
+    held = await _started(engine, PROMPTS[1])
+    await engine.pause(PauseMode.IN_PLACE)
+    with pytest.raises(EngineError, match="hold KV"):
+        await engine.flush_cache(wait_s=0.1)  # frozen with its KV: the wait ends in a refusal
+    await engine.resume()
+    await engine.abort("long")
+    await held
+
+
 async def test_cached_tokens_are_page_granular_and_flushed(engine: ReferenceEngine) -> None:
     prompt = tuple(range(100, 140))  # 40 tokens: 2 full pages of 16 (the last token is never cached)
     first = await engine.generate(req(prompt))

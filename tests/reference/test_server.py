@@ -330,6 +330,12 @@ async def test_flush_cache_text(engine: FakeEngine, client: TestClient) -> None:
     await _wait_inflight(engine, "busy")
     r = await client.post("/flush_cache")
     assert r.status == 400 and "pending requests" in await r.text()
+    assert ("flush_cache", 0.0) in engine.calls
+    r = await client.post("/flush_cache?timeout=2.5")  # SGLang's wait-for-idle, handed to the engine
+    assert ("flush_cache", 2.5) in engine.calls
+    for bad in ("x", "-1", "nan", "1e9"):
+        r = await client.post(f"/flush_cache?timeout={bad}")
+        assert r.status == 400 and "timeout" in await r.text()
     await client.post("/abort_request", json={"rid": "busy"})
     await task
 
