@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import json
+from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
+
+import attrs
 
 from rollout_backends import BackendUnavailable, InvalidRequest, RolloutBackendError, RoutingKind
 from rollout_backends.kit import HttpClient, HttpFleetBackend, Worker, get_json, normalise_url, worker_id_of
@@ -44,6 +48,55 @@ async def discover_router_workers(client: HttpClient, router_url: str) -> list[s
     return urls
 
 
+def _positive_int(value: object) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+def vocab_size_of(model_path: object) -> int | None:
+    """``vocab_size`` from a local model directory's ``config.json`` (``None`` if not readable here)."""
+    if not isinstance(model_path, str) or not model_path:
+        return None
+    try:
+        cfg = json.loads((Path(model_path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return _positive_int(cfg.get("vocab_size")) if isinstance(cfg, dict) else None
+
+
+@attrs.frozen(slots=True)
+class ServedLimits:
+    """What a server says about its model's limits (``None``: it does not say)."""
+
+    vocab_size: int | None
+    context_length: int | None
+
+
+async def discover_limits(client: HttpClient, worker_url: str, server_info: Mapping[str, Any]) -> ServedLimits:
+    """The vocabulary size and context length of the model ``worker_url`` serves, from the server.
+
+    Context length: ``/server_info``'s ``context_length`` (the reference server, and stock SGLang
+    when launched with ``--context-length``), else ``/v1/models``' ``max_model_len`` (stock
+    SGLang's resolved context). Vocabulary size: a ``vocab_size`` in ``/model_info`` (or
+    ``/get_model_info``) where a server reports one, else the ``config.json`` of the
+    ``model_path`` it reports, where that directory is readable here (fleets launched on this
+    host; what the launchers put in their connect URLs). Asked once, at connect.
+    """
+    ctx = _positive_int(server_info.get("context_length"))
+    if ctx is None:
+        models = await _get_json(client, f"{worker_url}/v1/models")
+        data = models.get("data") if isinstance(models, dict) else None
+        if isinstance(data, list) and data and isinstance(data[0], dict):
+            ctx = _positive_int(data[0].get("max_model_len"))
+    info = await _get_json(client, f"{worker_url}/model_info")
+    if info is None:
+        info = await _get_json(client, f"{worker_url}/get_model_info")
+    info = info if isinstance(info, dict) else {}
+    vocab = _positive_int(info.get("vocab_size"))
+    if vocab is None:
+        vocab = vocab_size_of(info.get("model_path") or server_info.get("model_path"))
+    return ServedLimits(vocab_size=vocab, context_length=ctx)
+
+
 async def connect(
     url: str,
     *,
@@ -61,7 +114,8 @@ async def connect(
     ``GET /workers`` is asked, and a plain server is its own single worker. Features
     (begin/end sessions, ``/ready``, memory saver, deterministic mode) are detected once here.
     ``admin_api_key`` (SGLang's ``--admin-api-key``) is sent on the admin control routes instead
-    of ``api_key``.
+    of ``api_key``. The vocabulary size (unless given) and the context length are asked of the
+    first worker (:func:`discover_limits`).
     """
     entry = _normalise(url)
     client = client or HttpClient(api_key=api_key)
@@ -93,7 +147,14 @@ async def connect(
             kind = RoutingKind(routing)
         except ValueError:
             raise InvalidRequest("routing", f"unknown routing kind {routing!r}") from None
-    ctx = info.get("context_length") if isinstance(info, dict) else None
+    try:
+        limits = await discover_limits(client, probe, info if isinstance(info, dict) else {})
+    except RolloutBackendError:
+        await client.aclose()
+        raise
+    ctx = limits.context_length
+    if vocab_size is None:
+        vocab_size = limits.vocab_size
     wire = SGLangWire(
         entry_url=entry,
         routing=kind,
@@ -101,7 +162,7 @@ async def connect(
         has_ready_route="/ready" in paths,
         memory_saver=bool(info.get("enable_memory_saver")) if isinstance(info, dict) else False,
         deterministic=bool(info.get("enable_deterministic_inference")) if isinstance(info, dict) else False,
-        max_context=int(ctx) if isinstance(ctx, int) else None,
+        max_context=ctx,
         vocab_size=vocab_size,
         url_workers={u.rstrip("/"): worker_id_of(u) for u in worker_urls},
     )

@@ -21,7 +21,6 @@ after the grace (``router_grace_s`` >= 8 s for smg, which keeps its listener ope
 from __future__ import annotations
 
 import asyncio
-import json
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -47,7 +46,7 @@ from rollout_backends.launch import (
     str_tuple,
 )
 
-from ._client import connect, worker_id_of
+from ._client import connect, vocab_size_of, worker_id_of
 from ._launch import ReferenceServerCommand, SGLangServerCommand, SmgRouter
 
 __all__ = [
@@ -303,16 +302,6 @@ def router_argv(config: SGLangFleetConfig, port: int, prometheus_port: int, work
 # -- the fleet ----------------------------------------------------------------------------------
 
 
-def _vocab_size_of(model_path: str) -> int | None:
-    """``vocab_size`` from a local model's ``config.json`` (client-side token-id validation)."""
-    try:
-        cfg = json.loads((Path(model_path) / "config.json").read_text())
-    except (OSError, ValueError):
-        return None
-    v = cfg.get("vocab_size") if isinstance(cfg, dict) else None
-    return v if isinstance(v, int) and v > 0 else None
-
-
 class RunningSGLangFleet:
     """A launched fleet. Use ``async with launch_sglang_fleet(config) as fleet`` or
     ``fleet = await start_sglang_fleet(config)`` ... ``await fleet.aclose()``.
@@ -374,7 +363,7 @@ class RunningSGLangFleet:
         (its workers, its routing kind, the model's vocabulary size where ``config.json`` gives it).
         Keys are not in it: pass ``api_key`` / ``admin_api_key`` to ``open_backend``."""
         query = {"workers": ",".join(self.worker_ids), "routing": self.config.routing_kind.value}
-        vocab = _vocab_size_of(self.config.model_path)
+        vocab = vocab_size_of(self.config.model_path)
         if vocab is not None:
             query["vocab_size"] = str(vocab)
         return f"sglang://{self.entry_url.split('://', 1)[1]}?{urlencode(query, safe=',:')}"
@@ -437,7 +426,7 @@ class RunningSGLangFleet:
                 routing=c.routing_kind,
                 api_key=c.api_key,
                 admin_api_key=c.admin_api_key,
-                vocab_size=_vocab_size_of(c.model_path),
+                vocab_size=vocab_size_of(c.model_path),
                 on_close=self.aclose,
             )
         except BaseException:
