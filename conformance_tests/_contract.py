@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 
 from rollout_backends import FinishReason, GenerateRequest, Generation, SamplingParams, generate_group
 
@@ -19,9 +20,11 @@ from ._core import (
 __all__ = [
     "check_concurrent_equals_sequential",
     "check_concurrent_requests_complete",
+    "check_continuation_consistent",
     "check_finish_length",
     "check_finish_stop_token",
     "check_generate_group",
+    "check_greedy_logprob_bound",
     "check_greedy_repeatable",
     "check_greedy_shapes",
     "check_ignore_eos",
@@ -52,6 +55,81 @@ async def check_greedy_repeatable(ctx: CheckContext) -> None:
     first = await ctx.generate_all(prompts, ctx.greedy(16))
     second = await ctx.generate_all(prompts, ctx.greedy(16))
     compare(second, first, what="second greedy run vs first", tolerance=ctx.harness.logprob_tolerance, ctx=ctx)
+
+
+@check("contract")
+async def check_continuation_consistent(ctx: CheckContext) -> None:
+    """Greedy ``prompt + output[:k]`` with one new token gives ``output[k]`` and ``logprobs[k]``.
+
+    For several ``k`` (0 included: the first token against a one-token request), within
+    ``Harness.logprob_tolerance`` (the cache-hit tolerance: the continuation reuses the prompt's
+    KV). An adapter that reports logprobs one position off and pads the end (``logprobs[i]`` of
+    ``output[i+1]``), or drops or reorders prompt tokens, fails here with no harness. A near tie
+    (another token, with a logprob within the tolerance of ``logprobs[k]``) is recorded, not failed.
+    """
+    tol = ctx.harness.logprob_tolerance
+    worst, compared, ties = 0.0, 0, 0
+    for i, prompt in enumerate(ctx.prompts(3, min_len=2, max_len=16, seed=13)):
+        n = ctx.cap_new_tokens(len(prompt), 12)
+        base = await ctx.generate(prompt, ctx.greedy(n, ignore_eos=True), tag=f"base{i}")
+        out = base.output_ids
+        for k in sorted({0, 1, len(out) // 2, len(out) - 1} & set(range(len(out)))):
+            one = await ctx.generate(prompt + out[:k], ctx.greedy(1, ignore_eos=True), tag=f"k{k}")
+            got_lp = one.logprobs[0] if one.logprobs else None
+            want_lp = base.logprobs[k] if base.logprobs is not None else None
+            delta = abs(got_lp - want_lp) if got_lp is not None and want_lp is not None else None
+            where = f"prompt {i} ({len(prompt)} tokens) + the first {k} output tokens"
+            if one.output_ids[0] != out[k]:
+                if delta is not None and delta <= tol:
+                    ties += 1  # two tokens within the tolerance of each other: a near tie
+                    continue
+                raise CheckFailed(
+                    f"{where}: greedy gives token {one.output_ids[0]} (logprob {got_lp}), but the run that "
+                    f"produced them continued with {out[k]} (logprob {want_lp}) at position {k}"
+                )
+            compared += 1
+            if delta is not None:
+                worst = max(worst, delta)
+                expect(
+                    delta <= tol,
+                    f"{where}: token {out[k]} has logprob {got_lp:.6g} as the next token but {want_lp:.6g} as "
+                    f"logprobs[{k}] of the longer run (|Δ| {delta:.3g} > tolerance {tol:.3g}): logprobs are not "
+                    "aligned with their tokens",
+                )
+    ctx.measure("positions", compared)
+    ctx.measure("near_ties", ties)
+    ctx.measure("max_abs_dlogprob", worst)
+    expect(compared > 0, "no position could be compared (every one was a near tie)")
+
+
+@check("contract")
+@requires(logprobs=True, vocab_size=True)
+async def check_greedy_logprob_bound(ctx: CheckContext) -> None:
+    """A greedy token is the most likely one, so its logprob is >= -log(vocab size).
+
+    The largest of V probabilities is at least 1/V (within ``Harness.logprob_tolerance``). An
+    adapter that reports logprobs one position late (``logprobs[0]`` the prompt's last token's,
+    ``logprobs[i]`` that of ``output[i-1]``) passes the continuation check, whose requests are
+    shifted alike, but fails here: the last token of a pseudo-random prompt is unlikely, mostly
+    far below 1/V, and it is reported as the greedy token's.
+    """
+    vocab = ctx.vocab_size
+    assert vocab is not None
+    floor = -math.log(vocab) - ctx.harness.logprob_tolerance
+    lowest = 0.0
+    for i, prompt in enumerate(ctx.prompts(8, min_len=1, max_len=24, seed=17)):
+        gen = await ctx.generate(prompt, ctx.greedy(ctx.cap_new_tokens(len(prompt), 4), ignore_eos=True))
+        assert gen.logprobs is not None  # validate_generation: logprobs are declared
+        for j, lp in enumerate(gen.logprobs):
+            lowest = min(lowest, lp)
+            expect(
+                lp >= floor,
+                f"prompt {i}: greedy token {gen.output_ids[j]} at position {j} has logprob {lp:.6g} < "
+                f"-log(vocab {vocab}) = {-math.log(vocab):.6g}: a greedy token cannot be that unlikely (is the "
+                "logprob another position's?)",
+            )
+    ctx.measure("lowest_greedy_logprob", lowest)
+    ctx.measure("floor", floor)
 
 
 @check("contract")

@@ -2,8 +2,9 @@
 
 In-flight requests are caught by timing: a check measures how long a short request takes
 (``CheckContext.token_time``), starts a long ``ignore_eos`` request and acts after that time.
-A request that finished before the action makes the check fail with a message saying so
-(raise ``Harness.long_max_new_tokens`` / ``pause_max_new_tokens``, or ``progress_wait_s``).
+A request that finished before the action was sent is a harness *error* saying which knob to
+raise (``Harness.long_max_new_tokens`` / ``pause_max_new_tokens``, or ``progress_wait_s``); one
+that was in flight when the action was sent and still ran to completion is the backend's *failure*.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from rollout_backends import ControlFailed, FinishReason, GenerateRequest, Gener
 from ._core import (
     CheckContext,
     CheckFailed,
+    HarnessError,
     check,
     compare,
     expect,
@@ -44,13 +46,22 @@ async def _finish(task: asyncio.Task[Generation], what: str, timeout: float = _S
         raise CheckFailed(f"{what}: not finished {timeout:.0f}s later") from None
 
 
-def _expect_partial_abort(ctx: CheckContext, req: GenerateRequest, gen: Generation, what: str) -> None:
+def _expect_partial_abort(
+    ctx: CheckContext, req: GenerateRequest, gen: Generation, what: str, *, action: str, running: bool
+) -> None:
+    """``gen`` was ended by ``action`` with its partial tokens. ``running``: the request had not
+    finished when ``action`` was sent (else the harness's budget was too small, not the backend wrong)."""
     validate_generation(ctx, req, gen, allow_abort=True)
     limit = req.sampling.max_new_tokens
     if gen.finish_reason is FinishReason.LENGTH:
+        if not running:
+            raise HarnessError(
+                f"{what}: the request finished ({limit} tokens) before {action} was sent; "
+                "raise Harness.long_max_new_tokens for this backend"
+            )
         raise CheckFailed(
-            f"{what}: the request finished ({limit} tokens) before it was aborted; "
-            "raise Harness.long_max_new_tokens for this backend"
+            f"{what}: the request was in flight when {action} was sent, yet it ran to completion "
+            f"({limit} tokens): {action} did not abort it"
         )
     expect(gen.finish_reason is FinishReason.ABORT, f"{what}: finish {gen.finish_reason.value!r}, want 'abort'")
     expect(len(gen.output_ids) >= 1, f"{what}: aborted with no token kept (partial tokens must be returned)")
@@ -79,9 +90,10 @@ async def check_abort_one(ctx: CheckContext) -> None:
     task = ctx.start(req)
     side = ctx.start(side_req)
     await ctx.let_run()
+    running = not task.done()
     await ctx.backend.abort(req.request_id)
     gen = await _finish(task, "aborted request")
-    _expect_partial_abort(ctx, req, gen, "abort")
+    _expect_partial_abort(ctx, req, gen, "abort", action="abort(id)", running=running)
     side_gen = await _finish(side, "the other request")
     validate_generation(ctx, side_req, side_gen)
     compare(
@@ -102,9 +114,11 @@ async def check_abort_all(ctx: CheckContext) -> None:
     reqs = [ctx.long_request(p) for p in prompts]
     tasks = [ctx.start(r) for r in reqs]
     await ctx.let_run()
+    running = [not t.done() for t in tasks]
     await ctx.backend.abort_all()
     for i, (r, t) in enumerate(zip(reqs, tasks, strict=True)):
-        _expect_partial_abort(ctx, r, await _finish(t, f"request {i}"), f"abort_all_{i}")
+        gen = await _finish(t, f"request {i}")
+        _expect_partial_abort(ctx, r, gen, f"abort_all_{i}", action="abort_all()", running=running[i])
     gen = await ctx.generate(prompts[0], ctx.greedy(4, ignore_eos=True))
     expect(len(gen.output_ids) == 4, "the backend does not serve normally after abort_all")
 
@@ -128,9 +142,11 @@ async def check_pause_abort(ctx: CheckContext) -> None:
     req = ctx.long_request(running_prompt)
     task = ctx.start(req)
     await ctx.let_run()
+    running = not task.done()
     await ctx.backend.pause(PauseMode.ABORT)
     try:
-        _expect_partial_abort(ctx, req, await _finish(task, "in-flight request at pause(ABORT)"), "pause_abort")
+        gen = await _finish(task, "in-flight request at pause(ABORT)")
+        _expect_partial_abort(ctx, req, gen, "pause_abort", action="pause(ABORT)", running=running)
         new_req, new_task = await _paused_newcomer(ctx, new_prompt)
     finally:
         await ctx.backend.resume()
@@ -151,8 +167,9 @@ async def _pause_and_resume_in_flight(ctx: CheckContext, mode: PauseMode) -> Non
     await ctx.let_run()
     await ctx.backend.pause(mode)
     try:
-        if task.done():
-            raise CheckFailed(
+        if task.done() and not task.cancelled() and task.exception() is None and not task.result().aborted:
+            # Finished before the pause could catch it: a budget too small for this backend's speed.
+            raise HarnessError(
                 f"the in-flight request finished before pause({mode.value}) took effect "
                 f"({budget} tokens); raise Harness.pause_max_new_tokens"
             )

@@ -34,6 +34,7 @@ from rollout_backends import (
     FinishReason,
     GenerateRequest,
     Generation,
+    InvalidRequest,
     PauseMode,
     RolloutBackend,
     RolloutBackendError,
@@ -50,6 +51,7 @@ __all__ = [
     "CheckContext",
     "CheckFailed",
     "CheckResult",
+    "Gap",
     "HarnessError",
     "Outcome",
     "Report",
@@ -68,6 +70,17 @@ class Outcome(str, enum.Enum):
     FAIL = "fail"
     SKIP = "skip"
     ERROR = "error"
+
+
+class Gap(str, enum.Enum):
+    """Why a check did not run: what was missing (the closing summary groups skips by it)."""
+
+    CAPABILITY = "not declared by the backend"
+    HARNESS = "no harness hook"
+    FLEET = "fleet too small"
+    LIMIT = "limit unknown"
+    METHOD = "method not offered"
+    CHECK = "skipped by the check"
 
 
 class CheckFailed(AssertionError):
@@ -110,6 +123,8 @@ class CheckResult:
     #: The formatted traceback of an error (``None`` otherwise).
     traceback: str | None = None
     backend: str | None = None
+    #: For a skip: each unmet requirement, ``(what kind of thing was missing, the reason)``.
+    gaps: tuple[tuple[Gap, str], ...] = ()
 
     @property
     def passed(self) -> bool:
@@ -198,6 +213,7 @@ class Requirement:
 
     description: str
     missing: Missing
+    gap: Gap = Gap.CAPABILITY
 
 
 def _pause_req(mode: PauseMode) -> Requirement:
@@ -225,14 +241,14 @@ def _hook_req(hook: str) -> Requirement:
     def missing(c: Capabilities, h: Harness, b: RolloutBackend) -> str | None:
         return None if getattr(h, hook) is not None else f"harness hook {hook!r} not provided"
 
-    return Requirement(f"harness.{hook}", missing)
+    return Requirement(f"harness.{hook}", missing, Gap.HARNESS)
 
 
 def _method_req(method: str) -> Requirement:
     def missing(c: Capabilities, h: Harness, b: RolloutBackend) -> str | None:
         return None if callable(getattr(b, method, None)) else f"backend has no {method}() (not part of the protocol)"
 
-    return Requirement(f"method {method}", missing)
+    return Requirement(f"method {method}", missing, Gap.METHOD)
 
 
 def _min_workers_req(n: int) -> Requirement:
@@ -240,7 +256,7 @@ def _min_workers_req(n: int) -> Requirement:
         have = len(b.workers)
         return None if have >= n else f"needs >= {n} workers, the fleet has {have}"
 
-    return Requirement(f"min_workers={n}", missing)
+    return Requirement(f"min_workers={n}", missing, Gap.FLEET)
 
 
 def _any_pause_mode(c: Capabilities, h: Harness, b: RolloutBackend) -> str | None:
@@ -339,9 +355,9 @@ def requires(
     if min_workers is not None:
         reqs.append(_min_workers_req(min_workers))
     if vocab_size:
-        reqs.append(Requirement("vocab_size known", _vocab_known))
+        reqs.append(Requirement("vocab_size known", _vocab_known, Gap.LIMIT))
     if max_context:
-        reqs.append(Requirement("max_context known", _context_known))
+        reqs.append(Requirement("max_context known", _context_known, Gap.LIMIT))
     reqs.extend(_hook_req(h) for h in hooks)
     reqs.extend(_method_req(m) for m in methods)
     return _Requires(reqs)
@@ -366,9 +382,14 @@ class Check:
     async def __call__(self, factory: BackendFactory, harness: Harness | None = None) -> CheckResult:
         return await run_check(self, factory, harness)
 
-    def skip_reason(self, backend: RolloutBackend, harness: Harness) -> str | None:
+    def gaps(self, backend: RolloutBackend, harness: Harness) -> tuple[tuple[Gap, str], ...]:
+        """Each unmet requirement: what kind of thing is missing, and the reason."""
         caps = backend.capabilities
-        reasons = [r for r in (req.missing(caps, harness, backend) for req in self.requirements) if r]
+        found = ((req.gap, req.missing(caps, harness, backend)) for req in self.requirements)
+        return tuple((gap, reason) for gap, reason in found if reason)
+
+    def skip_reason(self, backend: RolloutBackend, harness: Harness) -> str | None:
+        reasons = [reason for _, reason in self.gaps(backend, harness)]
         return "; ".join(reasons) if reasons else None
 
     def __repr__(self) -> str:
@@ -620,6 +641,30 @@ def compare(
 # -- running --------------------------------------------------------------------------------------
 
 
+def _unknown_limits(ctx: CheckContext) -> str:
+    missing = [
+        what
+        for what, v in (("the vocabulary size", ctx.vocab_size), ("the context length", ctx.max_context))
+        if v is None
+    ]
+    return " and ".join(missing) + (" are" if len(missing) > 1 else " is") if missing else ""
+
+
+def raised_by_backend(exc: BaseException, backend: RolloutBackend) -> bool:
+    """Whether ``exc`` passed through a method of ``backend`` (the backend under test) on its way up.
+
+    Every frame of the traceback is looked at: one whose ``self`` is the backend means the exception
+    came out of a backend call (an oracle from ``Harness.fresh_factory_on`` is another object, so
+    its errors stay the harness's).
+    """
+    tb = exc.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_locals.get("self") is backend:
+            return True
+        tb = tb.tb_next
+    return False
+
+
 async def _cleanup(backend: RolloutBackend) -> str | None:
     problems = []
     if backend.capabilities.pause_modes:
@@ -642,7 +687,11 @@ async def run_check(
     t0 = time.perf_counter()
 
     def result(
-        outcome: Outcome, message: str = "", tb: str | None = None, meas: Mapping[str, Any] | None = None
+        outcome: Outcome,
+        message: str = "",
+        tb: str | None = None,
+        meas: Mapping[str, Any] | None = None,
+        gaps: tuple[tuple[Gap, str], ...] = (),
     ) -> CheckResult:
         return CheckResult(
             name=c.name,
@@ -652,6 +701,7 @@ async def run_check(
             measurements=dict(meas or {}),
             traceback=tb,
             backend=label,
+            gaps=gaps,
         )
 
     try:
@@ -661,24 +711,37 @@ async def run_check(
     ctx: CheckContext | None = None
     outcome: CheckResult
     try:
-        reason = c.skip_reason(backend, harness)
-        if reason is not None:
-            outcome = result(Outcome.SKIP, reason)
+        gaps = c.gaps(backend, harness)
+        if gaps:
+            outcome = result(Outcome.SKIP, "; ".join(reason for _, reason in gaps), gaps=gaps)
         else:
             ctx = CheckContext(backend=backend, factory=factory, harness=harness, name=c.name)
             try:
                 await asyncio.wait_for(c.body(ctx), harness.check_timeout_s)
             except SkipCheck as exc:
-                outcome = result(Outcome.SKIP, exc.reason, meas=ctx.measurements)
+                outcome = result(Outcome.SKIP, exc.reason, meas=ctx.measurements, gaps=((Gap.CHECK, exc.reason),))
             except CheckFailed as exc:
                 outcome = result(Outcome.FAIL, str(exc), traceback.format_exc(), ctx.measurements)
             except RolloutBackendError as exc:
-                outcome = result(
-                    Outcome.FAIL,
-                    f"backend raised {type(exc).__name__}: {exc}",
-                    traceback.format_exc(),
-                    ctx.measurements,
-                )
+                unknown = _unknown_limits(ctx)
+                if isinstance(exc, InvalidRequest) and unknown:
+                    # The suite built the request within what it knew; with the limits unknown, a
+                    # refusal says the setup lacks them, not that the backend is wrong.
+                    outcome = result(
+                        Outcome.ERROR,
+                        f"setup: the backend refused a request the suite built ({exc}) while {unknown} "
+                        "unknown: give them (--rb-vocab-size / --rb-max-context, or Harness.vocab_size / "
+                        "max_context), or let the adapter discover them",
+                        traceback.format_exc(),
+                        ctx.measurements,
+                    )
+                else:
+                    outcome = result(
+                        Outcome.FAIL,
+                        f"backend raised {type(exc).__name__}: {exc}",
+                        traceback.format_exc(),
+                        ctx.measurements,
+                    )
             except asyncio.TimeoutError:
                 outcome = result(
                     Outcome.FAIL,
@@ -688,10 +751,22 @@ async def run_check(
                 )
             except AssertionError as exc:
                 outcome = result(Outcome.FAIL, str(exc) or "assertion failed", traceback.format_exc(), ctx.measurements)
+            except HarnessError as exc:
+                outcome = result(Outcome.ERROR, f"harness: {exc}", traceback.format_exc(), ctx.measurements)
             except Exception as exc:
-                outcome = result(
-                    Outcome.ERROR, f"{type(exc).__name__}: {exc}", traceback.format_exc(), ctx.measurements
-                )
+                if raised_by_backend(exc, backend):
+                    # Not a typed error, but the backend's: e.g. a Generation whose constructor refused
+                    # what the adapter parsed (ValueError) is the adapter's bug, not the harness's.
+                    outcome = result(
+                        Outcome.FAIL,
+                        f"backend raised {type(exc).__name__} (not a RolloutBackendError): {exc}",
+                        traceback.format_exc(),
+                        ctx.measurements,
+                    )
+                else:
+                    outcome = result(
+                        Outcome.ERROR, f"{type(exc).__name__}: {exc}", traceback.format_exc(), ctx.measurements
+                    )
             else:
                 outcome = result(Outcome.PASS, meas=ctx.measurements)
     finally:

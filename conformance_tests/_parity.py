@@ -55,6 +55,20 @@ class PairParity:
     def ok(self) -> bool:
         return self.ids_equal and self.max_abs_dlogprob <= self.tolerance
 
+    def result(self) -> CheckResult:
+        if self.ok:
+            msg = ""
+        elif self.first_mismatch is not None:
+            msg = f"greedy ids differ at case {self.first_mismatch[0]}, token {self.first_mismatch[1]}"
+        else:
+            msg = f"max |Δlogprob| {self.max_abs_dlogprob:.3g} > tolerance {self.tolerance:.3g}"
+        return CheckResult(
+            name=f"parity[{self.a}~{self.b}]",
+            outcome=Outcome.PASS if self.ok else Outcome.FAIL,
+            message=msg,
+            measurements={"max_abs_dlogprob": self.max_abs_dlogprob, "tolerance": self.tolerance},
+        )
+
 
 @attrs.frozen(kw_only=True)
 class HFParity:
@@ -69,6 +83,19 @@ class HFParity:
     @property
     def ok(self) -> bool:
         return self.max_abs_dlogprob <= self.tolerance
+
+    def result(self) -> CheckResult:
+        return CheckResult(
+            name=f"parity[{self.backend}~transformers]",
+            outcome=Outcome.PASS if self.ok else Outcome.FAIL,
+            message="" if self.ok else f"max |Δlogprob| {self.max_abs_dlogprob:.3g} > tolerance {self.tolerance:.3g}",
+            measurements={
+                "max_abs_dlogprob": self.max_abs_dlogprob,
+                "mean_abs_dlogprob": self.mean_abs_dlogprob,
+                "tokens": self.tokens,
+                "tolerance": self.tolerance,
+            },
+        )
 
 
 @attrs.frozen(kw_only=True)
@@ -87,40 +114,7 @@ class ParityReport:
 
     def results(self) -> tuple[CheckResult, ...]:
         """One ``CheckResult`` per pair and per transformers comparison (for reports and pytest)."""
-        out = []
-        for p in self.pairs:
-            msg = (
-                ""
-                if p.ok
-                else (
-                    f"greedy ids differ at case {p.first_mismatch[0]}, token {p.first_mismatch[1]}"
-                    if p.first_mismatch is not None
-                    else f"max |Δlogprob| {p.max_abs_dlogprob:.3g} > tolerance {p.tolerance:.3g}"
-                )
-            )
-            out.append(
-                CheckResult(
-                    name=f"parity[{p.a}~{p.b}]",
-                    outcome=Outcome.PASS if p.ok else Outcome.FAIL,
-                    message=msg,
-                    measurements={"max_abs_dlogprob": p.max_abs_dlogprob, "tolerance": p.tolerance},
-                )
-            )
-        for h in self.hf:
-            out.append(
-                CheckResult(
-                    name=f"parity[{h.backend}~transformers]",
-                    outcome=Outcome.PASS if h.ok else Outcome.FAIL,
-                    message="" if h.ok else f"max |Δlogprob| {h.max_abs_dlogprob:.3g} > tolerance {h.tolerance:.3g}",
-                    measurements={
-                        "max_abs_dlogprob": h.max_abs_dlogprob,
-                        "mean_abs_dlogprob": h.mean_abs_dlogprob,
-                        "tokens": h.tokens,
-                        "tolerance": h.tolerance,
-                    },
-                )
-            )
-        return tuple(out)
+        return tuple(p.result() for p in self.pairs) + tuple(h.result() for h in self.hf)
 
     def summary(self) -> str:
         head = f"parity of {', '.join(self.names)} on {self.cases} cases ({self.duration_s:.1f}s)"
@@ -169,7 +163,7 @@ def hf_logprobs(model_path: str, prompt: Sequence[int], output_ids: Sequence[int
     return [float(x) for x in picked]
 
 
-async def _hf_compare(
+async def hf_parity(
     name: str, model_path: str, prompts: Sequence[Sequence[int]], gens: Sequence[Generation], tol: float
 ) -> HFParity:
     deltas: list[float] = []
@@ -207,6 +201,14 @@ def pair_parity(a: str, b: str, ga: Sequence[Generation], gb: Sequence[Generatio
     return PairParity(
         a=a, b=b, ids_equal=mismatch is None, first_mismatch=mismatch, max_abs_dlogprob=worst, tolerance=tol
     )
+
+
+async def parity_outputs(
+    backend: RolloutBackend, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 16
+) -> tuple[Generation, ...]:
+    """Greedy generations of ``prompts`` on cold caches (what each backend gives ``check_parity``)."""
+    sampling = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens)
+    return tuple(await _run_cold(backend, prompts, sampling))
 
 
 async def _run_cold(
@@ -259,7 +261,7 @@ async def check_parity(
     pairs = tuple(pair_parity(a, b, outputs[a], outputs[b], tolerance) for a, b in itertools.combinations(names, 2))
     hf: tuple[HFParity, ...] = ()
     if hf_model_path is not None:
-        hf = tuple([await _hf_compare(n, hf_model_path, chosen, outputs[n], hf_tolerance) for n in names])
+        hf = tuple([await hf_parity(n, hf_model_path, chosen, outputs[n], hf_tolerance) for n in names])
     return ParityReport(
         names=names, cases=len(chosen), pairs=pairs, hf=hf, duration_s=time.perf_counter() - t0, outputs=outputs
     )
@@ -273,7 +275,7 @@ async def check_hf_logprob_parity(ctx: CheckContext) -> None:
     assert path is not None
     prompts = default_parity_prompts(ctx.vocab_size, low=ctx.harness.min_prompt_token)
     gens = await _run_cold(ctx.backend, prompts, ctx.greedy(16))
-    result = await _hf_compare("backend", path, prompts, gens, ctx.harness.hf_logprob_tolerance)
+    result = await hf_parity("backend", path, prompts, gens, ctx.harness.hf_logprob_tolerance)
     ctx.measure("max_abs_dlogprob", result.max_abs_dlogprob)
     ctx.measure("mean_abs_dlogprob", result.mean_abs_dlogprob)
     ctx.measure("tokens", result.tokens)

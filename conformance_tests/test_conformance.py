@@ -1,30 +1,21 @@
 """The conformance suite as pytest tests: ``pytest --pyargs rollout_backends.conformance --rb-backend URL``.
 
-Without ``--rb-backend`` the whole module is one skip. Tests are synchronous (each runs its check
-with ``asyncio.run``), so no pytest asyncio plugin is needed.
+Without ``--rb-backend`` the whole module is one skip. Each check runs in a fixture (pytest's
+set-up), so that a setup or harness problem is a pytest *error* and only a backend that broke the
+contract is a *failure* (the test's call). Tests are synchronous (each runs its check with
+``asyncio.run``), so no pytest asyncio plugin is needed.
 """
 
 from __future__ import annotations
 
-import asyncio
-from typing import Any
-
 import pytest
 
-import rollout_backends as rb
-from rollout_backends.conformance import Check, Outcome, check_parity, plugin
+from rollout_backends.conformance import Check, CheckResult, plugin
 
 _NO_BACKEND = (
     "no backend given: pass --rb-backend URL (e.g. --rb-backend 'reference://?workers=2') to run the "
     "rollout-backends conformance suite"
 )
-
-
-def _factory(url: str) -> Any:
-    async def make() -> rb.RolloutBackend:
-        return await rb.open_backend(url)
-
-    return make
 
 
 if not plugin.backend_urls():
@@ -33,36 +24,20 @@ if not plugin.backend_urls():
         pytest.skip(_NO_BACKEND)
 
 else:
+    if plugin.selected_checks():
 
-    def test_contract(rb_backend_url: str, rb_check: Check) -> None:
-        harness = plugin.harness_for(rb_backend_url)
-        result = asyncio.run(rb_check(_factory(rb_backend_url), harness))
-        plugin.record(f"[{rb_backend_url}] {result.line()}")
-        if result.outcome is Outcome.SKIP:
-            pytest.skip(result.message)
-        if result.outcome is Outcome.ERROR:
-            pytest.fail(
-                f"ERROR (harness or check, not the backend): {result.message}\n{result.traceback}", pytrace=False
-            )
-        if result.outcome is Outcome.FAIL:
-            pytest.fail(f"{result.message}\n{result.traceback or ''}", pytrace=False)
+        @pytest.fixture
+        def rb_contract_result(rb_backend_url: str, rb_check: Check) -> CheckResult:
+            return plugin.settle(plugin.run_contract(rb_backend_url, rb_check))
 
-    def test_parity() -> None:
-        urls = plugin.backend_urls()
-        first = plugin.harness_for(urls[0])
-        hf_path = first.hf_model_path
-        if len(urls) < 2 and hf_path is None:
-            pytest.skip("parity needs two --rb-backend URLs, or one and --rb-hf-model")
-        report = asyncio.run(
-            check_parity(
-                {u: _factory(u) for u in urls},
-                max_new_tokens=16,
-                tolerance=first.logprob_tolerance,
-                hf_model_path=hf_path,
-                hf_tolerance=first.hf_logprob_tolerance,
-            )
-        )
-        for r in report.results():
-            plugin.record(r.line())
-        if not report.ok:
-            pytest.fail(report.summary(), pytrace=False)
+        def test_contract(rb_contract_result: CheckResult) -> None:
+            plugin.judge(rb_contract_result)
+
+    if plugin.parity_selected():
+
+        @pytest.fixture
+        def rb_parity_result(rb_parity_case: plugin.ParityCase | None) -> CheckResult:
+            return plugin.settle(plugin.run_parity(rb_parity_case))
+
+        def test_parity(rb_parity_result: CheckResult) -> None:
+            plugin.judge(rb_parity_result)

@@ -69,6 +69,12 @@ BUGS = frozenset(
         "paused_still_ready",
         "wrong_prompt_tokens",
         "top_logprobs_skip_best",
+        # logprobs[0] is the prompt's last token's, logprobs[i] that of output[i-1] (one position late)
+        "logprobs_shifted",
+        # logprobs[i] is that of output[i+1], the last one padded with 0.0 (one position early)
+        "logprobs_shifted_ahead",
+        "pause_abort_noop",  # pause(ABORT) leaves in-flight requests running
+        "generation_value_error",  # the adapter builds a Generation its constructor refuses (ValueError)
     }
 )
 
@@ -223,8 +229,15 @@ class FakeBackend(BackendBase):
                 break
         out, lps_out = tuple(r.out), tuple(r.lps)
         tops = tuple(r.tops) if r.request.return_logprobs and sp.top_logprobs else None
+        if "logprobs_shifted" in self.bugs and out:
+            head = _logprobs(w.seed, prompt_seed, prompt[:-1])[prompt[-1]]
+            lps_out = (head, *lps_out[:-1])
+        if "logprobs_shifted_ahead" in self.bugs and out:
+            lps_out = (*lps_out[1:], 0.0)
         if finish is FinishReason.ABORT and "abort_drops_tokens" in self.bugs:
             out, lps_out = (), ()
+        if "generation_value_error" in self.bugs and r.request.return_logprobs:
+            lps_out = (*lps_out, -1.0)  # one logprob too many: Generation raises ValueError
         return Generation(
             request_id=r.request.request_id,
             output_ids=out,
@@ -257,7 +270,9 @@ class FakeBackend(BackendBase):
             w = self._w[wid]
             w.paused = m
             w.resumed.clear()
-            if m is PauseMode.ABORT or (m is PauseMode.RETRACT and "retract_as_abort" in self.bugs):
+            if m is PauseMode.ABORT and "pause_abort_noop" in self.bugs:
+                w.resumed.set()  # the bug: in-flight requests go on as if nothing happened
+            elif m is PauseMode.ABORT or (m is PauseMode.RETRACT and "retract_as_abort" in self.bugs):
                 await self.abort_all(workers=[wid])
                 w.resumed.set()  # aborted requests must get out
                 await asyncio.sleep(self.token_delay * 3)
@@ -463,7 +478,23 @@ def url_harness(url: str) -> Harness:
     """``--rb-harness tests.conformance.fake_backend:url_harness``: registers ``fake://`` too."""
     import tempfile
 
+    _register()
+    return fake_harness(Path(tempfile.mkdtemp(prefix="rb-fake-")))
+
+
+def _register() -> None:
     from rollout_backends import register_scheme
 
     register_scheme("fake", open_fake_url)
-    return fake_harness(Path(tempfile.mkdtemp(prefix="rb-fake-")))
+
+
+def bare_harness(url: str) -> Harness:
+    """``--rb-harness tests.conformance.fake_backend:bare_harness``: ``fake://`` with no hook at all."""
+    _register()
+    return Harness()
+
+
+def short_budget_harness(url: str) -> Harness:
+    """``fake://`` with requests too short to be caught in flight: the abort and pause checks' setup is wrong."""
+    _register()
+    return Harness(long_max_new_tokens=2, pause_max_new_tokens=2, concurrency=8)

@@ -114,17 +114,21 @@ def test_plugin_runs_every_check_through_a_reference_url(tmp_path: Path) -> None
 def test_plugin_parity_across_two_urls_and_failures_are_failures(tmp_path: Path) -> None:
     out = _pytest(
         "--rb-backend", "reference://?workers=1", "--rb-backend", "reference://?workers=2",
-        "--rb-check", "greedy_shapes", "--rb-check", "staleness_visible", tmp=tmp_path,
+        "--rb-check", "greedy_shapes", "--rb-check", "staleness_visible", "--rb-check", "parity", tmp=tmp_path,
     )  # fmt: skip
     assert out.returncode == 0, out.stdout[-4000:]
-    assert "4 passed, 1 skipped" in out.stdout, out.stdout[-3000:]
-    assert "parity[reference://?workers=1~reference://?workers=2]" in out.stdout
+    # 2 x greedy_shapes, staleness on 2 workers (skip on 1), 2 x hf_logprob_parity, then parity:
+    # the pair and each URL against transformers
+    assert "8 passed, 1 skipped" in out.stdout, out.stdout[-3000:]
+    assert "PASS  parity[reference://?workers=1~reference://?workers=2]" in out.stdout
+    assert "PASS  parity[reference://?workers=2~transformers]" in out.stdout
     bad = _pytest(
         "--rb-backend", "fake://?bugs=positive_logprob", "--rb-harness", "tests.conformance.fake_backend:url_harness",
         "--rb-check", "greedy_shapes", "--rb-check", "health_live_ready", "--rb-check", "distributed_*", tmp=tmp_path,
     )  # fmt: skip
     assert bad.returncode == 1, bad.stdout[-3000:]
-    # the bug fails its check; the others pass or skip (no parity: one backend, no HF model)
-    assert "1 failed, 1 passed, 2 skipped" in bad.stdout, bad.stdout[-3000:]
+    # the bug fails its check; the others pass or skip (parity not selected)
+    assert "1 failed, 1 passed, 1 skipped" in bad.stdout, bad.stdout[-3000:]
+    assert "test_parity" not in bad.stdout
     assert "logprob[0]=" in bad.stdout and "> 0" in bad.stdout
     assert "weight transport 'distributed' not declared" in bad.stdout

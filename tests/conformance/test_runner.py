@@ -6,6 +6,7 @@ import asyncio
 from pathlib import Path
 from typing import Any
 
+import attrs
 import pytest
 
 import rollout_backends as rb
@@ -26,7 +27,7 @@ from rollout_backends.conformance import (
     run_checks,
     select_checks,
 )
-from tests.conformance.fake_backend import BUGS, FakeBackend, fake_factory, fake_harness
+from tests.conformance.fake_backend import BUGS, FULL, FakeBackend, fake_factory, fake_harness
 
 NEEDS_HOOK_OR_CAPABILITY = {
     "distributed_update_matches_fresh": (
@@ -124,6 +125,10 @@ BUG_TO_CHECK = {
     "resume_not_idempotent": "resume_idempotent",
     "paused_still_ready": "health_paused_not_ready",
     "top_logprobs_skip_best": "top_logprobs",
+    "logprobs_shifted": "greedy_logprob_bound",
+    "logprobs_shifted_ahead": "continuation_consistent",
+    "pause_abort_noop": "pause_abort",
+    "generation_value_error": "greedy_shapes",
 }
 
 
@@ -142,6 +147,62 @@ async def test_declared_capability_that_misbehaves_fails(bug: str, tmp_path: Pat
     # and the same check passes without the bug (the failure is the bug's, not the check's)
     clean = await c(fake_factory(workers=2 if name == "staleness_visible" else 1), fake_harness(tmp_path))
     assert clean.outcome is Outcome.PASS, clean.line()
+
+
+@pytest.mark.parametrize(
+    ("bug", "caught_by"),
+    [("logprobs_shifted", "greedy_logprob_bound"), ("logprobs_shifted_ahead", "continuation_consistent")],
+)
+async def test_misaligned_logprobs_fail_with_no_harness(bug: str, caught_by: str) -> None:
+    """Logprobs one position off, and nothing but the backend given: the run is not green, also
+    where the backend offers no top-k logprobs to compare with."""
+    no_top = attrs.evolve(FULL, top_logprobs=0)
+    report = await run_checks(fake_factory(bugs=frozenset({bug}), declare=no_top), Harness(concurrency=8))
+    assert not report.ok
+    assert [r.name for r in report.failed] == [caught_by], report.summary()
+    assert not report.errors, report.summary()
+    assert "logprob" in report[caught_by].message
+    with_top = await run_checks(fake_factory(bugs=frozenset({bug})), Harness(concurrency=8), select=["contract"])
+    assert caught_by in [r.name for r in with_top.failed], with_top.summary()
+
+
+async def test_pause_that_did_nothing_is_blamed_not_the_budget(tmp_path: Path) -> None:
+    (c,) = select_checks(["pause_abort"])
+    r = await c(fake_factory(bugs=frozenset({"pause_abort_noop"})), fake_harness(tmp_path))
+    assert r.outcome is Outcome.FAIL, r.line()
+    assert "in flight when pause(ABORT) was sent" in r.message and "did not abort it" in r.message
+    assert "long_max_new_tokens" not in r.message
+    # A request that was done before pause was sent: the harness's budget, an error (not a failure).
+    short = await c(fake_factory(), fake_harness(tmp_path, long_max_new_tokens=2))
+    assert short.outcome is Outcome.ERROR, short.line()
+    assert "before pause(ABORT) was sent" in short.message and "raise Harness.long_max_new_tokens" in short.message
+
+
+async def test_a_plain_exception_out_of_the_backend_is_a_failure() -> None:
+    """A Generation constructor refusing what the adapter built (ValueError) is the backend's fault."""
+    r = await check_greedy_shapes(fake_factory(bugs=frozenset({"generation_value_error"})))
+    assert r.outcome is Outcome.FAIL, r.line()
+    assert r.message.startswith("backend raised ValueError (not a RolloutBackendError)")
+    # The same exception out of a harness hook (another object than the backend) stays an error.
+
+    async def broken_oracle_factory() -> rb.RolloutBackend:
+        raise ValueError("oracle path missing")
+
+    harness = Harness(alt_weights_path="/alt", fresh_factory_on=lambda path: broken_oracle_factory)
+    r = await check_disk_update_matches_fresh(fake_factory(), harness)
+    assert r.outcome is Outcome.ERROR and "ValueError: oracle path missing" in r.message, r.line()
+
+
+async def test_a_refused_request_with_unknown_limits_is_a_setup_error() -> None:
+    """Nothing says the vocabulary size: a prompt id the backend refuses is the setup's problem."""
+    blind = rb.Capabilities(pause_modes=[rb.PauseMode.RETRACT])
+    r = await check_greedy_shapes(fake_factory(declare=blind), Harness(max_prompt_token=4096))
+    assert r.outcome is Outcome.ERROR, r.line()
+    assert r.message.startswith("setup: the backend refused a request the suite built")
+    assert "the vocabulary size and the context length are unknown" in r.message and "--rb-vocab-size" in r.message
+    # Known limits: the same refusal is the backend's failure.
+    r = await check_greedy_shapes(fake_factory(declare=blind), Harness(vocab_size=4096, max_context=256))
+    assert r.outcome is Outcome.FAIL and "InvalidRequest" in r.message, r.line()
 
 
 async def test_declared_transport_that_raises_unsupported_fails() -> None:
