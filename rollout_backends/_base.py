@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
 from types import TracebackType
 from typing import TypeVar
 
-from rollout_backends._errors import ControlFailed, InvalidRequest, RolloutBackendError, Unsupported, WorkerFailure
+from rollout_backends._errors import InvalidRequest, Unsupported
+from rollout_backends._fleet import fan_out
 from rollout_backends._transaction import WeightUpdateTransaction, wait_ready, weight_update
 from rollout_backends._types import Capabilities, HealthReport, PauseMode, WeightTransport
 from rollout_backends._versions import VersionBook
@@ -17,37 +17,6 @@ __all__ = ["BackendBase", "fan_out"]
 
 _T = TypeVar("_T")
 _B = TypeVar("_B", bound="BackendBase")
-
-
-async def fan_out(
-    operation: str,
-    workers: Sequence[str],
-    call: Callable[[str], Awaitable[_T]],
-) -> dict[str, _T]:
-    """Run ``call(worker)`` on every worker concurrently; ``ControlFailed`` names each that failed.
-
-    Every call runs to completion even when some fail, so the error is complete and no worker is
-    left half-way through a step because a sibling failed first.
-    """
-    if not workers:
-        raise ControlFailed(operation, [WorkerFailure("*", operation, "no workers selected")])
-    results = await asyncio.gather(*(call(w) for w in workers), return_exceptions=True)
-    failures: list[WorkerFailure] = []
-    out: dict[str, _T] = {}
-    for worker, res in zip(workers, results, strict=False):
-        if isinstance(res, BaseException):
-            if isinstance(res, asyncio.CancelledError):
-                raise res
-            if isinstance(res, ControlFailed):
-                failures.extend(res.failures)
-            else:
-                msg = str(res) if isinstance(res, RolloutBackendError) else f"{type(res).__name__}: {res}"
-                failures.append(WorkerFailure(worker, operation, msg))
-        else:
-            out[worker] = res
-    if failures:
-        raise ControlFailed(operation, failures)
-    return out
 
 
 class BackendBase:

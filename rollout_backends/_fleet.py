@@ -1,21 +1,35 @@
-"""``HttpFleetBackend``: the protocol over HTTP, for any adapter's wire format.
+"""``Fleet``: the ``RolloutBackend`` protocol, implemented once, over per-worker ``Driver``s.
 
-An adapter supplies a ``Wire``: pure functions from protocol calls to ``HttpRequest`` values and
-from ``HttpResponse`` values to results. This module owns everything else, once for all
-adapters: sending (through ``HttpClient``), fan-out of control calls to every worker, timeouts,
-per-worker version bookkeeping (for engines that do not report versions), and health.
+Everything the protocol promises lives here, for every engine: input validation, capability
+checks, worker selection, fan-out of control calls (every call runs to completion, failures named
+per worker), installed / expected / stamped versions (through one ``VersionBook``), health
+aggregation, and the weight-update transaction (``rollout_backends._transaction``). What differs
+between engines is a ``Driver``: what one worker is told and how it answers. The drivers:
+
+- HTTP: ``HttpFleetBackend`` (``rollout_backends._http_driver``), a wire format and a client;
+- in process: the reference engines (``rollout_backends.adapters.reference``);
+- in memory: ``rollout_backends.testing``, for unit tests of rollout code without servers.
+
+Before this class the protocol was written by hand four times (the HTTP fleet, the reference
+backend and two test fakes) and their rules drifted (issue 15; ``tests/test_versions.py``).
+
+Generation without a pinned worker goes to the fleet's ``Entry``: a router (HTTP) or
+``RoundRobin`` over the drivers (in process, in memory).
 """
 
 from __future__ import annotations
 
 import asyncio
+import inspect
+import itertools
 import time
-from collections.abc import Mapping, Sequence
-from typing import Any, Protocol
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from contextlib import AbstractAsyncContextManager
+from types import TracebackType
+from typing import Any, Protocol, TypeVar
 
 import attrs
 
-from rollout_backends._base import BackendBase, fan_out
 from rollout_backends._errors import (
     BackendClosed,
     BackendUnavailable,
@@ -23,11 +37,9 @@ from rollout_backends._errors import (
     ControlFailed,
     InvalidRequest,
     RolloutBackendError,
-    TransientError,
     Unsupported,
     WorkerFailure,
 )
-from rollout_backends._http import HttpClient, HttpRequest, HttpResponse
 from rollout_backends._ops import (
     AbortAll,
     AbortRequest,
@@ -40,7 +52,6 @@ from rollout_backends._ops import (
     InitWeightGroup,
     Live,
     NamedTensors,
-    Operation,
     Pause,
     Probe,
     Progress,
@@ -53,6 +64,7 @@ from rollout_backends._ops import (
     UpdateFromDistributed,
     UpdateFromTensors,
 )
+from rollout_backends._transaction import WeightUpdateTransaction, wait_ready, weight_update
 from rollout_backends._types import (
     Capabilities,
     FinishReason,
@@ -70,7 +82,129 @@ from rollout_backends._types import (
 )
 from rollout_backends._versions import VersionBook
 
-__all__ = ["HttpFleetBackend", "Wire", "Worker"]
+__all__ = ["Driver", "Entry", "Fleet", "RoundRobin", "fan_out"]
+
+_T = TypeVar("_T")
+_F = TypeVar("_F", bound="Fleet")
+
+
+class Driver(Protocol):
+    """One worker, as a fleet reaches it: the part of the protocol that differs between engines.
+
+    A driver does what it is told to its one worker and nothing else: the fleet has validated the
+    input, checked the capabilities and picked the workers before it calls. Errors are the
+    library's: ``ControlFailed`` naming this worker for a refused command, ``InvalidRequest``
+    for input the engine refuses, ``TransientError`` / ``BackendUnavailable`` from ``generate``.
+    """
+
+    @property
+    def id(self) -> str:
+        """The worker id (unique in its fleet)."""
+        ...
+
+    @property
+    def capabilities(self) -> Capabilities:
+        """What this worker's engine can do (a fleet takes its first driver's unless told)."""
+        ...
+
+    @property
+    def aborts_by_id(self) -> bool:
+        """Whether ``control(AbortRequest(id))`` aborts one request and its answer keeps the partial
+        tokens; if not, the fleet cancels its own in-flight call for that request instead."""
+        ...
+
+    @property
+    def ranks(self) -> int:
+        """How many ranks this worker contributes to a weight-update group (its TP size)."""
+        ...
+
+    async def generate(self, request: GenerateRequest) -> Generation:
+        """Generate on this worker (a pinned request, or one an ``Entry`` routed here)."""
+        ...
+
+    async def control(self, op: Command) -> None:
+        """Carry out one command (``rollout_backends.kit`` operation values, dispatched with ``match``)."""
+        ...
+
+    async def probe(self, op: Probe) -> bool | None:
+        """Answer ``Live`` / ``Ready`` / ``Progress``; ``None``: no such probe (``Ready``: ready when
+        live). Raising reports the worker failing the probe, with the error's text."""
+        ...
+
+    async def served_version(self) -> str | None:
+        """The version the engine reports serving (asked only where ``VersionSource.RESPONSE``)."""
+        ...
+
+    async def aclose(self) -> None:
+        """Release what the driver holds (the fleet calls it once, from ``Fleet.aclose``)."""
+        ...
+
+
+class Entry(Protocol):
+    """Where generation goes when no worker is pinned: a router, or the fleet's own round robin."""
+
+    async def generate(self, request: GenerateRequest) -> Generation: ...
+
+    async def live(self) -> bool | None:
+        """Whether the entry answers (``HealthReport.router_live``); ``None``: there is no router."""
+        ...
+
+    async def aclose(self) -> None: ...
+
+
+class RoundRobin:
+    """An ``Entry`` that hands each unpinned request to the next driver in turn (no router)."""
+
+    __slots__ = ("_next",)
+
+    def __init__(self, drivers: Sequence[Driver]) -> None:
+        self._next = itertools.cycle(tuple(drivers)).__next__
+
+    async def generate(self, request: GenerateRequest) -> Generation:
+        return await self._next().generate(request)
+
+    async def live(self) -> bool | None:
+        return None
+
+    async def aclose(self) -> None:
+        return None
+
+
+async def fan_out(
+    operation: str,
+    workers: Sequence[str],
+    call: Callable[[str], Awaitable[_T]],
+) -> dict[str, _T]:
+    """Run ``call(worker)`` on every worker concurrently; ``ControlFailed`` names each that failed.
+
+    Every call runs to completion even when some fail, so the error is complete and no worker is
+    left half-way through a step because a sibling failed first. Where every failure is the
+    caller's own bad input (``InvalidRequest``), that is what is raised: no worker is at fault.
+    """
+    if not workers:
+        raise InvalidRequest("workers", f"{operation}: no workers selected")
+    results = await asyncio.gather(*(call(w) for w in workers), return_exceptions=True)
+    failures: list[WorkerFailure] = []
+    refusals: list[InvalidRequest] = []
+    out: dict[str, _T] = {}
+    for worker, res in zip(workers, results, strict=False):
+        if isinstance(res, BaseException):
+            if isinstance(res, asyncio.CancelledError):
+                raise res
+            if isinstance(res, InvalidRequest):
+                refusals.append(res)
+            if isinstance(res, ControlFailed):
+                failures.extend(res.failures)
+            else:
+                msg = str(res) if isinstance(res, RolloutBackendError) else f"{type(res).__name__}: {res}"
+                failures.append(WorkerFailure(worker, operation, msg))
+        else:
+            out[worker] = res
+    if refusals and len(refusals) == len(failures):
+        raise refusals[0]
+    if failures:
+        raise ControlFailed(operation, failures)
+    return out
 
 
 def _cancelling() -> bool:
@@ -80,108 +214,52 @@ def _cancelling() -> bool:
     return bool(counter()) if counter is not None else False
 
 
-@attrs.frozen(slots=True, kw_only=True)
-class Worker:
-    """One engine of a fleet, as the client reaches it."""
-
-    id: str
-    #: Base URL of the worker's control routes (SGLang: the server; Dynamo: its system port).
-    control_url: str
-    #: Where to send generation pinned to this worker, if it can be reached directly.
-    generate_url: str | None = None
-    #: An engine-specific id the router knows the worker by (Dynamo instance id).
-    instance_id: Any = None
-    #: How many ranks this worker contributes to a weight-update group (its TP size).
-    ranks: int = 1
-
-
-class Wire(Protocol):
-    """An adapter's wire format. Pure: no I/O, no state beyond configuration.
-
-    Every optional feature is a declared member (``aborts_by_id``, ``router_health``), never found
-    by reflection or by calling a builder to see what comes back.
-    """
-
-    def capabilities(self) -> Capabilities: ...
-
-    @property
-    def aborts_by_id(self) -> bool:
-        """Whether every worker aborts one request by id (``AbortRequest``) and answers its partial
-        tokens; if not, the fleet cancels its own in-flight HTTP call for that request instead."""
-        ...
-
-    def generate(self, request: GenerateRequest, worker: Worker | None) -> HttpRequest:
-        """Build the generation call: to ``worker`` when pinned, else to the fleet's entry point."""
-        ...
-
-    def parse_generation(
-        self, request: GenerateRequest, response: HttpResponse, latency_s: float, *, worker: str | None = None
-    ) -> Generation:
-        """Parse a generation answer (any status). Raise ``InvalidRequest`` for a rejected input,
-        ``ContractViolation`` for a malformed answer. ``worker`` is the id of the worker the fleet
-        knows served the call (pinned, or the only one), else ``None``; ``Generation.worker`` is
-        the worker id if known."""
-        ...
-
-    def control(self, op: Operation, worker: Worker) -> HttpRequest | None:
-        """Build a control call; ``None`` = nothing to send on this engine (a no-op step; for
-        ``Ready``: ready when live; for ``GetVersion``: the engine does not report it)."""
-        ...
-
-    def parse_control(self, op: Command, worker: Worker, response: HttpResponse) -> None:
-        """Check a command's answer: return, or raise ``ControlFailed``/``ContractViolation``."""
-        ...
-
-    def parse_version(self, worker: Worker, response: HttpResponse) -> str | None:
-        """The version a ``GetVersion`` answer reports."""
-        ...
-
-    def parse_probe(self, probe: Probe, worker: Worker, response: HttpResponse) -> bool:
-        """The answer of a ``Live``/``Ready``/``Progress`` probe (any status)."""
-        ...
-
-    def router_health(self) -> HttpRequest | None:
-        """The entry point's liveness call; ``None`` where there is no router (one server)."""
-        ...
-
-
 def _check_version(version: object, field: str = "version") -> None:
     if version is not None and (not isinstance(version, str) or not version):
         raise InvalidRequest(field, f"must be a non-empty string or None, got {version!r}"[:200])
 
 
-class HttpFleetBackend(BackendBase):
-    """The ``RolloutBackend`` protocol over HTTP for a fleet of workers behind one entry point."""
+def _check_selector(selector: object) -> None:
+    if not isinstance(selector, str) or not selector:
+        raise InvalidRequest("selector", "must be a non-empty string")
+
+
+class Fleet:
+    """The ``RolloutBackend`` protocol over a fleet of ``Driver``s behind one ``Entry``.
+
+    ``capabilities`` defaults to the first driver's; ``entry`` to ``RoundRobin`` over the drivers.
+    ``on_close`` runs once after the drivers are closed (a launcher stops its processes there).
+    """
 
     def __init__(
         self,
-        wire: Wire,
-        workers: Sequence[Worker],
+        drivers: Sequence[Driver],
         *,
-        client: HttpClient | None = None,
-        name: str = "http",
-        on_close: Any = None,
+        entry: Entry | None = None,
+        capabilities: Capabilities | None = None,
+        name: str = "fleet",
+        on_close: Callable[[], object] | None = None,
     ) -> None:
-        if not workers:
+        if not drivers:
             raise InvalidRequest("workers", "a fleet needs at least one worker")
-        ids = [w.id for w in workers]
+        ids = [d.id for d in drivers]
         if len(set(ids)) != len(ids):
             raise InvalidRequest("workers", f"duplicate worker ids: {ids}")
-        self.wire = wire
-        self.client = client or HttpClient()
         self.name = name
-        self._workers: dict[str, Worker] = {w.id: w for w in workers}
+        self._drivers: dict[str, Driver] = {d.id: d for d in drivers}
+        self._ids = tuple(ids)
         #: The one worker of a single-worker fleet: it served every unpinned call.
         self._sole_worker: str | None = ids[0] if len(ids) == 1 else None
-        self.capabilities: Capabilities = wire.capabilities()
-        # The version each worker was last told to serve (used where engines do not report it), and
-        # the version the fleet is expected to serve.
+        self._entry: Entry = entry if entry is not None else RoundRobin(drivers)
+        self.capabilities: Capabilities = capabilities if capabilities is not None else drivers[0].capabilities
+        # Each worker's label (what it was last told to serve) and the expected version.
         self._versions = VersionBook(ids)
-        self._paused: set[str] = set()
-        # Whether every worker can abort one request by id; if not, abort() cancels our HTTP call.
-        self._abort_by_id = wire.aborts_by_id
+        # The workers this fleet paused (and how): never ready, and never asked to generate a probe.
+        self._paused: dict[str, PauseMode] = {}
+        # Whether every worker aborts one request by id; if not, abort() cancels our own call.
+        self._abort_by_id = all(d.aborts_by_id for d in drivers)
         # generate() calls in flight by request id (only tracked where abort cancels them).
-        self._inflight: dict[str, asyncio.Future[HttpResponse]] = {}
+        self._inflight: dict[str, asyncio.Future[Generation]] = {}
         self._cancelled: set[str] = set()
         self._on_close = on_close
         self._closed = False
@@ -190,56 +268,75 @@ class HttpFleetBackend(BackendBase):
 
     @property
     def workers(self) -> tuple[str, ...]:
-        return tuple(self._workers)
+        return self._ids
 
-    def worker(self, worker_id: str) -> Worker:
+    @property
+    def closed(self) -> bool:
+        """Whether ``aclose`` ran."""
+        return self._closed
+
+    def driver(self, worker_id: str) -> Driver:
+        """The driver of one worker (``InvalidRequest`` for an unknown id)."""
         try:
-            return self._workers[worker_id]
+            return self._drivers[worker_id]
         except KeyError:
-            raise InvalidRequest("worker", f"unknown worker {worker_id!r} (known: {sorted(self._workers)})") from None
+            raise InvalidRequest("worker", f"unknown worker {worker_id!r} (known: {sorted(self._drivers)})") from None
+
+    @property
+    def drivers(self) -> tuple[Driver, ...]:
+        return tuple(self._drivers[w] for w in self._ids)
 
     def set_installed_version(self, version: str | None, workers: Sequence[str] | None = None) -> None:
         """Record the version workers serve (a launcher knows the start-up version); declares nothing."""
         self._versions.record(version, workers)
 
-    async def _send_control(self, op: Operation, worker_id: str) -> HttpResponse | None:
-        req = self.wire.control(op, self._workers[worker_id])
-        if req is None:
-            return None
-        if req.timeout is None:
-            req = attrs.evolve(req, timeout=self.client.control_timeout)
+    @property
+    def inflight(self) -> tuple[str, ...]:
+        """Request ids whose ``generate`` call is in flight from this client and would be aborted by
+        cancelling it. Empty where the engines abort by id (no per-request bookkeeping there)."""
+        return tuple(self._inflight)
+
+    def _select(self, workers: Sequence[str] | None) -> tuple[str, ...]:
+        """Validate a worker selection; ``None`` = all."""
+        if workers is None:
+            return self._ids
+        if isinstance(workers, (str, bytes)) or not isinstance(workers, (list, tuple)):
+            raise InvalidRequest("workers", f"must be a list of worker ids or None, got {type(workers).__name__}")
+        for i, w in enumerate(workers):
+            if not isinstance(w, str) or w not in self._drivers:
+                raise InvalidRequest(f"workers[{i}]", f"unknown worker {w!r} (known: {sorted(self._drivers)})")
+        return tuple(workers)
+
+    def _require_pause_mode(self, mode: PauseMode | str) -> PauseMode:
         try:
-            return await self.client.send(req, worker=worker_id)
-        except RolloutBackendError as exc:
-            raise ControlFailed(op.name, [WorkerFailure(worker_id, op.name, str(exc))]) from exc
+            m = PauseMode(mode)
+        except (ValueError, TypeError):
+            raise InvalidRequest("mode", f"unknown pause mode {mode!r}") from None
+        if m not in self.capabilities.pause_modes:
+            raise Unsupported(f"pause_mode.{m.value}")
+        return m
+
+    def _require_transport(self, transport: WeightTransport) -> None:
+        if transport not in self.capabilities.weight_transports:
+            raise Unsupported(f"weight_transport.{transport.value}")
+
+    def _require_open(self, operation: str) -> None:
+        if self._closed:
+            raise BackendClosed(f"{self.name}: {operation} after aclose()")
 
     async def _control(self, op: Command, worker_id: str) -> None:
         """One command on one worker (the seam fault injection shadows: ``gpu_tier``)."""
-        resp = await self._send_control(op, worker_id)
-        if resp is not None:
-            self.wire.parse_control(op, self._workers[worker_id], resp)
-
-    async def _served_version(self, worker_id: str) -> str | None:
-        resp = await self._send_control(GetVersion(), worker_id)
-        return None if resp is None else self.wire.parse_version(self._workers[worker_id], resp)
+        await self._drivers[worker_id].control(op)
 
     async def _fan(self, op: Command, workers: Sequence[str] | None) -> None:
-        if self._closed:
-            raise BackendClosed(f"{self.name}: {op.name} after aclose()")
+        self._require_open(op.name)
         selected = self._select(workers)
         await fan_out(op.name, selected, lambda w: self._control(op, w))
 
     # -- data plane ---------------------------------------------------------------------------
 
-    async def generate(self, request: GenerateRequest) -> Generation:
-        """Generate; with ``RetryPolicy(generate_resends=N)`` (opt-in), resend up to N times, same
-        request id, after an error that guarantees no engine started the request
-        (``TransientError.nothing_generated``). Nothing else is ever resent: tokens are never
-        counted twice."""
-        # One coroutine for the whole call, resends included: a nested coroutine per call was
-        # measurable at hundreds of calls in flight (client-overhead benchmark).
-        if self._closed:
-            raise BackendClosed(f"{self.name}: generate after aclose()")
+    def _check_request(self, request: GenerateRequest) -> None:
+        """What the fleet refuses before any engine sees it (the declared vocabulary and context)."""
         if not isinstance(request, GenerateRequest):
             raise InvalidRequest("request", f"must be a GenerateRequest, got {type(request).__name__}")
         caps = self.capabilities
@@ -251,84 +348,53 @@ class HttpFleetBackend(BackendBase):
             raise InvalidRequest(
                 "input_ids", f"prompt of {len(request.input_ids)} tokens does not fit the context ({caps.max_context})"
             )
-        pinned = self.worker(request.worker) if request.worker is not None else None
-        if pinned is not None and not caps.worker_pinning:
-            raise Unsupported("worker_pinning")
-        http = self.wire.generate(request, pinned)
-        # The worker that served the call, when known without asking the engine.
-        known = pinned.id if pinned is not None else self._sole_worker
-        resends = self.client.retry.generate_resends
-        attempt = 0
-        while True:
-            t0 = time.perf_counter()
-            try:  # the send and the parse: either may raise a TransientError worth a resend
-                if self._abort_by_id:  # the hot path: no extra task per request
-                    resp = await self.client.send(http, worker=pinned.id if pinned else None)
-                else:
-                    resp_or_gen = await self._send_cancellable(request, http, pinned, t0)
-                    if isinstance(resp_or_gen, Generation):
-                        return resp_or_gen
-                    resp = resp_or_gen
-                gen = self.wire.parse_generation(request, resp, time.perf_counter() - t0, worker=known)
-                break
-            except TransientError as exc:
-                if not exc.nothing_generated or attempt >= resends:
-                    raise
-                attempt += 1
-                await asyncio.sleep(self.client.retry.delay(attempt))
+
+    async def generate(self, request: GenerateRequest) -> Generation:
+        """Generate on the pinned worker, else through the entry. Drivers may resend where nothing
+        can have been generated (HTTP: ``RetryPolicy.generate_resends``); tokens are never counted
+        twice."""
+        self._require_open("generate")
+        self._check_request(request)
+        if request.worker is not None:
+            target: Driver | Entry = self.driver(request.worker)
+            if not self.capabilities.worker_pinning:
+                raise Unsupported("worker_pinning")
+            known: str | None = request.worker
+        else:
+            target, known = self._entry, self._sole_worker
+        if self._abort_by_id:  # the hot path: no extra task per request
+            gen = await target.generate(request)
+        else:
+            gen = await self._generate_cancellable(target, request, known)
         if gen.worker is None and known is not None:
             gen = attrs.evolve(gen, worker=known)
         if gen.logprobs is not None and len(gen.logprobs) != len(gen.output_ids):
             raise ContractViolation("logprobs and output ids differ in length", worker=gen.worker)
-        if caps.version_source is VersionSource.STAMPED and gen.worker is not None:
+        if self.capabilities.version_source is VersionSource.STAMPED and gen.worker is not None:
             gen = attrs.evolve(gen, weight_version=self._versions.label(gen.worker))
         return gen
 
-    async def _send_cancellable(
-        self, request: GenerateRequest, http: HttpRequest, pinned: Worker | None, t0: float
-    ) -> HttpResponse | Generation:
-        """Send in a task of its own so ``abort(request_id)`` can cancel just this call (the server
-        sees a disconnect). A call cancelled that way yields an ABORT generation with no tokens."""
+    async def _generate_cancellable(
+        self, target: Driver | Entry, request: GenerateRequest, known: str | None
+    ) -> Generation:
+        """Generate in a task of its own so ``abort(request_id)`` can cancel just this call (an HTTP
+        server sees a disconnect). A call cancelled that way yields an ABORT generation, no tokens."""
         rid = request.request_id
-        send = asyncio.ensure_future(self.client.send(http, worker=pinned.id if pinned else None))
-        self._inflight[rid] = send
+        t0 = time.perf_counter()
+        task = asyncio.ensure_future(target.generate(request))
+        self._inflight[rid] = task
         try:
-            return await send
+            return await task
         except asyncio.CancelledError:
-            if rid in self._cancelled and send.cancelled() and not _cancelling():
-                return await self._cancelled_generation(request, pinned, time.perf_counter() - t0)
+            if rid in self._cancelled and task.cancelled() and not _cancelling():
+                return await self._cancelled_generation(request, known, time.perf_counter() - t0)
             raise
         finally:
-            if self._inflight.get(rid) is send:
+            if self._inflight.get(rid) is task:
                 del self._inflight[rid]
                 self._cancelled.discard(rid)
 
-    async def abort(self, request_id: str) -> None:
-        """Abort one request: by id on every worker where the wire can (the answer then carries
-        the partial tokens); else cancel this client's in-flight HTTP call, which the server sees
-        as a disconnect. A cancelled call returns ``FinishReason.ABORT`` with no tokens (what was
-        generated is lost with the connection)."""
-        if not isinstance(request_id, str) or not request_id:
-            raise InvalidRequest("request_id", f"must be a non-empty string, got {type(request_id).__name__}")
-        if self._abort_by_id:
-            # The router does not say which worker holds a request: ask every worker.
-            await self._fan(AbortRequest(request_id), None)
-            return
-        task = self._inflight.get(request_id)
-        if task is not None and not task.done():
-            self._cancelled.add(request_id)
-            task.cancel()
-
-    @property
-    def inflight(self) -> tuple[str, ...]:
-        """Request ids whose ``generate`` call is in flight from this client and would be aborted by
-        cancelling it. Empty where the engine aborts by id (no per-request bookkeeping there)."""
-        return tuple(self._inflight)
-
-    async def _cancelled_generation(
-        self, request: GenerateRequest, pinned: Worker | None, latency_s: float
-    ) -> Generation:
-        worker = pinned.id if pinned is not None else self._sole_worker
+    async def _cancelled_generation(self, request: GenerateRequest, worker: str | None, latency_s: float) -> Generation:
         version = self._versions.label(worker)
         if version is None and self.capabilities.version_source is not VersionSource.NONE:
             # No answer came back to carry it: the version is what the fleet serves (if it agrees).
@@ -347,6 +413,21 @@ class HttpFleetBackend(BackendBase):
             latency_s=latency_s,
         )
 
+    async def abort(self, request_id: str) -> None:
+        """Abort one request: by id on every worker where the drivers can (the answer then carries
+        the partial tokens); else cancel this client's in-flight call, which an HTTP server sees as
+        a disconnect. A cancelled call returns ``FinishReason.ABORT`` with no tokens."""
+        if not isinstance(request_id, str) or not request_id:
+            raise InvalidRequest("request_id", f"must be a non-empty string, got {type(request_id).__name__}")
+        if self._abort_by_id:
+            # The entry does not say which worker holds a request: ask every worker.
+            await self._fan(AbortRequest(request_id), None)
+            return
+        task = self._inflight.get(request_id)
+        if task is not None and not task.done():
+            self._cancelled.add(request_id)
+            task.cancel()
+
     async def abort_all(self, *, workers: Sequence[str] | None = None) -> None:
         await self._fan(AbortAll(), workers)
 
@@ -355,13 +436,23 @@ class HttpFleetBackend(BackendBase):
     async def pause(self, mode: PauseMode = PauseMode.RETRACT, *, workers: Sequence[str] | None = None) -> None:
         m = self._require_pause_mode(mode)
         selected = self._select(workers)
-        self._paused.update(selected)
+        self._require_open(Pause.name)
+        # Marked before the call: a worker whose pause failed half-way is not trusted as ready.
+        self._paused.update(dict.fromkeys(selected, m))
         await self._fan(Pause(m), selected)
 
     async def resume(self, *, workers: Sequence[str] | None = None) -> None:
         selected = self._select(workers)
-        await self._fan(Resume(), selected)
-        self._paused.difference_update(selected)
+        try:
+            await self._fan(Resume(), selected)
+        except ControlFailed as exc:
+            failed = {f.worker for f in exc.failures}
+            for w in selected:
+                if w not in failed:
+                    self._paused.pop(w, None)
+            raise
+        for w in selected:
+            self._paused.pop(w, None)
 
     # -- weights ------------------------------------------------------------------------------
 
@@ -370,11 +461,12 @@ class HttpFleetBackend(BackendBase):
         if not isinstance(group, WeightGroup):
             raise InvalidRequest("group", f"must be a WeightGroup, got {type(group).__name__}")
         selected = self._select(workers)
+        self._require_open(InitWeightGroup.name)
         offsets: dict[str, int] = {}
         cursor = group.rank_offset
         for w in selected:
             offsets[w] = cursor
-            cursor += self._workers[w].ranks
+            cursor += self._drivers[w].ranks
         if cursor > group.world_size:
             raise InvalidRequest(
                 "group.world_size", f"{group.world_size} is too small for {cursor - group.rank_offset} engine ranks"
@@ -404,6 +496,8 @@ class HttpFleetBackend(BackendBase):
     async def destroy_weight_group(
         self, group_name: str = "weight_update_group", *, workers: Sequence[str] | None = None
     ) -> None:
+        if not isinstance(group_name, str) or not group_name:
+            raise InvalidRequest("group_name", "must be a non-empty string")
         await self._fan(DestroyWeightGroup(group_name), workers)
 
     async def update_weights_from_tensors(
@@ -417,9 +511,11 @@ class HttpFleetBackend(BackendBase):
     ) -> None:
         self._require_transport(WeightTransport.TENSOR)
         _check_version(version)
+        if load_format is not None and not isinstance(load_format, str):
+            raise InvalidRequest("load_format", "must be a string or None")
         selected = self._select(workers)
+        # A bad pair is the caller's InvalidRequest (raised here, or by every driver: fan_out).
         tensors = NamedTensors.of(named_tensors)
-        tensors.payload()  # a bad pair is the caller's InvalidRequest, not a worker's failure
         op = UpdateFromTensors(tensors=tensors, version=version, flush_cache=flush_cache, load_format=load_format)
         await self._fan(op, selected)
         self._versions.relabelled(version, selected)
@@ -445,8 +541,7 @@ class HttpFleetBackend(BackendBase):
         self._versions.relabelled(version, selected)
 
     async def begin_weight_update(self, selector: str = "all", *, workers: Sequence[str] | None = None) -> None:
-        if not isinstance(selector, str) or not selector:
-            raise InvalidRequest("selector", "must be a non-empty string")
+        _check_selector(selector)
         await self._fan(BeginWeightUpdate(selector), workers)
 
     async def end_weight_update(self, *, workers: Sequence[str] | None = None) -> None:
@@ -462,10 +557,24 @@ class HttpFleetBackend(BackendBase):
     async def weight_versions(self) -> Mapping[str, str | None]:
         if self.capabilities.version_source is not VersionSource.RESPONSE:
             return self._versions.labels
-        return await fan_out(GetVersion.name, self.workers, self._served_version)
+        return await fan_out(GetVersion.name, self._ids, lambda w: self._drivers[w].served_version())
+
+    async def weight_version(self) -> str | None:
+        return self._versions.fleet_version(await self.weight_versions())
+
+    def expect_version(self, version: str | None) -> None:
+        """Declare the version every worker should serve (see ``RolloutBackend.expect_version``)."""
+        self._versions.declare(version)
 
     async def flush_cache(self, *, workers: Sequence[str] | None = None) -> None:
         await self._fan(FlushCache(), workers)
+
+    def weight_update(
+        self, version: str, *, mode: PauseMode = PauseMode.RETRACT, selector: str = "all"
+    ) -> AbstractAsyncContextManager[WeightUpdateTransaction]:
+        """A weight-update transaction; see :func:`rollout_backends.weight_update`."""
+        self._require_pause_mode(mode)
+        return weight_update(self, version, mode=mode, selector=selector)
 
     # -- memory -------------------------------------------------------------------------------
 
@@ -485,13 +594,11 @@ class HttpFleetBackend(BackendBase):
 
     # -- health -------------------------------------------------------------------------------
 
-    async def _probe(self, probe: Probe, worker_id: str) -> tuple[bool | None, str | None]:
+    async def _probe(self, op: Probe, worker_id: str) -> tuple[bool | None, str | None]:
         try:
-            resp = await self._send_control(probe, worker_id)
-            result = None if resp is None else self.wire.parse_probe(probe, self._workers[worker_id], resp)
+            return await self._drivers[worker_id].probe(op), None
         except RolloutBackendError as exc:
             return False, str(exc)
-        return result, None
 
     async def _worker_health(self, worker_id: str, probe: bool, expected: str | None) -> WorkerHealth:
         live, err = await self._probe(Live(), worker_id)
@@ -501,58 +608,78 @@ class HttpFleetBackend(BackendBase):
         if live:
             ready, err2 = await self._probe(Ready(), worker_id)
             err = err or err2
-            # No readiness route (None) means ready when live; a worker we paused is never ready.
-            ready = (ready is None or bool(ready)) and worker_id not in self._paused
-            if probe:
+            paused = self._paused.get(worker_id)
+            # No readiness probe (None) means ready when live; a worker we paused is never ready.
+            ready = (ready is None or bool(ready)) and paused is None
+            if probe and paused is not None:
+                # It cannot make progress, and asking costs: stock SGLang's generating health route
+                # waits ~20 s on a paused server before it answers 503 (3cdbb61).
+                progress = False
+                err = err or f"paused ({paused.value}) by this fleet"
+            elif probe:
                 progress, err3 = await self._probe(Progress(), worker_id)
                 err = err or err3
             if self.capabilities.version_source is VersionSource.RESPONSE:
                 try:
-                    version = await self._served_version(worker_id)
+                    version = await self._drivers[worker_id].served_version()
                 except RolloutBackendError as exc:
                     err = err or str(exc)
             else:
                 version = self._versions.label(worker_id)
-        stale = VersionBook.is_stale(version, expected=expected, live=live is True)
         return WorkerHealth(
             worker=worker_id,
             live=bool(live),
             ready=bool(ready),
             making_progress=progress,
             weight_version=version,
-            stale=stale,
+            stale=VersionBook.is_stale(version, expected=expected, live=live is True),
             error=err,
         )
 
     async def health(self, *, probe: bool = False) -> HealthReport:
         expected = self._versions.expected
-        results = await asyncio.gather(*(self._worker_health(w, probe, expected) for w in self.workers))
-        router_live = await self._router_live()
+        results = await asyncio.gather(*(self._worker_health(w, probe, expected) for w in self._ids))
+        try:
+            router_live = await self._entry.live()
+        except RolloutBackendError:
+            router_live = False
         return HealthReport(workers=tuple(results), expected_version=expected, router_live=router_live)
 
-    async def _router_live(self) -> bool | None:
-        """Whether the entry point answers; adapters with a router override ``router_health``."""
-        http = self.wire.router_health()
-        if http is None:
-            return None
-        try:
-            resp = await self.client.send(attrs.evolve(http, timeout=http.timeout or 5.0))
-        except RolloutBackendError:
-            return False
-        return bool(resp.ok)
-
-    async def aclose(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        try:
-            await self.client.aclose()
-        finally:
-            if self._on_close is not None:
-                result = self._on_close()
-                if asyncio.iscoroutine(result):
-                    await result
+    async def wait_ready(self, timeout: float = 60.0) -> HealthReport:
+        return await wait_ready(self, timeout)
 
     def require_live(self, report: HealthReport) -> None:
         if not report.any_ready:
             raise BackendUnavailable(f"{self.name}: no worker is ready ({', '.join(report.unhealthy_workers)})")
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    async def aclose(self) -> None:
+        """Close the entry and every driver (each even if another fails), then run ``on_close``."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            closing = [self._entry.aclose(), *(d.aclose() for d in self.drivers)]
+            errors = [r for r in await asyncio.gather(*closing, return_exceptions=True) if isinstance(r, BaseException)]
+            if errors:
+                raise errors[0]
+        finally:
+            if self._on_close is not None:
+                result = self._on_close()
+                if inspect.isawaitable(result):
+                    await result
+
+    async def __aenter__(self: _F) -> _F:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.name} workers={list(self._ids)}>"

@@ -31,7 +31,7 @@ from rollout_backends._errors import BackendUnavailable, InvalidRequest, Unsuppo
 from rollout_backends._supervisor import ProcessSpec, ReadyProgress, Supervisor, free_port
 
 if TYPE_CHECKING:
-    from rollout_backends._fleet import HttpFleetBackend
+    from rollout_backends._http_driver import HttpFleetBackend
 
 __all__ = [
     "ConnectableEngine",

@@ -13,11 +13,12 @@ bool. Each has a ``name``: the protocol method it serves, which error messages c
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar, NoReturn, TypeAlias
 
 import attrs
 
+from rollout_backends._errors import InvalidRequest
 from rollout_backends._types import MemoryTag, PauseMode, WeightBucket, WeightGroup
 
 __all__ = [
@@ -61,7 +62,19 @@ class NamedTensors:
 
     @classmethod
     def of(cls, named_tensors: Sequence[tuple[str, Any]]) -> NamedTensors:
-        return cls(tuple(named_tensors))
+        """The pairs, checked for shape only (``InvalidRequest`` naming a bad one): what a tensor
+        is, is the engine's to say (``payload`` for SGLang; an in-process engine its own)."""
+        kind = type(named_tensors).__name__
+        if isinstance(named_tensors, (str, bytes, Mapping)):
+            raise InvalidRequest("named_tensors", f"must be a list of (name, tensor) pairs, got {kind}")
+        try:
+            items = tuple(named_tensors)
+        except TypeError:
+            raise InvalidRequest("named_tensors", f"must be a list of (name, tensor) pairs, got {kind}") from None
+        for i, item in enumerate(items):
+            if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)):
+                raise InvalidRequest(f"named_tensors[{i}]", "must be a (name, tensor) pair")
+        return cls(items)
 
     def payload(self) -> str:
         """SGLang's ``serialized_named_tensors`` entry (``InvalidRequest`` naming a bad pair)."""

@@ -9,8 +9,8 @@ processes (supervisor, engine and entry commands) is ``rollout_backends.launch``
 imports the core through those three doors only (``tests/test_import_contract.py``).
 """
 
-from rollout_backends._base import BackendBase, fan_out
-from rollout_backends._fleet import HttpFleetBackend, Wire, Worker
+from rollout_backends._base import BackendBase
+from rollout_backends._fleet import Driver, Entry, Fleet, RoundRobin, fan_out
 from rollout_backends._http import (
     AiohttpTransport,
     HttpClient,
@@ -24,6 +24,7 @@ from rollout_backends._http import (
     normalise_url,
     worker_id_of,
 )
+from rollout_backends._http_driver import HttpDriver, HttpEntry, HttpFleetBackend, Wire, Worker
 from rollout_backends._ops import (
     FLUSH_WAIT_S,
     AbortAll,
@@ -56,6 +57,12 @@ from rollout_backends._types import ensure_tags
 from rollout_backends._versions import VersionBook
 
 __all__ = [
+    "HttpEntry",
+    "HttpDriver",
+    "RoundRobin",
+    "Fleet",
+    "Entry",
+    "Driver",
     "AbortAll",
     "AbortRequest",
     "AiohttpTransport",

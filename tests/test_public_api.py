@@ -20,7 +20,8 @@ EXPECTED_TOP = {
 }  # fmt: skip
 
 EXPECTED_KIT = {
-    "AiohttpTransport", "BackendBase", "HttpClient", "HttpFleetBackend", "HttpRequest",
+    "AiohttpTransport", "BackendBase", "Driver", "Entry", "Fleet", "HttpClient", "HttpDriver", "HttpEntry",
+    "HttpFleetBackend", "HttpRequest", "RoundRobin",
     "HttpResponse", "MockTransport", "RetryPolicy", "Transport", "VersionBook", "Wire", "Worker",
     "AbortAll", "AbortRequest", "BeginWeightUpdate", "Command", "DestroyWeightGroup", "EndWeightUpdate",
     "FLUSH_WAIT_S", "FlushCache", "GetVersion", "InitWeightGroup", "Live", "NamedTensors", "Operation", "Pause",

@@ -313,3 +313,37 @@ def test_flush_waits_for_idle_through_sglangs_timeout_query() -> None:
     assert default is not None and default.url == f"http://h:1/flush_cache?timeout={FLUSH_WAIT_S:g}"
     now = w.control(FlushCache(wait_s=0.0), worker)
     assert now is not None and now.url == "http://h:1/flush_cache?timeout=0"
+
+
+async def test_the_progress_probe_skips_the_workers_this_fleet_paused() -> None:
+    """health(probe=True) asked a paused stock server to generate (20 s, then 503): not any more."""
+    from tests.fake_sglang import FakeSGLangFleet
+
+    fleet = FakeSGLangFleet(2)
+    backend = fleet.backend()
+    paused_url, running_url = list(fleet.workers)
+    await backend.pause(rb.PauseMode.RETRACT, workers=["w0"])
+    fleet.calls.clear()
+    report = await backend.health(probe=True)
+    assert not [p for b, p, _ in fleet.calls if b == paused_url and p in ("/health", "/health_generate")]
+    assert "/health_generate" in fleet.paths(running_url)
+    paused, running = report.worker("w0"), report.worker("w1")
+    assert paused.live and not paused.ready and paused.making_progress is False and "paused" in (paused.error or "")
+    assert running.ready and running.making_progress is True
+    await backend.resume(workers=["w0"])
+    report = await backend.health(probe=True)
+    assert all(w.ready and w.making_progress for w in report.workers), report
+
+
+async def test_a_bad_tensor_is_the_callers_invalid_request_not_a_worker_failure() -> None:
+    backend, t = _backend(lambda r: HttpResponse.from_json({"success": True}), n=2)
+    with pytest.raises(rb.InvalidRequest) as info:
+        await backend.update_weights_from_tensors([("w", "not a tensor")])
+    assert info.value.field == "named_tensors[0]"
+    with pytest.raises(rb.InvalidRequest) as info:
+        await backend.update_weights_from_tensors([["w", 1]])  # type: ignore[list-item]
+    assert info.value.field == "named_tensors[0]"
+    with pytest.raises(rb.InvalidRequest) as info:
+        await backend.pause(workers=[])
+    assert info.value.field == "workers"
+    assert t.requests == []

@@ -30,7 +30,7 @@ from rollout_backends import (
     WeightBucket,
     WeightGroup,
 )
-from rollout_backends._fleet import HttpFleetBackend
+from rollout_backends.kit import HttpFleetBackend
 from rollout_backends.adapters.dynamo import DynamoFleet, RunningDynamoFleet, launch_dynamo_fleet, open_from_url
 from rollout_backends.adapters.dynamo._detok import load_text_decoder
 from rollout_backends.adapters.dynamo._wire import generate_instances, is_sse
@@ -81,7 +81,7 @@ async def test_capabilities(fleet: tuple[RunningDynamoFleet, HttpFleetBackend]) 
     assert caps.version_source.value == "response" and caps.worker_pinning and caps.logprobs
     assert set(caps.pause_modes) == set(PauseMode) and caps.vocab_size == 512 and caps.max_context == 4096
     assert b.wire.flavor == "rollout"  # type: ignore[attr-defined]
-    assert all(w.instance_id is not None for w in b._workers.values())
+    assert all(b.worker(w).instance_id is not None for w in b.workers)
     report = await b.health(probe=True)
     assert report.ready and report.router_live and all(w.making_progress for w in report.workers)
     assert await b.weight_version() == "default"
@@ -323,7 +323,7 @@ async def test_pause_modes(
         # the worker and routes to it, and what it sends there waits for resume. Only the adapter
         # knows it is paused (its health says not ready).
         listed = {i["instance_id"] for i in generate_instances(await running.frontend_health(), running.namespace)}
-        assert b._workers[w].instance_id in listed
+        assert b.worker(w).instance_id in listed
         if mode is PauseMode.ABORT:
             g = await asyncio.wait_for(task, 10)
             assert g.aborted and 0 < len(g.output_ids) < 500

@@ -24,7 +24,7 @@ from rollout_backends import (
     Unsupported,
     WeightGroup,
 )
-from rollout_backends._fleet import HttpFleetBackend, Worker
+from rollout_backends.kit import HttpFleetBackend, Worker
 from rollout_backends._http import HttpClient, HttpRequest, HttpResponse, MockTransport
 from rollout_backends.adapters.dynamo import DynamoFleet, DynamoWire
 from rollout_backends.adapters.dynamo._launcher import _WorkerPorts, frontend_argv, worker_argv, worker_env

@@ -13,7 +13,7 @@ import aiohttp
 import pytest
 
 from rollout_backends import ControlFailed, GenerateRequest, InvalidRequest, SamplingParams
-from rollout_backends._fleet import HttpFleetBackend
+from rollout_backends.kit import HttpFleetBackend
 from rollout_backends._http import HttpClient
 from rollout_backends._supervisor import ProcessSpec, ReadyCheck, Supervisor, free_port, redact_argv
 from rollout_backends.adapters.dynamo._launcher import (

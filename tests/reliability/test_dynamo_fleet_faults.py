@@ -22,7 +22,7 @@ import pytest_asyncio
 
 from rb_bench.soak import LoadReport, run_load
 from rollout_backends import GenerateRequest, SamplingParams
-from rollout_backends._fleet import HttpFleetBackend
+from rollout_backends.kit import HttpFleetBackend
 from rollout_backends._http import HttpClient, RetryPolicy
 from rollout_backends.adapters.dynamo import DynamoFleet, RunningDynamoFleet, launch_dynamo_fleet
 

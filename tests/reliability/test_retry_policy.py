@@ -19,7 +19,7 @@ from rollout_backends import (
     SamplingParams,
     TransientError,
 )
-from rollout_backends._fleet import HttpFleetBackend, Worker
+from rollout_backends.kit import HttpFleetBackend, Worker
 from rollout_backends._http import HttpClient, HttpRequest, HttpResponse, MockTransport, RetryPolicy
 from rollout_backends._supervisor import free_port
 from rollout_backends.adapters.dynamo._wire import DynamoWire

@@ -32,7 +32,7 @@ from rollout_backends import (
     SamplingParams,
     WeightUpdateFailed,
 )
-from rollout_backends._fleet import HttpFleetBackend
+from rollout_backends.kit import HttpFleetBackend
 from rollout_backends._http import HttpClient
 from rollout_backends._supervisor import redact_argv
 from rollout_backends.adapters.sglang import SGLangFleet, SGLangFleetConfig, launch_sglang_fleet
