@@ -1,16 +1,16 @@
-"""``ReferenceBackend``: the full ``RolloutBackend`` protocol, in process, over N ReferenceEngines.
+"""``ReferenceBackend``: the ``Fleet`` over N in-process ``ReferenceEngine``s, one ``ReferenceDriver`` each.
 
 It is the backend the conformance suite is validated against and the one RL code can be unit
 tested with on CPU: every capability is declared, and every numeric result is reproducible.
-Engine refusals (``EngineError``) become ``ControlFailed`` naming the worker, through ``fan_out``.
+The protocol (validation, fan-out, versions, health, the transaction) is the fleet's; the driver
+only turns each operation into an engine call.
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, unquote, urlparse
@@ -20,24 +20,43 @@ from rollout_backends import (
     Capabilities,
     GenerateRequest,
     Generation,
-    HealthReport,
     InvalidRequest,
     MemoryTag,
     PauseMode,
     RoutingKind,
     SamplingParams,
     VersionSource,
-    WeightBucket,
-    WeightGroup,
     WeightTransport,
-    WorkerHealth,
 )
-from rollout_backends.kit import BackendBase, VersionBook, ensure_tags, fan_out
+from rollout_backends.kit import (
+    AbortAll,
+    AbortRequest,
+    BeginWeightUpdate,
+    Command,
+    DestroyWeightGroup,
+    EndWeightUpdate,
+    Fleet,
+    FlushCache,
+    InitWeightGroup,
+    Live,
+    Pause,
+    Probe,
+    Progress,
+    Ready,
+    ReleaseMemory,
+    Resume,
+    ResumeMemory,
+    SetVersion,
+    UpdateFromDisk,
+    UpdateFromDistributed,
+    UpdateFromTensors,
+    unhandled,
+)
 
 from ._engine import EngineError, ReferenceEngine
 from ._model import SIZES, make_tiny_model
 
-__all__ = ["ReferenceBackend", "cached_tiny_model", "default_cache_dir", "open_from_url"]
+__all__ = ["ReferenceBackend", "ReferenceDriver", "cached_tiny_model", "default_cache_dir", "open_from_url"]
 
 _PROBE_TIMEOUT_S = 10.0
 
@@ -70,24 +89,152 @@ def cached_tiny_model(seed: int = 0, size: str = "tiny") -> Path:
     return final
 
 
-class ReferenceBackend(BackendBase):
-    """In-process backend over ``ReferenceEngine``s: round-robin routing, pinning by worker id."""
+class ReferenceDriver:
+    """One ``ReferenceEngine`` as a fleet ``Driver``: operations become engine calls, in process.
+
+    Engine refusals (``EngineError``) become ``ControlFailed`` naming the worker (``fan_out``).
+    """
+
+    __slots__ = ("_caps", "_owns", "engine")
+
+    def __init__(self, engine: ReferenceEngine, capabilities: Capabilities, *, owns_engine: bool = True) -> None:
+        self.engine = engine
+        self._caps = capabilities
+        self._owns = owns_engine
+
+    @property
+    def id(self) -> str:
+        return self.engine.worker_id
+
+    @property
+    def capabilities(self) -> Capabilities:
+        return self._caps
+
+    @property
+    def aborts_by_id(self) -> bool:
+        return True
+
+    @property
+    def ranks(self) -> int:
+        return 1
+
+    async def generate(self, request: GenerateRequest) -> Generation:
+        try:
+            return await self.engine.generate(request)
+        except EngineError as exc:
+            raise BackendUnavailable(str(exc), worker=self.id) from exc
+
+    async def control(self, op: Command) -> None:
+        e = self.engine
+        match op:
+            case AbortRequest():
+                await e.abort(op.request_id)
+            case AbortAll():
+                await e.abort_all()
+            case Pause():
+                await e.pause(op.mode)
+            case Resume():
+                await e.resume()
+            case FlushCache():
+                await e.flush_cache()
+            case InitWeightGroup():
+                g = op.group
+                await e.init_weight_group(
+                    g.master_address,
+                    g.master_port,
+                    op.rank_offset,
+                    g.world_size,
+                    group_name=g.group_name,
+                    backend=g.backend,
+                )
+            case DestroyWeightGroup():
+                await e.destroy_weight_group(op.group_name)
+            case UpdateFromDistributed():
+                b = op.bucket
+                await e.update_weights_from_distributed(
+                    b.names,
+                    b.dtypes,
+                    b.shapes,
+                    group_name=op.group_name,
+                    version=op.version,
+                    flush_cache=op.flush_cache,
+                )
+            case UpdateFromTensors():
+                await e.update_weights_from_tensors(
+                    list(op.tensors.items), version=op.version, flush_cache=op.flush_cache, load_format=op.load_format
+                )
+            case UpdateFromDisk():
+                await e.update_weights_from_disk(
+                    op.path, load_format=op.load_format, version=op.version, flush_cache=op.flush_cache
+                )
+            case BeginWeightUpdate():
+                await e.begin_weight_update(op.selector)
+            case EndWeightUpdate():
+                await e.end_weight_update()
+            case SetVersion():
+                await e.set_weight_version(op.version)
+            case ReleaseMemory():
+                await e.release_memory(op.tags)
+            case ResumeMemory():
+                await e.resume_memory(op.tags)
+            case _:
+                unhandled(op)
+
+    async def probe(self, op: Probe) -> bool | None:
+        h = self.engine.health()
+        match op:
+            case Live():
+                if not h.live:
+                    raise BackendUnavailable("engine closed", worker=self.id)
+                return True
+            case Ready():
+                if h.ready or not h.live:
+                    return h.ready
+                why = [f"paused ({h.paused.value})"] if h.paused is not None else []
+                why += [f"{t.value} released" for t in h.released if t is not MemoryTag.CUDA_GRAPH]
+                if why:
+                    raise BackendUnavailable(", ".join(why), worker=self.id)
+                return False
+            case Progress():
+                # A paused or memory-released engine would block the probe: no progress.
+                return h.ready and await self._generates_one_token()
+            case _:
+                unhandled(op)
+
+    async def _generates_one_token(self) -> bool:
+        request = GenerateRequest(
+            input_ids=(0,),
+            sampling=SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True),
+            worker=self.id,
+        )
+        try:
+            gen = await asyncio.wait_for(self.engine.generate(request), _PROBE_TIMEOUT_S)
+        except (asyncio.TimeoutError, EngineError):
+            return False
+        return len(gen.output_ids) == 1
+
+    async def served_version(self) -> str | None:
+        return self.engine.weight_version
+
+    async def aclose(self) -> None:
+        if self._owns:
+            await self.engine.aclose()
+
+    def __repr__(self) -> str:
+        return f"<ReferenceDriver {self.engine!r}>"
+
+
+class ReferenceBackend(Fleet):
+    """The fleet over in-process ``ReferenceEngine``s: round-robin routing, pinning by worker id.
+
+    Only construction and engine access are here; the protocol is ``Fleet``'s.
+    """
 
     def __init__(self, engines: Sequence[ReferenceEngine], *, owns_engines: bool = True) -> None:
         if not engines:
-            raise ValueError("ReferenceBackend needs at least one engine")
-        ids = [e.worker_id for e in engines]
-        if len(set(ids)) != len(ids):
-            raise ValueError(f"worker ids must be unique, got {ids}")
-        self._engines: dict[str, ReferenceEngine] = {e.worker_id: e for e in engines}
-        self._ids = tuple(ids)
-        self._rr = itertools.cycle(self._ids)
-        self._owns = owns_engines
+            raise InvalidRequest("engines", "a reference fleet needs at least one engine")
         first = engines[0]
-        self._versions = VersionBook(ids)
-        for e in engines:
-            self._versions.record(e.weight_version, [e.worker_id])
-        self.capabilities = Capabilities(
+        caps = Capabilities(
             pause_modes=set(PauseMode),
             weight_transports=set(WeightTransport),
             memory_release=True,
@@ -105,6 +252,11 @@ class ReferenceBackend(BackendBase):
             max_context=first.max_context,
             vocab_size=first.vocab_size,
         )
+        drivers = [ReferenceDriver(e, caps, owns_engine=owns_engines) for e in engines]
+        super().__init__(drivers, capabilities=caps, name="reference")
+        self._engines: dict[str, ReferenceEngine] = {e.worker_id: e for e in engines}
+        for e in engines:
+            self.set_installed_version(e.weight_version, [e.worker_id])
 
     @classmethod
     def create(
@@ -140,226 +292,14 @@ class ReferenceBackend(BackendBase):
         ]
         return cls(engines)
 
-    # -- introspection ----------------------------------------------------------------------
-
-    @property
-    def workers(self) -> tuple[str, ...]:
-        return self._ids
-
     def engine(self, worker: str) -> ReferenceEngine:
         """The engine behind a worker id (for tests and debugging)."""
-        try:
-            return self._engines[worker]
-        except KeyError:
-            raise InvalidRequest("worker", f"unknown worker {worker!r} (known: {list(self._ids)})") from None
+        self.driver(worker)
+        return self._engines[worker]
 
     @property
     def engines(self) -> tuple[ReferenceEngine, ...]:
-        return tuple(self._engines[w] for w in self._ids)
-
-    # -- data plane -------------------------------------------------------------------------
-
-    async def generate(self, request: GenerateRequest) -> Generation:
-        if request.worker is not None:
-            if request.worker not in self._engines:
-                raise InvalidRequest("worker", f"unknown worker {request.worker!r} (known: {list(self._ids)})")
-            worker = request.worker
-        else:
-            worker = next(self._rr)
-        try:
-            return await self._engines[worker].generate(request)
-        except EngineError as exc:
-            raise BackendUnavailable(str(exc), worker=worker) from exc
-
-    async def abort(self, request_id: str) -> None:
-        for engine in self._engines.values():
-            await engine.abort(request_id)
-
-    async def abort_all(self, *, workers: Sequence[str] | None = None) -> None:
-        await fan_out("abort_all", self._select(workers), lambda w: self._engines[w].abort_all())
-
-    # -- pause ------------------------------------------------------------------------------
-
-    async def pause(self, mode: PauseMode = PauseMode.RETRACT, *, workers: Sequence[str] | None = None) -> None:
-        m = self._require_pause_mode(mode)
-        await fan_out("pause", self._select(workers), lambda w: self._engines[w].pause(m))
-
-    async def resume(self, *, workers: Sequence[str] | None = None) -> None:
-        await fan_out("resume", self._select(workers), lambda w: self._engines[w].resume())
-
-    # -- weights ----------------------------------------------------------------------------
-
-    async def init_weight_group(self, group: WeightGroup, *, workers: Sequence[str] | None = None) -> None:
-        selected = self._select(workers)
-        if group.rank_offset + len(selected) > group.world_size:
-            raise InvalidRequest(
-                "group.world_size",
-                f"{len(selected)} worker(s) from rank {group.rank_offset} do not fit in world_size {group.world_size}",
-            )
-        ranks = {w: group.rank_offset + i for i, w in enumerate(selected)}
-        await fan_out(
-            "init_weight_group",
-            selected,
-            lambda w: self._engines[w].init_weight_group(
-                group.master_address,
-                group.master_port,
-                ranks[w],
-                group.world_size,
-                group_name=group.group_name,
-                backend=group.backend,
-            ),
-        )
-
-    async def update_weights_from_distributed(
-        self,
-        bucket: WeightBucket,
-        *,
-        group_name: str = "weight_update_group",
-        version: str | None = None,
-        flush_cache: bool = True,
-        workers: Sequence[str] | None = None,
-    ) -> None:
-        if not isinstance(bucket, WeightBucket):
-            raise InvalidRequest("bucket", f"must be a WeightBucket, got {type(bucket).__name__}")
-        selected = self._select(workers)
-        await fan_out(
-            "update_weights_from_distributed",
-            selected,
-            lambda w: self._engines[w].update_weights_from_distributed(
-                bucket.names,
-                bucket.dtypes,
-                bucket.shapes,
-                group_name=group_name,
-                version=version,
-                flush_cache=flush_cache,
-            ),
-        )
-        self._versions.relabelled(version, selected)
-
-    async def destroy_weight_group(
-        self, group_name: str = "weight_update_group", *, workers: Sequence[str] | None = None
-    ) -> None:
-        await fan_out(
-            "destroy_weight_group", self._select(workers), lambda w: self._engines[w].destroy_weight_group(group_name)
-        )
-
-    async def update_weights_from_tensors(
-        self,
-        named_tensors: Sequence[tuple[str, Any]],
-        *,
-        version: str | None = None,
-        flush_cache: bool = True,
-        load_format: str | None = None,
-        workers: Sequence[str] | None = None,
-    ) -> None:
-        named = list(named_tensors)
-        selected = self._select(workers)
-        await fan_out(
-            "update_weights_from_tensors",
-            selected,
-            lambda w: self._engines[w].update_weights_from_tensors(
-                named, version=version, flush_cache=flush_cache, load_format=load_format
-            ),
-        )
-        self._versions.relabelled(version, selected)
-
-    async def update_weights_from_disk(
-        self,
-        path: str,
-        *,
-        version: str | None = None,
-        load_format: str | None = None,
-        flush_cache: bool = True,
-        workers: Sequence[str] | None = None,
-    ) -> None:
-        selected = self._select(workers)
-        await fan_out(
-            "update_weights_from_disk",
-            selected,
-            lambda w: self._engines[w].update_weights_from_disk(
-                path, load_format=load_format, version=version, flush_cache=flush_cache
-            ),
-        )
-        self._versions.relabelled(version, selected)
-
-    async def begin_weight_update(self, selector: str = "all", *, workers: Sequence[str] | None = None) -> None:
-        await fan_out("begin", self._select(workers), lambda w: self._engines[w].begin_weight_update(selector))
-
-    async def end_weight_update(self, *, workers: Sequence[str] | None = None) -> None:
-        await fan_out("end", self._select(workers), lambda w: self._engines[w].end_weight_update())
-
-    async def set_weight_version(self, version: str, *, workers: Sequence[str] | None = None) -> None:
-        if not isinstance(version, str) or not version:
-            raise InvalidRequest("version", "must be a non-empty string")
-        selected = self._select(workers)
-        await fan_out("set_weight_version", selected, lambda w: self._engines[w].set_weight_version(version))
-        self._versions.relabelled(version, selected)
-
-    async def weight_versions(self) -> Mapping[str, str | None]:
-        return {w: self._engines[w].weight_version for w in self._ids}
-
-    async def flush_cache(self, *, workers: Sequence[str] | None = None) -> None:
-        await fan_out("flush_cache", self._select(workers), lambda w: self._engines[w].flush_cache())
-
-    # -- memory -----------------------------------------------------------------------------
-
-    async def release_memory(
-        self, tags: Sequence[MemoryTag | str] | None = None, *, workers: Sequence[str] | None = None
-    ) -> None:
-        checked = ensure_tags(tags)
-        await fan_out("release_memory", self._select(workers), lambda w: self._engines[w].release_memory(checked))
-
-    async def resume_memory(
-        self, tags: Sequence[MemoryTag | str] | None = None, *, workers: Sequence[str] | None = None
-    ) -> None:
-        checked = ensure_tags(tags)
-        await fan_out("resume_memory", self._select(workers), lambda w: self._engines[w].resume_memory(checked))
-
-    # -- health / lifecycle -----------------------------------------------------------------
-
-    async def _probe(self, worker: str) -> bool:
-        request = GenerateRequest(
-            input_ids=(0,),
-            sampling=SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True),
-            worker=worker,
-        )
-        try:
-            gen = await asyncio.wait_for(self._engines[worker].generate(request), _PROBE_TIMEOUT_S)
-        except (asyncio.TimeoutError, EngineError):
-            return False
-        return len(gen.output_ids) == 1
-
-    async def health(self, *, probe: bool = False) -> HealthReport:
-        expected = self._versions.expected
-        out: list[WorkerHealth] = []
-        for w in self._ids:
-            h = self._engines[w].health()
-            progress: bool | None = None
-            if probe:
-                # A paused or memory-released engine would block the probe: report no progress.
-                progress = await self._probe(w) if h.ready else False
-            error = None
-            if not h.ready and h.live:
-                why = [f"paused ({h.paused.value})"] if h.paused is not None else []
-                why += [f"{t.value} released" for t in h.released if t is not MemoryTag.CUDA_GRAPH]
-                error = ", ".join(why) or None
-            out.append(
-                WorkerHealth(
-                    worker=w,
-                    live=h.live,
-                    ready=h.ready,
-                    making_progress=progress,
-                    weight_version=h.weight_version,
-                    stale=VersionBook.is_stale(h.weight_version, expected=expected, live=h.live),
-                    error=error if h.live else "engine closed",
-                )
-            )
-        return HealthReport(workers=tuple(out), expected_version=expected, router_live=None)
-
-    async def aclose(self) -> None:
-        if self._owns:
-            for engine in self._engines.values():
-                await engine.aclose()
+        return tuple(self._engines[w] for w in self.workers)
 
 
 def open_from_url(url: str, **kw: Any) -> ReferenceBackend:
