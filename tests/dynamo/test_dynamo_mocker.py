@@ -19,8 +19,8 @@ import pytest
 import pytest_asyncio
 
 from rollout_backends import GenerateRequest, SamplingParams, TransientError
-from rollout_backends.kit import HttpFleetBackend
 from rollout_backends.adapters.dynamo import DynamoFleet, RunningDynamoFleet, launch_dynamo_fleet
+from rollout_backends.kit import HttpFleetBackend
 
 from .conftest import HAS_DYNAMO
 

@@ -30,11 +30,11 @@ from rollout_backends import (
     WeightBucket,
     WeightGroup,
 )
-from rollout_backends.kit import HttpFleetBackend
 from rollout_backends.adapters.dynamo import DynamoFleet, RunningDynamoFleet, launch_dynamo_fleet, open_from_url
 from rollout_backends.adapters.dynamo._detok import load_text_decoder
 from rollout_backends.adapters.dynamo._wire import generate_instances, is_sse
 from rollout_backends.adapters.reference import ReferenceBackend, WeightSender, free_port
+from rollout_backends.kit import HttpFleetBackend
 
 from .conftest import HAS_DYNAMO
 from .test_detok import expected_text, frontend_decoder_would_panic

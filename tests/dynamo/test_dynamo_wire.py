@@ -24,7 +24,6 @@ from rollout_backends import (
     Unsupported,
     WeightGroup,
 )
-from rollout_backends.kit import HttpFleetBackend, Worker
 from rollout_backends._http import HttpClient, HttpRequest, HttpResponse, MockTransport
 from rollout_backends.adapters.dynamo import DynamoFleet, DynamoWire
 from rollout_backends.adapters.dynamo._launcher import _WorkerPorts, frontend_argv, worker_argv, worker_env
@@ -34,6 +33,7 @@ from rollout_backends.kit import (
     AbortAll,
     AbortRequest,
     FlushCache,
+    HttpFleetBackend,
     InitWeightGroup,
     NamedTensors,
     Pause,
@@ -41,6 +41,7 @@ from rollout_backends.kit import (
     SetVersion,
     UpdateFromDisk,
     UpdateFromTensors,
+    Worker,
 )
 
 W0 = Worker(id="127.0.0.1:21001", control_url="http://127.0.0.1:21001", instance_id=111)

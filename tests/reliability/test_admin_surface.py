@@ -13,7 +13,6 @@ import aiohttp
 import pytest
 
 from rollout_backends import ControlFailed, GenerateRequest, InvalidRequest, SamplingParams
-from rollout_backends.kit import HttpFleetBackend
 from rollout_backends._http import HttpClient
 from rollout_backends._supervisor import ProcessSpec, ReadyCheck, Supervisor, free_port, redact_argv
 from rollout_backends.adapters.dynamo._launcher import (
@@ -26,6 +25,7 @@ from rollout_backends.adapters.dynamo._launcher import (
 from rollout_backends.adapters.sglang import SGLangFleetConfig
 from rollout_backends.adapters.sglang._launcher import router_argv
 from rollout_backends.adapters.sglang._launcher import worker_argv as sglang_worker_argv
+from rollout_backends.kit import HttpFleetBackend
 
 from .conftest import is_loopback, listening_addresses
 

@@ -22,9 +22,9 @@ import pytest_asyncio
 
 from rb_bench.soak import LoadReport, run_load
 from rollout_backends import GenerateRequest, SamplingParams
-from rollout_backends.kit import HttpFleetBackend
 from rollout_backends._http import HttpClient, RetryPolicy
 from rollout_backends.adapters.dynamo import DynamoFleet, RunningDynamoFleet, launch_dynamo_fleet
+from rollout_backends.kit import HttpFleetBackend
 
 from .conftest import HAS_DYNAMO, is_loopback, listening_addresses, size
 

@@ -19,12 +19,11 @@ from rollout_backends import (
     SamplingParams,
     TransientError,
 )
-from rollout_backends.kit import HttpFleetBackend, Worker
 from rollout_backends._http import HttpClient, HttpRequest, HttpResponse, MockTransport, RetryPolicy
 from rollout_backends._supervisor import free_port
 from rollout_backends.adapters.dynamo._wire import DynamoWire
 from rollout_backends.adapters.sglang import SGLangWire
-from rollout_backends.kit import Pause, Ready
+from rollout_backends.kit import HttpFleetBackend, Pause, Ready, Worker
 
 SAMPLING = SamplingParams(max_new_tokens=3, temperature=0.0)
 FAST = {"backoff_s": 0.001, "max_backoff_s": 0.002}

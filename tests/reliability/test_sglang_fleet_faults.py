@@ -32,11 +32,11 @@ from rollout_backends import (
     SamplingParams,
     WeightUpdateFailed,
 )
-from rollout_backends.kit import HttpFleetBackend
 from rollout_backends._http import HttpClient
 from rollout_backends._supervisor import redact_argv
 from rollout_backends.adapters.sglang import SGLangFleet, SGLangFleetConfig, launch_sglang_fleet
 from rollout_backends.adapters.sglang._launch import router_worker_state
+from rollout_backends.kit import HttpFleetBackend
 
 from .conftest import HAS_SMG, is_loopback, listening_addresses, size
 
