@@ -136,7 +136,7 @@ class ReferenceDriver:
             case Resume():
                 await e.resume()
             case FlushCache():
-                await e.flush_cache()
+                await e.flush_cache(op.wait_s)  # deferred until idle, as the HTTP route does
             case InitWeightGroup():
                 g = op.group
                 await e.init_weight_group(
