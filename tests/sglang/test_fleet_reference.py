@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import json
+import os
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -39,6 +40,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
 GREEDY = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
 PROMPTS: list[tuple[int, ...]] = [(1, 17, 42, 99, 300, 7), (5, 6, 7, 8, 9, 10, 11, 12), tuple(range(20, 60)), (400, 3)]
 START_VERSION = "v0"
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
@@ -52,6 +54,27 @@ async def fleet(model_a: Path, tmp_path_factory: pytest.TempPathFactory) -> Asyn
         health_check_interval_s=1,
         weight_version=START_VERSION,
         log_dir=str(tmp_path_factory.mktemp("fleet-logs")),
+        startup_timeout_s=120,
+    )
+    async with launch_sglang_fleet(config) as f:
+        yield f
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def slow_fleet(model_a: Path, tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[SGLangFleet]:
+    """Two workers whose every forward takes >= 10 ms (``slow_engine``): a request of N tokens is in
+    flight for >= N * 10 ms, so a test can act on it before it finishes on any machine."""
+    config = SGLangFleetConfig(
+        model_path=str(model_a),
+        workers=2,
+        worker_kind="reference",
+        router="smg",
+        router_policy="cache_aware",
+        health_check_interval_s=1,
+        weight_version=START_VERSION,
+        extra_server_args=("--engine-factory", "tests.sglang.slow_engine:factory"),
+        env={"PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)},
+        log_dir=str(tmp_path_factory.mktemp("slow-fleet-logs")),
         startup_timeout_s=120,
     )
     async with launch_sglang_fleet(config) as f:
@@ -278,8 +301,9 @@ async def test_pause_abort_ends_in_flight_requests(fleet: SGLangFleet, local: Re
 
 @pytest.mark.parametrize("mode", [PauseMode.RETRACT, PauseMode.IN_PLACE])
 async def test_pause_retract_and_in_place_complete_after_resume(
-    fleet: SGLangFleet, local: ReferenceBackend, mode: PauseMode
+    slow_fleet: SGLangFleet, local: ReferenceBackend, mode: PauseMode
 ) -> None:
+    fleet = slow_fleet  # 200 tokens take >= 2 s: the pause below lands while the request runs
     prompt = (21, 22, 23, 24)
     sampling = GREEDY.replace(max_new_tokens=200)
     task = asyncio.ensure_future(fleet.backend.generate(GenerateRequest(input_ids=prompt, sampling=sampling)))
