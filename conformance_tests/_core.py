@@ -425,6 +425,7 @@ class CheckContext:
     measurements: dict[str, Any] = attrs.field(factory=dict)
     _counter: int = 0
     _token_time: float | None = None
+    _started: list[asyncio.Task[Generation]] = attrs.field(factory=list)
 
     @property
     def capabilities(self) -> Capabilities:
@@ -530,7 +531,20 @@ class CheckContext:
         await asyncio.sleep(max(0.05, 1.5 * t) + self.harness.progress_wait_s)
 
     def start(self, request: GenerateRequest) -> asyncio.Task[Generation]:
-        return asyncio.ensure_future(self.backend.generate(request))
+        task = asyncio.ensure_future(self.backend.generate(request))
+        self._started.append(task)
+        return task
+
+    async def settle(self) -> None:
+        """Cancel and await every request a check started and left behind.
+
+        A check that fails midway leaves its in-flight requests unawaited; when the backend
+        closes they end in ``ConnectionFailed`` nobody retrieves ("Task exception was never
+        retrieved", the 2026-12-02 H200 tier after the Dynamo ``pause_in_place`` failure).
+        """
+        for task in self._started:
+            task.cancel()
+        await asyncio.gather(*self._started, return_exceptions=True)
 
     # -- versions --
 
@@ -770,6 +784,8 @@ async def run_check(
             else:
                 outcome = result(Outcome.PASS, meas=ctx.measurements)
     finally:
+        if ctx is not None:
+            await ctx.settle()
         problem = await _cleanup(backend)
     if problem and outcome.outcome is Outcome.PASS:
         outcome = attrs.evolve(outcome, outcome=Outcome.FAIL, message=problem)
