@@ -344,6 +344,12 @@ class Fleet:
             for i, t in enumerate(request.input_ids):  # name the first offending token
                 if t >= caps.vocab_size:
                     raise InvalidRequest(f"input_ids[{i}]", f"token id {t} >= vocab size {caps.vocab_size}")
+        stops = request.sampling.stop_token_ids
+        if caps.vocab_size is not None and stops and max(stops) >= caps.vocab_size:
+            # Refused here, under its own name: engines name it input_ids (SGLang) or fail (Dynamo).
+            i = next(i for i, t in enumerate(stops) if t >= caps.vocab_size)
+            why = f"token id {stops[i]} >= vocab size {caps.vocab_size}"
+            raise InvalidRequest(f"sampling.stop_token_ids[{i}]", why)
         if caps.max_context is not None and len(request.input_ids) >= caps.max_context:
             raise InvalidRequest(
                 "input_ids", f"prompt of {len(request.input_ids)} tokens does not fit the context ({caps.max_context})"

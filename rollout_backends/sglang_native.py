@@ -15,7 +15,8 @@ native path (client), the reference server, the Miles facade and our Dynamo work
 * :func:`answer_body` / :func:`parse_answer`: ``Generation`` <-> SGLang's answer (one abort
   message, one set of optional fields).
 * :func:`error_body` / :func:`error_message` / :func:`error_field`: SGLang's error bodies, and the
-  field a refusal names, in our spelling.
+  field a refusal names, in our spelling; :func:`named_field` the same through a channel that
+  carries only a message.
 * :data:`ADMIN_ROUTES`: the routes that take SGLang's admin key.
 
 Shapes are SGLang 0.5.16's (0.5.23's where they differ), read from ``GenerateReqInput`` and the
@@ -69,6 +70,7 @@ __all__ = [
     "error_message",
     "finish_reason_body",
     "meta_info",
+    "named_field",
     "native_field",
     "our_field",
     "parse_answer",
@@ -885,8 +887,24 @@ def error_message(data: object, text: str) -> str:
 
 
 _UNKNOWN_FIELD = re.compile(r"unknown field `([^`]+)`")
+
+
+def named_field(message: str) -> str | None:
+    """The field a refusal's message names at its head (``sampling_params.sampling_seed: ...``, the
+    form ``str(InvalidRequest)`` takes, for a channel that carries only a message), in our spelling
+    (``sampling.seed``), wherever the message sits in a longer one (a frontend's prefix); ``None``
+    where it names none."""
+    m = _REFUSAL.search(message)
+    return None if m is None else our_field(m.group(1))
+
+
 _NAMED_FIELD = re.compile(r"\bsampling(?:_params)?\.(\w+)")
 _OUR_SAMPLING = tuple(a.name for a in attrs.fields(SamplingParams))
+#: ``<native field>: `` at the head of a message or after a prefix's ``: ``.
+_REFUSAL = re.compile(
+    r"(?:^|: )((?:sampling_params\.(?:" + "|".join(SAMPLING_PARAM_KEYS) + r")|input_ids|text|rid|return_logprob"
+    r"|stream|body)(?:\[\d+\])*): "
+)
 
 
 def error_field(data: object, message: str) -> str:
@@ -896,6 +914,9 @@ def error_field(data: object, message: str) -> str:
     param = err.get("param") if isinstance(err, dict) else None
     if isinstance(param, str) and param:
         return our_field(param)
+    named = named_field(message)
+    if named is not None:
+        return named
     m = _UNKNOWN_FIELD.search(message)
     if m:  # SGLang 0.5.23's schema gate: unknown sampling keys
         return f"sampling.{_NATIVE_TO_OURS.get(m.group(1), m.group(1))}"

@@ -44,8 +44,9 @@ EXPECTED_SGLANG_NATIVE = {
     "disk_body", "distributed_body", "init_group_body", "memory_body", "set_version_body", "tensors_body",
     "ABORT_MESSAGE", "ADMIN_ROUTES", "ROUTING_KEY_HEADER", "SAMPLING_PARAM_KEYS", "NativeRequest",
     "ParseRules", "TextOptions", "UnknownKeys", "answer_body", "check_depth", "decode_text", "error_body",
-    "error_field", "error_message", "finish_reason_body", "meta_info", "native_field", "our_field",
-    "parse_answer", "parse_request", "parse_sampling", "request_body", "sampling_params_body",
+    "error_field", "error_message", "finish_reason_body", "meta_info", "named_field", "native_field",
+    "our_field", "parse_answer", "parse_request", "parse_sampling", "request_body",
+    "sampling_params_body",
 }  # fmt: skip
 
 DOORS = (rb, kit, launch, sglang_native)

@@ -254,6 +254,10 @@ def test_field_names_both_ways() -> None:
         ({"error": {"message": "Duplicate request ID detected: r"}}, "request_id"),
         ({"error": {"message": "sampling.stop_token_ids[0]: token id 99 >= vocab size 10"}}, "sampling.stop_token_ids"),
         ({"error": {"message": "something else entirely"}}, "request"),
+        # a refusal's own form (str(InvalidRequest)), wherever it sits: the field exactly, in our spelling
+        ({"error": {"message": "HTTP 400: sampling_params.sampling_seed: 2**64 does not fit"}}, "sampling.seed"),
+        ({"error": {"message": "rid: Duplicate request ID detected: r"}}, "request_id"),
+        ({"error": {"message": "input_ids[3]: token id 600 is outside the vocabulary"}}, "input_ids[3]"),
     ],
 )
 def test_error_field(body: dict[str, Any], field: str) -> None:

@@ -155,6 +155,10 @@ async def test_client_side_vocab_and_context_checks() -> None:
     with pytest.raises(rb.InvalidRequest) as info:
         await backend.generate(rb.GenerateRequest(input_ids=[1, 2, 3, 4]))
     assert info.value.field == "input_ids"
+    # stop_token_ids under their own name (SGLang's refusal names input_ids; Dynamo's failed the fleet)
+    with pytest.raises(rb.InvalidRequest) as info:
+        await backend.generate(rb.GenerateRequest(input_ids=[1], sampling=rb.SamplingParams(stop_token_ids=[2, 10])))
+    assert info.value.field == "sampling.stop_token_ids[1]" and "token id 10 >= vocab size 10" in str(info.value)
     assert t.requests == []
 
 

@@ -84,6 +84,8 @@ from rollout_backends.sglang_native import (
     distributed_body,
     init_group_body,
     memory_body,
+    named_field,
+    our_field,
     parse_answer,
     request_body,
     set_version_body,
@@ -312,14 +314,37 @@ def _error_message(resp: HttpResponse) -> str:
     return resp.text[:500]
 
 
+#: A frontend's words for the output budget (``max_tokens``, "max tokens", "completion tokens", ...).
+_BUDGET = re.compile(r"max[_ ](?:new[_ ])?(?:completion[_ ])?tokens|completion[_ ]tokens|output[_ ]tokens")
+
+
 def _field_of(message: str) -> str:
+    """The field a frontend's refusal names, in our spelling: our worker's (``<native field>: ...``)
+    exactly; else by the words Dynamo uses."""
+    named = named_field(message)
+    if named is not None:
+        return named
     low = message.lower()
-    for key in ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "min_tokens"):
+    if _BUDGET.search(low):
+        return "sampling.max_new_tokens"
+    for key in ("stop_token_ids", "temperature", "top_p", "top_k", "min_p", "seed", "min_tokens", "stop"):
         if key in low:
-            return f"sampling.{ {'max_tokens': 'max_new_tokens', 'min_tokens': 'min_new_tokens'}.get(key, key) }"
+            return f"sampling.{ {'min_tokens': 'min_new_tokens'}.get(key, key) }"
     if "model" in low and "not found" in low:
         return "model"
     return "input_ids"
+
+
+def _refused(err: object) -> InvalidRequest | None:
+    """Our worker's refusal (``engine_data.refused``, or SGLang's error object on the native path) as
+    the ``InvalidRequest`` it names; ``None`` for any other error."""
+    if not isinstance(err, dict):
+        return None
+    param, message = err.get("param"), str(err.get("message", err))
+    if isinstance(param, str) and param:
+        return InvalidRequest(our_field(param), message.removeprefix(f"{param}: "))
+    named = named_field(message)
+    return None if named is None else InvalidRequest(named, message)
 
 
 def _f32(value: float) -> float:
@@ -534,6 +559,9 @@ class DynamoWire:
                 raise ContractViolation(f"/generate sent a {type(ev).__name__} event, expected an object")
             if "error" in ev:
                 err = ev["error"]
+                refused = _refused(err)
+                if refused is not None:  # the worker refused the request before generating
+                    raise refused
                 msg = str(err.get("message", err)) if isinstance(err, dict) else str(err)
                 raise BackendUnavailable(f"frontend /generate failed mid-stream: {msg}")
             out, m = ev.get("output_ids"), ev.get("meta_info")
@@ -581,6 +609,13 @@ class DynamoWire:
         choice = choices[0]
         nvext = data.get("nvext") if isinstance(data.get("nvext"), dict) else {}
         assert isinstance(nvext, dict)
+        engine_data = nvext.get("engine_data") if isinstance(nvext.get("engine_data"), dict) else {}
+        assert isinstance(engine_data, dict)
+        if "refused" in engine_data:  # our worker refused the request (see ``_worker.refusal_chunk``)
+            refused = _refused(engine_data["refused"])
+            if refused is None:
+                raise ContractViolation(f"the worker refused the request unreadably: {engine_data['refused']!r}")
+            raise refused
         worker = self.worker_of(nvext)
         # Token ids: nvext.completion_token_ids (1.4.2); DYN_ENABLE_RL shaping may move them to the choice.
         ids = nvext.get("completion_token_ids")
@@ -588,8 +623,6 @@ class DynamoWire:
             ids = choice.get("token_ids")
         if not _int_list(ids):
             raise ContractViolation("no integer completion_token_ids in the answer", worker=worker)
-        engine_data = nvext.get("engine_data") if isinstance(nvext.get("engine_data"), dict) else {}
-        assert isinstance(engine_data, dict)
         reason, matched = self._finish(request, choice, nvext, engine_data, ids, worker)
         logprobs: tuple[float, ...] | None = None
         top: tuple[tuple[tuple[int, float], ...], ...] | None = None

@@ -55,7 +55,17 @@ import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
-from rollout_backends import FinishReason, GenerateRequest, Generation, PauseMode, SamplingParams
+import attrs
+
+from rollout_backends import FinishReason, GenerateRequest, Generation, InvalidRequest, PauseMode
+from rollout_backends.sglang_native import (
+    NativeRequest,
+    ParseRules,
+    error_body,
+    meta_info,
+    native_field,
+    parse_request,
+)
 
 from ._detok import IncrementalDetokenizer, TextDecoder, load_text_decoder, worker_text_enabled
 from ._wire import rid_from_annotations
@@ -67,6 +77,9 @@ __all__ = [
     "main",
     "native_chunk",
     "native_payload",
+    "preprocessed_body",
+    "refusal",
+    "refusal_chunk",
     "run_worker",
 ]
 
@@ -113,57 +126,55 @@ def f32_to_decimal(value: float) -> float:
     return value
 
 
-def build_generate_request(request: Mapping[str, Any], request_id: str) -> GenerateRequest:
-    """Map Dynamo's preprocessed request onto ``GenerateRequest``.
+_DEFAULT_RULES = ParseRules()
+
+
+def preprocessed_body(request: Mapping[str, Any]) -> dict[str, Any]:
+    """Dynamo's preprocessed request as SGLang's native ``/generate`` body, so the codec's one rule
+    checks it (:func:`build_generate_request`).
 
     Dynamo 1.4.2 puts the user's integer ``stop`` list into ``stop_conditions.stop_token_ids`` and
     the model's EOS ids into both ``stop_token_ids_hidden`` and ``eos_token_ids``; all become
     ``stop_token_ids``. With ``ignore_eos`` the frontend already sends none of them.
     """
-    stop = dict(request.get("stop_conditions") or {})
-    samp = dict(request.get("sampling_options") or {})
-    stop_ids: list[int] = []
-    for t in (
-        list(stop.get("stop_token_ids") or [])
-        + list(stop.get("stop_token_ids_hidden") or [])
-        + list(request.get("eos_token_ids") or [])
-    ):
+    stop = request.get("stop_conditions") or {}
+    samp = request.get("sampling_options") or {}
+    stop_ids: list[Any] = []
+    for t in (*(stop.get("stop_token_ids") or ()), *(stop.get("stop_token_ids_hidden") or ()),
+              *(request.get("eos_token_ids") or ())):  # fmt: skip
         if t not in stop_ids:
-            stop_ids.append(int(t))
-    kwargs: dict[str, Any] = {
-        "stop_token_ids": tuple(stop_ids),
-        "ignore_eos": bool(stop.get("ignore_eos") or False),
-    }
+            stop_ids.append(t)
+    sp: dict[str, Any] = {"stop_token_ids": stop_ids, "ignore_eos": bool(stop.get("ignore_eos") or False)}
     if stop.get("max_tokens") is not None:
-        kwargs["max_new_tokens"] = int(stop["max_tokens"])
+        sp["max_new_tokens"] = stop["max_tokens"]
     if stop.get("min_tokens") is not None:
-        kwargs["min_new_tokens"] = int(stop["min_tokens"])
-    for src, dst in (
-        ("temperature", "temperature"),
-        ("top_p", "top_p"),
-        ("min_p", "min_p"),
-        ("repetition_penalty", "repetition_penalty"),
-        ("frequency_penalty", "frequency_penalty"),
-        ("presence_penalty", "presence_penalty"),
-    ):
-        if samp.get(src) is not None:
-            kwargs[dst] = f32_to_decimal(float(samp[src]))
-    if samp.get("top_k") is not None:
-        k = int(samp["top_k"])
-        kwargs["top_k"] = -1 if k <= 0 else k
+        sp["min_new_tokens"] = stop["min_tokens"]
+    for key in ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty"):
+        v = samp.get(key)
+        if v is not None:
+            sp[key] = f32_to_decimal(float(v)) if type(v) is float else v
+    k = samp.get("top_k")
+    if k is not None:
+        sp["top_k"] = -1 if type(k) is int and k <= 0 else k
     if samp.get("seed") is not None:
-        kwargs["seed"] = int(samp["seed"])
+        sp["sampling_seed"] = samp["seed"]
+    # Always computed: the chunk carries them and the frontend drops them unless asked.
+    body: dict[str, Any] = {"input_ids": request.get("token_ids"), "sampling_params": sp, "return_logprob": True}
     # ``logprobs: k`` of /v1/completions: k alternatives per token (0: the chosen token's only).
     top = (request.get("output_options") or {}).get("logprobs")
     if top:
-        kwargs["top_logprobs"] = int(top)
-    return GenerateRequest(
-        input_ids=tuple(request["token_ids"]),
-        sampling=SamplingParams(**kwargs),
-        request_id=request_id,
-        # Always computed: the chunk carries them and the frontend drops them unless asked.
-        return_logprobs=True,
-    )
+        body["top_logprobs_num"] = top
+    return body
+
+
+def build_generate_request(
+    request: Mapping[str, Any], request_id: str, *, rules: ParseRules = _DEFAULT_RULES
+) -> GenerateRequest:
+    """Map Dynamo's preprocessed request onto ``GenerateRequest`` through the codec; an
+    ``InvalidRequest`` names the field natively (``sampling_params.max_new_tokens``)."""
+    body = preprocessed_body(request)
+    body["rid"] = request_id
+    return parse_request(body, rules=rules).request
 
 
 def native_payload(request: Mapping[str, Any]) -> dict[str, Any] | None:
@@ -173,73 +184,68 @@ def native_payload(request: Mapping[str, Any]) -> dict[str, Any] | None:
     return payload if isinstance(payload, dict) else None
 
 
-#: SGLang ``sampling_params`` key -> ``SamplingParams`` field (floats pass as sent: no f32 on this path).
-_NATIVE_SAMPLING = {
-    "max_new_tokens": "max_new_tokens",
-    "min_new_tokens": "min_new_tokens",
-    "temperature": "temperature",
-    "top_p": "top_p",
-    "top_k": "top_k",
-    "min_p": "min_p",
-    "repetition_penalty": "repetition_penalty",
-    "frequency_penalty": "frequency_penalty",
-    "presence_penalty": "presence_penalty",
-    "ignore_eos": "ignore_eos",
-    "stop_token_ids": "stop_token_ids",
-    "sampling_seed": "seed",
-}
-
-
-def build_native_request(request: Mapping[str, Any], payload: Mapping[str, Any], request_id: str) -> GenerateRequest:
-    """Map a native ``/generate`` request (SGLang's ``sampling_params``) onto ``GenerateRequest``.
+def build_native_request(
+    request: Mapping[str, Any], payload: Mapping[str, Any], request_id: str, *, rules: ParseRules = _DEFAULT_RULES
+) -> NativeRequest:
+    """A native ``/generate`` body (SGLang's, as the client sent it) -> the request, by the codec's
+    one strictness rule (the SGLang wire's and the reference server's: floats as sent, no f32).
 
     The engine applies the model's EOS itself (as SGLang does); the frontend sends none on this path.
-    Keys SGLang has and the reference engine does not need (``skip_special_tokens``, ``no_stop_trim``)
-    are ignored; values are validated by ``SamplingParams`` (an error fails the stream).
-    """
-    sp = payload.get("sampling_params") or {}
-    kwargs: dict[str, Any] = {}
-    for src, dst in _NATIVE_SAMPLING.items():
-        if isinstance(sp, dict) and sp.get(src) is not None:
-            kwargs[dst] = sp[src]
-    return GenerateRequest(
-        input_ids=tuple(request["token_ids"]),
-        sampling=SamplingParams(**kwargs),
-        request_id=request_id,
-        return_logprobs=True,
-    )
+    ``stream: true`` is accepted (the 1.6 frontend always streams); the prompt is the body's
+    ``input_ids``, else the frontend's ``token_ids``."""
+    body = dict(payload)
+    if body.get("input_ids") is None and body.get("text") is None:
+        body["input_ids"] = request.get("token_ids")
+    if body.get("rid") is None:  # the caller's own rid is checked as sent (the frontend keeps it)
+        body["rid"] = request_id
+    return parse_request(body, rules=attrs.evolve(rules, allow_stream=True))
 
 
-def native_finish(gen: Generation) -> dict[str, Any]:
-    """SGLang's ``meta_info.finish_reason`` for ``gen``."""
-    if gen.finish_reason is FinishReason.LENGTH:
-        return {"type": "length", "length": len(gen.output_ids)}
-    if gen.finish_reason is FinishReason.STOP:
-        return {"type": "stop", "matched": gen.matched_stop}
-    return {"type": "abort", "message": "request aborted"}
-
-
-def native_chunk(gen: Generation, payload: Mapping[str, Any], worker_name: str | None) -> dict[str, Any]:
-    """The whole generation as one SGLang incremental response, wrapped the way ``dynamo.sglang``
-    1.6.x wraps it (``engine_data.sglang_response``; the frontend forwards it as one SSE event).
+def native_chunk(gen: Generation, return_logprob: bool, worker_name: str | None) -> dict[str, Any]:
+    """The whole generation as one SGLang incremental response (the codec's ``meta_info``), wrapped
+    the way ``dynamo.sglang`` 1.6.x wraps it (``engine_data.sglang_response``; the frontend forwards
+    it as one SSE event).
 
     ``output_ids`` holds every new token (SGLang's incremental mode allows several per event; the
     engine produced them all before the first chunk anyway). ``meta_info.worker`` is not SGLang's:
     it names this worker, which the frontend does not report on this path.
     """
-    ids = list(gen.output_ids)
-    meta: dict[str, Any] = {
-        "id": gen.request_id,
-        "finish_reason": native_finish(gen),
-        "prompt_tokens": gen.prompt_tokens,
-        "completion_tokens": len(ids),
-        "cached_tokens": gen.cached_tokens,
-        "weight_version": gen.weight_version,
-        "worker": worker_name,
+    meta = meta_info(gen, return_logprob=return_logprob and gen.logprobs is not None, worker=worker_name)
+    response = {"output_ids": list(gen.output_ids), "meta_info": meta}
+    return {"token_ids": [], "index": 0, "engine_data": {"sglang_response": response}}
+
+
+def refusal_chunk(exc: InvalidRequest, request: Mapping[str, Any], *, native: bool) -> dict[str, Any]:
+    """The caller's mistake as the stream's one chunk, for a caller that reads it: the frontend
+    forwards ``engine_data`` verbatim, while any error raised in a worker reaches the client as
+    HTTP 500 "Failed to fold completions stream" (Dynamo 1.4.2, measured), which reads as the
+    fleet's failure and is retried.
+
+    ``exc`` names the field natively (the codec's spelling). Native path: SGLang's error object as
+    the SSE event (the codec's :func:`error_body`); else a finished empty chunk whose
+    ``engine_data.refused`` names the field. The Dynamo wire reads both back as ``InvalidRequest``."""
+    if native:
+        return {"token_ids": [], "index": 0, "engine_data": {"sglang_response": error_body(exc)}}
+    prompt = len(request.get("token_ids") or ())
+    return {
+        "token_ids": [],
+        "index": 0,
+        "finish_reason": _FINISH[FinishReason.ABORT],
+        "completion_usage": {"prompt_tokens": prompt, "completion_tokens": 0, "total_tokens": prompt},
+        "engine_data": {"refused": {"param": exc.field, "message": str(exc)}},
     }
-    if payload.get("return_logprob") and gen.logprobs is not None:
-        meta["output_token_logprobs"] = [[float(lp), t, None] for lp, t in zip(gen.logprobs, ids, strict=True)]
-    return {"token_ids": [], "index": 0, "engine_data": {"sglang_response": {"output_ids": ids, "meta_info": meta}}}
+
+
+def refusal(exc: InvalidRequest) -> Exception:
+    """The caller's mistake as Dynamo's ``HttpError(400)``, which the frontend answers as HTTP 400
+    with its message (as ``dynamo.sglang`` does for out-of-vocabulary ids); the message names the
+    field natively (``exc``'s, the codec's spelling), which the wire reads back
+    (:func:`~rollout_backends.sglang_native.named_field`). Without Dynamo (unit tests), ``exc``."""
+    try:
+        from dynamo.llm.exceptions import HttpError
+    except ImportError:
+        return exc
+    return HttpError(400, str(exc))
 
 
 class DynamoWorker:
@@ -287,6 +293,7 @@ class DynamoWorker:
         self.runtime: Any = None
         self.generate_endpoint: Any = None
         self._inflight: dict[str, asyncio.Task[Generation]] = {}
+        self._parse_rules: ParseRules | None = None
         self.paused: PauseMode | None = None
 
     # -- data plane ----------------------------------------------------------------------------
@@ -299,7 +306,25 @@ class DynamoWorker:
         if _LOG_REQUESTS:
             logger.info("generate rid=%s trace_id=%s request=%s", rid, getattr(context, "trace_id", None), request)
         native = native_payload(request)
-        greq = build_generate_request(request, rid) if native is None else build_native_request(request, native, rid)
+        # Our wire names the request in an annotation and reads engine_data: it gets the refusal
+        # as a chunk it parses; other clients get Dynamo's HttpError(400).
+        ours = native is not None or rid_from_annotations(request) is not None
+        try:
+            if native is None:
+                greq = build_generate_request(request, rid, rules=self._rules())
+                return_logprob = True
+            else:
+                parsed = build_native_request(request, native, rid, rules=self._rules())
+                greq, return_logprob = parsed.request, parsed.request.return_logprobs
+            rid = greq.request_id
+            if rid in self._inflight:
+                # SGLang's words. Refused, not merged: an abort by this id would stop both.
+                raise InvalidRequest("rid", f"Duplicate request ID detected: {rid}")
+        except InvalidRequest as exc:
+            if not ours:
+                raise refusal(exc) from None
+            yield refusal_chunk(exc, request, native=native is not None)
+            return
         task = asyncio.ensure_future(self.engine.generate(greq))
         self._inflight[rid] = task
         stopped = asyncio.ensure_future(context.async_killed_or_stopped()) if context is not None else None
@@ -313,15 +338,35 @@ class DynamoWorker:
                     with contextlib.suppress(Exception):
                         await _maybe_await(self.engine.abort(rid))
             gen = await task
+        except InvalidRequest as exc:  # the engine's own checks, in our field names
+            refused: InvalidRequest | None = InvalidRequest(native_field(exc.field), exc.reason)
+        else:
+            refused = None
         finally:
             self._inflight.pop(rid, None)
             if stopped is not None and not stopped.done():
                 stopped.cancel()
+        if refused is not None:
+            if not ours:
+                raise refusal(refused) from None
+            yield refusal_chunk(refused, request, native=native is not None)
+            return
         if native is not None:
-            yield native_chunk(gen, native, self.worker_name)
+            yield native_chunk(gen, return_logprob, self.worker_name)
             return
         for chunk in self._chunks(gen, request):
             yield chunk
+
+    def _rules(self) -> ParseRules:
+        """What this worker's engine can take: its vocabulary, and SGLang's context rule (refused,
+        never clamped; the 1.4.2 frontend sends no ``max_tokens`` it was not given, measured)."""
+        if self._parse_rules is None:
+            vocab = getattr(self.engine, "vocab_size", None)
+            ctx = self.context_length or getattr(self.engine, "max_context", None)
+            self._parse_rules = ParseRules(
+                vocab_size=int(vocab) if vocab is not None else None, max_context=int(ctx) if ctx is not None else None
+            )
+        return self._parse_rules
 
     def _chunks(self, gen: Generation, request: Mapping[str, Any] | None = None) -> list[dict[str, Any]]:
         ids = list(gen.output_ids)

@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import aiohttp
+import attrs
 import pytest
 import pytest_asyncio
 
@@ -213,6 +214,10 @@ async def test_bad_inputs(fleet: tuple[RunningDynamoFleet, HttpFleetBackend]) ->
     assert e.value.field == "input_ids[1]"
     with pytest.raises(InvalidRequest):
         await b.generate(GenerateRequest(input_ids=[1] * 4096))
+    # Refused by the client under its own name (the worker refuses it too: see test_worker_refusals).
+    with pytest.raises(InvalidRequest) as e:
+        await b.generate(GenerateRequest(input_ids=[1], sampling=SamplingParams(stop_token_ids=[600])))
+    assert e.value.field == "sampling.stop_token_ids[0]"
     with pytest.raises(InvalidRequest):
         await b.generate(GenerateRequest(input_ids=[1], worker="nobody:1"))
     with pytest.raises(InvalidRequest):
@@ -221,6 +226,25 @@ async def test_bad_inputs(fleet: tuple[RunningDynamoFleet, HttpFleetBackend]) ->
         await b.pause("sideways")  # type: ignore[arg-type]
     with pytest.raises(InvalidRequest):
         await b.flush_cache(workers=["nobody:1"])
+
+
+async def test_worker_refusals_reach_the_caller_as_invalid_request(
+    fleet: tuple[RunningDynamoFleet, HttpFleetBackend],
+) -> None:
+    """What the worker refuses comes back through the frontend as InvalidRequest naming the field
+    (a worker's error alone would be the frontend's HTTP 500, read as the fleet's failure)."""
+    _, b = fleet
+    with pytest.raises(InvalidRequest) as e:  # SGLang's context rule: refused, never clamped
+        await b.generate(GenerateRequest(input_ids=[1, 2], sampling=SamplingParams(max_new_tokens=5000)))
+    assert e.value.field == "sampling.max_new_tokens"
+    long = GenerateRequest(input_ids=[1, 2], sampling=LONG, request_id="dup-rid", worker=b.workers[0])
+    first = asyncio.ensure_future(b.generate(long))
+    await asyncio.sleep(0.5)
+    with pytest.raises(InvalidRequest) as e:  # a duplicate in-flight id on that worker
+        await b.generate(attrs.evolve(long, sampling=SamplingParams(max_new_tokens=2)))
+    assert e.value.field == "request_id"
+    g = await first  # neither aborted nor disturbed by the refused one
+    assert g.finish_reason is FinishReason.LENGTH and len(g.output_ids) == LONG.max_new_tokens
 
 
 async def test_disk_update_inside_transaction(

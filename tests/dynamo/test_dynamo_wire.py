@@ -364,6 +364,30 @@ def test_parse_native_generation_errors() -> None:
         w.parse_generation(GenerateRequest(input_ids=[1], worker=W0.id), dead, 0.1)
 
 
+def test_refusals_name_the_field() -> None:
+    """Our worker's refusals (the codec's message form) and Dynamo's own words for the budget."""
+    w = _wire(native_generate=True)
+    req = GenerateRequest(input_ids=[1])
+    cases = [
+        ({"message": "sampling_params.stop_token_ids[0]: token id 600 is outside", "code": 400},
+         "sampling.stop_token_ids[0]"),
+        ({"message": "prompt tokens (10) + max tokens (5000) exceed the context length 4096", "code": 400},
+         "sampling.max_new_tokens"),
+        ({"message": "max_completion_tokens must be positive", "code": 400}, "sampling.max_new_tokens"),
+        ({"message": "stop_token_ids must be a list", "code": 400}, "sampling.stop_token_ids"),
+    ]  # fmt: skip
+    for body, field in cases:
+        with pytest.raises(InvalidRequest) as ei:
+            w.parse_generation(req, HttpResponse.from_json(body, 400), 0.1)
+        assert ei.value.field == field, body
+    # A refusal inside the native stream (SGLang's error object) is the caller's, not the fleet's.
+    err = {"error": {"message": "rid: Duplicate request ID detected: r", "type": "invalid_request_error",
+                     "param": "rid", "code": 400}}  # fmt: skip
+    with pytest.raises(InvalidRequest) as ei:
+        w.parse_generation(req, _sse(err), 0.1)
+    assert ei.value.field == "request_id" and str(ei.value) == "request_id: Duplicate request ID detected: r"
+
+
 def test_frontend_503_is_not_resendable() -> None:
     """1.6.1 answers 503 "Service temporarily unavailable" for requests routed to a dead worker and
     for requests that were running on it when it died: tokens may have been generated."""
