@@ -1,12 +1,15 @@
 """Building blocks for adapter authors (httpx-style transport seam included).
 
-An HTTP adapter is a ``Wire``: pure request builders and response parsers. ``HttpFleetBackend``
-owns I/O, fan-out, retries, timeouts, versions and health. A non-HTTP backend subclasses
-``BackendBase`` and gets the weight-update transaction, readiness and selection for free.
+The protocol is implemented once, by ``Fleet``, over one ``Driver`` per worker. An HTTP adapter is
+a ``Wire``: pure request builders and response parsers; ``HttpFleetBackend(wire, workers)`` is the
+``Fleet`` of ``HttpDriver``s that send them (I/O, retries, timeouts through ``HttpClient``). An
+engine reached another way is a ``Driver`` per worker given to ``Fleet``. Every member and every
+operation: ``docs/adapters.md``.
 
 The protocol, its value types and the error tree are ``rollout_backends`` itself; starting
-processes (supervisor, engine and entry commands) is ``rollout_backends.launch``. An adapter
-imports the core through those three doors only (``tests/test_import_contract.py``).
+processes (supervisor, engine and entry commands) is ``rollout_backends.launch``; SGLang's native
+protocol is ``rollout_backends.sglang_native``. An adapter imports the core through those doors only
+(``tests/test_import_contract.py``).
 """
 
 from rollout_backends._base import BackendBase
