@@ -179,19 +179,20 @@ async def fan_out(
 
     Every call runs to completion even when some fail, so the error is complete and no worker is
     left half-way through a step because a sibling failed first. Where every failure is the
-    caller's own bad input (``InvalidRequest``), that is what is raised: no worker is at fault.
+    caller's own bad input (``InvalidRequest``) or a feature the engines lack (``Unsupported``),
+    that error is raised as it is: no worker is at fault.
     """
     if not workers:
         raise InvalidRequest("workers", f"{operation}: no workers selected")
     results = await asyncio.gather(*(call(w) for w in workers), return_exceptions=True)
     failures: list[WorkerFailure] = []
-    refusals: list[InvalidRequest] = []
+    refusals: list[InvalidRequest | Unsupported] = []
     out: dict[str, _T] = {}
     for worker, res in zip(workers, results, strict=False):
         if isinstance(res, BaseException):
             if isinstance(res, asyncio.CancelledError):
                 raise res
-            if isinstance(res, InvalidRequest):
+            if isinstance(res, (InvalidRequest, Unsupported)):
                 refusals.append(res)
             if isinstance(res, ControlFailed):
                 failures.extend(res.failures)

@@ -6,6 +6,7 @@ import rollout_backends as rb
 import rollout_backends.kit as kit
 import rollout_backends.launch as launch
 import rollout_backends.sglang_native as sglang_native
+import rollout_backends.testing as testing
 
 EXPECTED_TOP = {
     "Aborted", "BackendClosed", "BackendTimeout", "BackendUnavailable", "Capabilities", "ConnectionFailed",
@@ -49,12 +50,19 @@ EXPECTED_SGLANG_NATIVE = {
     "sampling_params_body",
 }  # fmt: skip
 
-DOORS = (rb, kit, launch, sglang_native)
+EXPECTED_TESTING = {
+    "EOS", "FAKE_CAPABILITIES", "MAX_CONTEXT", "VOCAB_SIZE", "FakeDriver", "FakeFleet", "fake_factory",
+    "fake_fleet", "load_checkpoint", "read_checkpoint", "write_checkpoint",
+}  # fmt: skip
+
+DOORS = (rb, kit, launch, sglang_native, testing)
 #: Exported as another library's own function: orjson's C ``loads`` where installed (no Python
 #: frame per call; the stdlib fallback is ours).
 FOREIGN = {("rollout_backends.kit", "json_loads")}
 #: Type aliases: unions of our operation classes (a union's ``__module__`` is ``typing``).
 FOREIGN |= {("rollout_backends.kit", name) for name in ("Command", "Operation", "Probe")}
+#: Plain numbers (an int's ``__module__`` is ``builtins``).
+FOREIGN |= {("rollout_backends.testing", name) for name in ("EOS", "MAX_CONTEXT", "VOCAB_SIZE")}
 
 
 def test_top_level_all_is_pinned() -> None:
@@ -76,6 +84,11 @@ def test_kit_all_is_pinned() -> None:
 def test_launch_all_is_pinned() -> None:
     assert set(launch.__all__) == EXPECTED_LAUNCH
     assert len(launch.__all__) == len(set(launch.__all__))
+
+
+def test_testing_all_is_pinned() -> None:
+    assert set(testing.__all__) == EXPECTED_TESTING
+    assert len(testing.__all__) == len(set(testing.__all__))
 
 
 def test_sglang_native_all_is_pinned() -> None:

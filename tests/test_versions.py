@@ -1,6 +1,6 @@
-"""The weight-version rule, stated once and run over every hand-written ``RolloutBackend``.
+"""The weight-version rule, tested once: over the one ``Fleet`` every backend is.
 
-The rule (REDESIGN-PLAN.md section 3.2, "VersionBook"):
+The rule (``rollout_backends/_versions.py``, the protocol's ``expect_version`` docstring):
 
 - the expected version is the one declared last: ``expect_version(v)`` declares it, and so does
   every call that relabels the whole fleet (``set_weight_version``, a weight load with
@@ -8,177 +8,118 @@ The rule (REDESIGN-PLAN.md section 3.2, "VersionBook"):
 - a call on some of the workers only does not move it;
 - a worker is stale when it is live and serves a version other than the expected one.
 
-Four implementations used to answer the same calls four ways (the plan's section 2.1 has the
-reproduction these tests grew from); all four now keep their versions in one ``VersionBook``
-(``rollout_backends/_versions.py``, tested on its own in ``tests/test_version_book.py``), and these
-tests show each of them following the rule through its public calls.
+Four hand-written implementations used to answer the same calls four ways (issue 15 item 1).
+Now the HTTP fleet, the reference backend and the public in-memory fake are one ``Fleet`` over
+different drivers, none re-implementing a protocol member
+(``test_every_backend_is_the_one_fleet``), so the rule is shown here once, through public calls
+on the in-memory fleet; ``VersionBook`` itself is tested in ``tests/test_version_book.py``.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
-from urllib.parse import urlsplit
 
-import attrs
 import pytest
 
 import rollout_backends as rb
-from rollout_backends.adapters.reference import ReferenceBackend, make_tiny_model
-from rollout_backends.adapters.sglang import SGLangWire
-from rollout_backends.kit import HttpClient, HttpFleetBackend, HttpRequest, HttpResponse, MockTransport, Worker
-from tests.conformance.fake_backend import FakeBackend, write_checkpoint
-from tests.miles.scripted import ScriptedBackend
-
-HTTP, REFERENCE, FAKE, SCRIPTED = "http-sglang", "reference", "conformance-fake", "miles-scripted"
-
-
-@attrs.frozen
-class Subject:
-    backend: Any  # a RolloutBackend (BackendBase subclasses are not structurally one yet: B7)
-    #: A checkpoint ``update_weights_from_disk`` accepts.
-    weights: str
-    #: Makes one worker not live (``None``: the implementation has no dead workers).
-    kill: Callable[[str], Awaitable[None]] | None = None
-
-    @property
-    def last(self) -> str:
-        return str(self.backend.workers[-1])
-
-
-def _sglang_fleet() -> Subject:
-    """Two SGLang-native workers behind a MockTransport, each keeping the version it was told."""
-    versions = {f"http://w{i}:3000{i}": "v0" for i in range(2)}
-    down: set[str] = set()
-
-    def handle(req: HttpRequest) -> HttpResponse:
-        parts = urlsplit(req.url)
-        base, path, body = f"{parts.scheme}://{parts.netloc}", parts.path, req.json or {}
-        if base in down:
-            raise rb.ConnectionFailed(f"{req.method} {req.url}: cannot connect (refused)")
-        if path == "/model_info":
-            return HttpResponse.from_json({"weight_version": versions[base]})
-        if path == "/update_weights_from_disk" and body.get("weight_version"):
-            versions[base] = body["weight_version"]
-        if path == "/update_weight_version":
-            versions[base] = body["new_version"]
-        if path in ("/health", "/health_generate"):
-            return HttpResponse(200, b"")
-        return HttpResponse.from_json({"success": True, "message": "ok"})
-
-    urls = list(versions)
-    workers = [Worker(id=f"w{i}", control_url=u, generate_url=u) for i, u in enumerate(urls)]
-    backend = HttpFleetBackend(SGLangWire(entry_url=urls[0]), workers, client=HttpClient(MockTransport(handle)))
-
-    async def kill(worker: str) -> None:
-        down.add(urls[backend.workers.index(worker)])
-
-    return Subject(backend, "/ckpt/step-2", kill)
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_model(tmp_path_factory.mktemp("versions-model"), seed=0)
+from rollout_backends.adapters.reference import ReferenceBackend
+from rollout_backends.kit import Fleet, HttpFleetBackend
+from rollout_backends.testing import FakeFleet, fake_fleet, write_checkpoint
 
 
 @pytest.fixture
-async def subject(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Subject]:
-    name = request.param
-    if name == HTTP:
-        made = _sglang_fleet()
-    elif name == REFERENCE:
-        model = request.getfixturevalue("model_dir")
-        backend = ReferenceBackend.create(model, workers=2)
-
-        async def close_engine(worker: str) -> None:
-            await backend.engine(worker).aclose()
-
-        made = Subject(backend, str(model), close_engine)
-    elif name == FAKE:
-        made = Subject(FakeBackend(workers=2), write_checkpoint(tmp_path / "ckpt", 2))
-    else:
-        made = Subject(ScriptedBackend(), "/ckpt/step-2")
+async def backend() -> AsyncIterator[FakeFleet]:
+    b = fake_fleet(workers=2)
     try:
-        yield made
+        yield b
     finally:
-        await made.backend.aclose()
+        await b.aclose()
 
 
-def _over(names: tuple[str, ...] = (HTTP, REFERENCE, FAKE, SCRIPTED)) -> list[Any]:
-    """The implementations, by name."""
-    return [pytest.param(name, id=name) for name in names]
+def _last(b: FakeFleet) -> str:
+    return b.workers[-1]
 
 
-async def _served(backend: Any) -> set[str | None]:
+async def _served(backend: Fleet) -> set[str | None]:
     return set((await backend.weight_versions()).values())
 
 
-async def _expect_v1_then_load_v2(subject: Subject) -> None:
+async def _expect_v1_then_load_v2(b: FakeFleet, tmp: Path) -> None:
     """The start of the drift scenario: a declared version, then a whole-fleet load labelled anew."""
-    subject.backend.expect_version("v1")
-    await subject.backend.update_weights_from_disk(subject.weights, version="v2")
+    b.expect_version("v1")
+    await b.update_weights_from_disk(write_checkpoint(tmp / "ckpt", 2), version="v2")
 
 
-@pytest.mark.parametrize("subject", _over(), indirect=True)
-async def test_a_whole_fleet_load_with_a_version_moves_the_expected_version(subject: Subject) -> None:
-    b = subject.backend
-    await _expect_v1_then_load_v2(subject)
-    assert await _served(b) == {"v2"}
-    report = await b.health()
+def test_every_backend_is_the_one_fleet() -> None:
+    protocol = {m for m in dir(rb.RolloutBackend) if not m.startswith("_")}
+    for cls in (HttpFleetBackend, ReferenceBackend, FakeFleet):
+        assert issubclass(cls, Fleet), cls
+        own = protocol & set(vars(cls))
+        assert not own, f"{cls.__name__} re-implements {sorted(own)}"
+
+
+async def test_a_whole_fleet_load_with_a_version_moves_the_expected_version(backend: FakeFleet, tmp_path: Path) -> None:
+    await _expect_v1_then_load_v2(backend, tmp_path)
+    assert await _served(backend) == {"v2"}
+    report = await backend.health()
     assert report.expected_version == "v2"
     assert report.stale_workers == ()
 
 
-@pytest.mark.parametrize("subject", _over(), indirect=True)
-async def test_a_whole_fleet_relabel_moves_the_expected_version(subject: Subject) -> None:
-    b = subject.backend
-    await _expect_v1_then_load_v2(subject)
-    await b.set_weight_version("v3")
-    assert await _served(b) == {"v3"}
-    report = await b.health()
+async def test_a_whole_fleet_relabel_moves_the_expected_version(backend: FakeFleet, tmp_path: Path) -> None:
+    await _expect_v1_then_load_v2(backend, tmp_path)
+    await backend.set_weight_version("v3")
+    assert await _served(backend) == {"v3"}
+    report = await backend.health()
     assert report.expected_version == "v3"
     assert report.stale_workers == ()
 
 
-@pytest.mark.parametrize("subject", _over(), indirect=True)
-async def test_a_relabel_of_some_workers_leaves_the_expected_version(subject: Subject) -> None:
-    b = subject.backend
-    await b.set_weight_version("v2")
-    await b.set_weight_version("v9", workers=[subject.last])
-    report = await b.health()
+async def test_a_relabel_of_some_workers_leaves_the_expected_version(backend: FakeFleet) -> None:
+    await backend.set_weight_version("v2")
+    await backend.set_weight_version("v9", workers=[_last(backend)])
+    report = await backend.health()
     assert report.expected_version == "v2"
-    assert report.stale_workers == (subject.last,)
+    assert report.stale_workers == (_last(backend),)
 
 
-@pytest.mark.parametrize("subject", _over((HTTP, REFERENCE)), indirect=True)
-async def test_a_worker_is_stale_only_while_it_is_live(subject: Subject) -> None:
-    # The two test fakes have no dead workers, so the rule's last clause cannot be shown on them.
-    b = subject.backend
-    assert subject.kill is not None
-    await b.set_weight_version("v2")
-    await b.set_weight_version("v1", workers=[subject.last])
-    assert (await b.health()).stale_workers == (subject.last,)  # live and behind: stale
-    await subject.kill(subject.last)
-    report = await b.health()
-    assert not report.worker(subject.last).live
+async def test_a_worker_is_stale_only_while_it_is_live(backend: FakeFleet) -> None:
+    last = _last(backend)
+    await backend.set_weight_version("v2")
+    await backend.set_weight_version("v1", workers=[last])
+    assert (await backend.health()).stale_workers == (last,)  # live and behind: stale
+    backend.fake(last).live = False
+    report = await backend.health()
+    assert not report.worker(last).live
     assert report.expected_version == "v2"
     assert report.stale_workers == ()
 
 
-@pytest.mark.parametrize("subject", _over(), indirect=True)
-async def test_stale_weights_carries_the_expected_version(subject: Subject) -> None:
-    b = subject.backend
-    first = b.workers[0]
-    await b.set_weight_version("v2")
-    await b.set_weight_version("v9", workers=[subject.last])
-    b.expect_version("v1")  # served by no worker: what most workers serve would be v2 or v9
+async def test_stale_weights_carries_the_expected_version(backend: FakeFleet) -> None:
+    first, last = backend.workers[0], _last(backend)
+    await backend.set_weight_version("v2")
+    await backend.set_weight_version("v9", workers=[last])
+    backend.expect_version("v1")  # served by no worker: what most workers serve would be v2 or v9
     with pytest.raises(rb.StaleWeights) as info:
-        await b.weight_version()
+        await backend.weight_version()
     assert info.value.expected == "v1"
-    assert info.value.served == {first: "v2", subject.last: "v9"}
-    b.expect_version(None)  # withdrawn, and the labels disagree: nothing is expected
+    assert info.value.served == {first: "v2", last: "v9"}
+    backend.expect_version(None)  # withdrawn, and the labels disagree: nothing is expected
     with pytest.raises(rb.StaleWeights) as info:
-        await b.weight_version()
+        await backend.weight_version()
     assert info.value.expected is None
-    assert (await b.health()).expected_version is None
+    assert (await backend.health()).expected_version is None
+
+
+async def test_stamped_versions_are_the_labels_the_fleet_gave() -> None:
+    # Engines that do not report versions (VersionSource.STAMPED): the fleet stamps each
+    # generation with its worker's label, and weight_versions() are the labels.
+    caps = rb.Capabilities(version_source=rb.VersionSource.STAMPED, worker_pinning=True, vocab_size=64)
+    b = fake_fleet(workers=2, capabilities=caps)
+    await b.set_weight_version("s1")
+    await b.set_weight_version("s2", workers=["fake-1"])
+    b.fake("fake-1").version = "what the engine would say"
+    assert await b.weight_versions() == {"fake-0": "s1", "fake-1": "s2"}
+    gen = await b.generate(rb.GenerateRequest(input_ids=[1, 2], worker="fake-1"))
+    assert gen.weight_version == "s2"

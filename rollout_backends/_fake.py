@@ -1,0 +1,444 @@
+"""In-memory fake engines for unit tests: a ``Fleet`` of ``FakeDriver``s, no servers, no torch.
+
+The "model" is a hash: the logits for the next token are drawn from ``Random((seed, last
+tokens))``, where ``seed`` stands for the weights (a checkpoint is a directory holding
+``weights.json`` with ``{"seed": N}``; ``update_weights_from_tensors`` takes ``[("seed", N)]``).
+Each token takes ``token_delay`` seconds, so requests can be caught in flight. The fake keeps
+SGLang's control semantics where the protocol states them: pause modes, a flush refused while
+requests are frozen in place, the prefix cache, version labels, aborts that keep partial tokens.
+
+It passes the conformance suite (``tests/conformance``), and the suite's fake with switchable bugs
+subclasses ``FakeDriver`` to prove each check can fail. The ``_``-prefixed methods are the hooks
+it overrides; they are not part of the public surface.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import random
+from collections.abc import Awaitable, Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from rollout_backends._errors import BackendUnavailable, ControlFailed, InvalidRequest, Unsupported, WorkerFailure
+from rollout_backends._fleet import Fleet
+from rollout_backends._ops import (
+    AbortAll,
+    AbortRequest,
+    BeginWeightUpdate,
+    Command,
+    DestroyWeightGroup,
+    EndWeightUpdate,
+    FlushCache,
+    InitWeightGroup,
+    Live,
+    Pause,
+    Probe,
+    Progress,
+    Ready,
+    ReleaseMemory,
+    Resume,
+    ResumeMemory,
+    SetVersion,
+    UpdateFromDisk,
+    UpdateFromDistributed,
+    UpdateFromTensors,
+    unhandled,
+)
+from rollout_backends._types import (
+    Capabilities,
+    FinishReason,
+    GenerateRequest,
+    Generation,
+    PauseMode,
+    SamplingParams,
+    WeightTransport,
+)
+
+__all__ = [
+    "EOS",
+    "FAKE_CAPABILITIES",
+    "MAX_CONTEXT",
+    "VOCAB_SIZE",
+    "FakeDriver",
+    "FakeFleet",
+    "fake_factory",
+    "fake_fleet",
+    "load_checkpoint",
+    "read_checkpoint",
+    "write_checkpoint",
+]
+
+VOCAB_SIZE = 64
+EOS = 0
+MAX_CONTEXT = 256
+
+#: What a fake declares unless told otherwise: every pause mode, disk and tensor loads.
+FAKE_CAPABILITIES = Capabilities(
+    pause_modes=[PauseMode.ABORT, PauseMode.RETRACT, PauseMode.IN_PLACE],
+    weight_transports=[WeightTransport.DISK, WeightTransport.TENSOR],
+    seeded_sampling=True,
+    abort=True,
+    batch_invariant=True,
+    top_logprobs=20,
+    vocab_size=VOCAB_SIZE,
+    max_context=MAX_CONTEXT,
+)
+
+
+def write_checkpoint(path: str | Path, seed: int) -> str:
+    """Write a fake checkpoint (the weights are ``seed``) under ``path``; returns the path."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "weights.json").write_text(json.dumps({"seed": seed}))
+    return str(path)
+
+
+def read_checkpoint(path: str | Path) -> int:
+    """The seed of a fake checkpoint (``InvalidRequest`` naming ``path`` if there is none)."""
+    try:
+        return int(json.loads((Path(path) / "weights.json").read_text())["seed"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise InvalidRequest("path", f"cannot load fake checkpoint {path}: {exc}") from exc
+
+
+def load_checkpoint(path: str | Path) -> list[tuple[str, Any]]:
+    """A fake checkpoint as the named tensors ``update_weights_from_tensors`` takes."""
+    return [("seed", read_checkpoint(path))]
+
+
+def _logprobs(seed: int, prompt_seed: int, seq: Sequence[int]) -> list[float]:
+    rng = random.Random(f"{seed}/{prompt_seed}/{tuple(seq[-3:])}/{len(seq) % 5}")
+    logits = [rng.gauss(0.0, 3.0) for _ in range(VOCAB_SIZE)]
+    logits[EOS] -= 4.0  # keep natural stops rare but possible
+    m = max(logits)
+    z = m + math.log(sum(math.exp(x - m) for x in logits))
+    return [x - z for x in logits]
+
+
+@attrs.define(eq=False)
+class _Running:
+    request: GenerateRequest
+    aborted: bool = False
+    out: list[int] = attrs.field(factory=list)
+    lps: list[float] = attrs.field(factory=list)
+    tops: list[tuple[tuple[int, float], ...]] = attrs.field(factory=list)
+
+
+class FakeDriver:
+    """One fake engine: a ``Driver`` a ``Fleet`` runs like any other.
+
+    Public state, for tests to read (and set): ``seed`` (the weights), ``version`` (the label it
+    serves), ``paused``, ``ops`` (every command received, in order), ``requests`` (every request
+    received), ``running`` (request ids in flight), ``live`` (set it ``False`` and the worker is
+    down: it refuses every call and its probes fail, as a crashed engine's would).
+    """
+
+    def __init__(
+        self,
+        worker_id: str = "fake-0",
+        *,
+        seed: int = 1,
+        version: str = "v0",
+        capabilities: Capabilities = FAKE_CAPABILITIES,
+        token_delay: float = 0.002,
+    ) -> None:
+        self._id = worker_id
+        self._caps = capabilities
+        self.token_delay = token_delay
+        self.seed = seed
+        self.version = version
+        self.paused: PauseMode | None = None
+        #: Prefix -> the seed its KV was computed with.
+        self.cache: dict[tuple[int, ...], int] = {}
+        self.ops: list[Command] = []
+        self.requests: list[GenerateRequest] = []
+        self.closed = False
+        self.live = True
+        self._running: dict[str, _Running] = {}
+        self._changed = asyncio.Event()
+        self._failing: dict[type[Any], Exception] = {}
+
+    # -- what a fleet reads -------------------------------------------------------------------
+
+    @property
+    def id(self) -> str:
+        return self._id
+
+    @property
+    def capabilities(self) -> Capabilities:
+        return self._caps
+
+    @property
+    def aborts_by_id(self) -> bool:
+        return True
+
+    @property
+    def ranks(self) -> int:
+        return 1
+
+    @property
+    def running(self) -> tuple[str, ...]:
+        return tuple(self._running)
+
+    def fail_next(self, *op_types: type[Any], error: Exception | None = None) -> None:
+        """Make the next command of one of ``op_types`` (e.g. ``UpdateFromDisk``) fail on this
+        worker, once, with ``error`` (default: a ``ControlFailed`` naming it); ``fail_next()``
+        with no types clears what is pending."""
+        if not op_types:
+            self._failing.clear()
+        for t in op_types:
+            self._failing[t] = error or ControlFailed(t.name, [WorkerFailure(self._id, t.name, "injected failure")])
+
+    # -- generation ---------------------------------------------------------------------------
+
+    async def generate(self, request: GenerateRequest) -> Generation:
+        self.requests.append(request)
+        if self.closed or not self.live:
+            raise BackendUnavailable(f"{self._id}: down", worker=self._id)
+        self._check(request)
+        r = _Running(request)
+        self._running[request.request_id] = r
+        try:
+            return await self._run(r)
+        finally:
+            if self._running.get(request.request_id) is r:
+                del self._running[request.request_id]
+
+    def _check(self, request: GenerateRequest) -> None:
+        for i, t in enumerate(request.input_ids):
+            if t >= VOCAB_SIZE:
+                raise InvalidRequest(f"input_ids[{i}]", f"{t} >= vocab {VOCAB_SIZE}")
+        if len(request.input_ids) >= MAX_CONTEXT:
+            raise InvalidRequest("input_ids", f"longer than the context ({MAX_CONTEXT})")
+
+    async def _run(self, r: _Running) -> Generation:
+        sp = r.request.sampling
+        prompt = r.request.input_ids
+        await self._wait_resumed(r)
+        cached = max((len(p) for p in self.cache if prompt[: len(p)] == p and len(p) < len(prompt)), default=0)
+        prompt_seed, cached = self._prefix(prompt, cached)
+        for k in range(1, len(prompt) + 1):
+            self.cache.setdefault(prompt[:k], self.seed)
+        rng = self._rng(sp)
+        limit = self._limit(sp)
+        finish = FinishReason.LENGTH
+        while len(r.out) < limit:
+            await asyncio.sleep(self.token_delay)
+            await self._wait_resumed(r)
+            if r.aborted:
+                finish = FinishReason.ABORT
+                break
+            lps = _logprobs(self.seed, prompt_seed, prompt + tuple(r.out))
+            if sp.temperature == 0.0:
+                tok = max(range(VOCAB_SIZE), key=lambda i: lps[i])
+            else:
+                weights = [math.exp(x / sp.temperature) for x in lps]
+                tok = rng.choices(range(VOCAB_SIZE), weights)[0]
+            r.out.append(tok)
+            r.lps.append(self._logprob(lps[tok]))
+            if sp.top_logprobs:
+                r.tops.append(tuple((i, lps[i]) for i in self._ranked(lps)[: sp.top_logprobs]))
+            if self._stops(tok, sp):
+                finish = FinishReason.STOP
+                break
+        return self._answer(r, finish, cached)
+
+    async def _wait_resumed(self, r: _Running) -> None:
+        """Hold a request while paused (an aborted one gets out)."""
+        while self.paused is not None and not r.aborted:
+            await self._changed.wait()
+
+    def _wake(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    def _prefix(self, prompt: tuple[int, ...], cached: int) -> tuple[int, int]:
+        """The seed the prompt's KV stands for, and the cached tokens: KV computed with other
+        weights is not reused."""
+        if cached and self.cache[prompt[:cached]] != self.seed:
+            cached = 0
+        return self.seed, cached
+
+    def _rng(self, sampling: SamplingParams) -> random.Random:
+        return random.Random(sampling.seed)
+
+    def _limit(self, sampling: SamplingParams) -> int:
+        return sampling.max_new_tokens
+
+    def _logprob(self, logprob: float) -> float:
+        return logprob
+
+    def _ranked(self, logprobs: Sequence[float]) -> list[int]:
+        """Token ids, most likely first (ties by id): what ``top_logprobs`` lists."""
+        return sorted(range(VOCAB_SIZE), key=lambda i: (-logprobs[i], i))
+
+    def _stops(self, token: int, sampling: SamplingParams) -> bool:
+        return not sampling.ignore_eos and (token == EOS or token in sampling.stop_token_ids)
+
+    def _answer(self, r: _Running, finish: FinishReason, cached: int) -> Generation:
+        out = tuple(r.out)
+        tops = tuple(r.tops) if r.request.return_logprobs and r.request.sampling.top_logprobs else None
+        return Generation(
+            request_id=r.request.request_id,
+            output_ids=out,
+            logprobs=tuple(r.lps) if r.request.return_logprobs else None,
+            finish_reason=finish,
+            weight_version=self.version,
+            prompt_tokens=len(r.request.input_ids),
+            cached_tokens=cached,
+            worker=self._id,
+            matched_stop=out[-1] if finish is FinishReason.STOP else None,
+            top_logprobs=tops,
+        )
+
+    # -- control ------------------------------------------------------------------------------
+
+    async def control(self, op: Command) -> None:
+        self.ops.append(op)
+        if not self.live:
+            raise ControlFailed(op.name, [WorkerFailure(self._id, op.name, "cannot connect (down)")])
+        failure = self._failing.pop(type(op), None)
+        if failure is not None:
+            raise failure
+        match op:
+            case AbortRequest():
+                r = self._running.get(op.request_id)
+                if r is not None:
+                    self._abort([r])
+            case AbortAll():
+                self._abort(list(self._running.values()))
+            case Pause():
+                await self._pause(op.mode)
+            case Resume():
+                self.paused = None
+                self._wake()
+            case FlushCache():
+                self._flush()
+            case InitWeightGroup() | UpdateFromDistributed():
+                raise Unsupported("weight_transport.distributed", "the fake has no process group")
+            case DestroyWeightGroup() | BeginWeightUpdate() | EndWeightUpdate():
+                return None
+            case UpdateFromDisk():
+                try:
+                    seed = read_checkpoint(op.path)
+                except InvalidRequest as exc:  # the engine cannot load it, as SGLang answers success: false
+                    raise ControlFailed(op.name, [WorkerFailure(self._id, op.name, str(exc))]) from exc
+                self._load(seed, op.version, op.flush_cache)
+            case UpdateFromTensors():
+                named = dict(op.tensors.items)
+                if "seed" not in named:
+                    raise InvalidRequest("named_tensors", "the fake's weights are one tensor named 'seed'")
+                self._load(int(named["seed"]), op.version, op.flush_cache)
+            case SetVersion():
+                self.version = op.version
+            case ReleaseMemory() | ResumeMemory():
+                return None
+            case _:
+                unhandled(op)
+
+    def _abort(self, requests: Sequence[_Running]) -> None:
+        for r in requests:
+            r.aborted = True
+        self._wake()
+
+    async def _pause(self, mode: PauseMode) -> None:
+        self.paused = mode
+        if mode is PauseMode.ABORT:
+            self._abort(list(self._running.values()))
+
+    def _flush(self) -> None:
+        if self.paused is PauseMode.IN_PLACE and self._running:
+            raise ControlFailed(
+                "flush_cache", [WorkerFailure(self._id, "flush_cache", "requests frozen in place hold KV")]
+            )
+        self.cache.clear()
+
+    def _load(self, seed: int, version: str | None, flush_cache: bool) -> None:
+        self.seed = seed
+        if flush_cache:
+            self.cache.clear()
+        if version is not None:
+            self.version = version
+
+    # -- health and lifecycle -----------------------------------------------------------------
+
+    async def probe(self, op: Probe) -> bool | None:
+        if not self.live:
+            raise BackendUnavailable(f"{self._id}: cannot connect (down)", worker=self._id)
+        match op:
+            case Live():
+                return True
+            case Ready() | Progress():
+                return self.paused is None
+            case _:
+                unhandled(op)
+
+    async def served_version(self) -> str | None:
+        if not self.live:
+            raise BackendUnavailable(f"{self._id}: cannot connect (down)", worker=self._id)
+        return self.version
+
+    async def aclose(self) -> None:
+        self.closed = True
+        self._abort(list(self._running.values()))
+
+    def __repr__(self) -> str:
+        return f"<FakeDriver {self._id} seed={self.seed} version={self.version!r} paused={self.paused}>"
+
+
+class FakeFleet(Fleet):
+    """A ``Fleet`` of ``FakeDriver``s (the protocol is ``Fleet``'s, as for every engine)."""
+
+    def __init__(self, drivers: Sequence[FakeDriver], *, capabilities: Capabilities | None = None) -> None:
+        super().__init__(drivers, capabilities=capabilities, name="fake")
+        self._fakes = {d.id: d for d in drivers}
+        for d in drivers:
+            self.set_installed_version(d.version, [d.id])
+
+    def fake(self, worker: str) -> FakeDriver:
+        """The fake engine behind a worker id."""
+        self.driver(worker)
+        return self._fakes[worker]
+
+    @property
+    def fakes(self) -> tuple[FakeDriver, ...]:
+        return tuple(self._fakes[w] for w in self.workers)
+
+
+def fake_fleet(
+    workers: int = 1,
+    *,
+    seed: int = 1,
+    version: str = "v0",
+    capabilities: Capabilities = FAKE_CAPABILITIES,
+    token_delay: float = 0.002,
+) -> FakeFleet:
+    """``workers`` fake engines ``fake-0``, ``fake-1``, ... on the weights ``seed``, labelled ``version``."""
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+        raise InvalidRequest("workers", f"must be an int >= 1, got {workers!r}")
+    drivers = [
+        FakeDriver(f"fake-{i}", seed=seed, version=version, capabilities=capabilities, token_delay=token_delay)
+        for i in range(workers)
+    ]
+    return FakeFleet(drivers, capabilities=capabilities)
+
+
+def fake_factory(
+    workers: int = 1,
+    *,
+    seed: int = 1,
+    version: str = "v0",
+    capabilities: Capabilities = FAKE_CAPABILITIES,
+    token_delay: float = 0.002,
+) -> Callable[[], Awaitable[FakeFleet]]:
+    """A conformance-suite factory: each call makes a fresh ``fake_fleet`` with these arguments."""
+
+    async def make() -> FakeFleet:
+        return fake_fleet(workers, seed=seed, version=version, capabilities=capabilities, token_delay=token_delay)
+
+    return make
