@@ -6,7 +6,8 @@ Every error this library raises derives from :class:`RolloutBackendError`. The t
     ├── TransientError            retryable: the same call may succeed if sent again
     │   ├── BackendTimeout        no answer within the timeout
     │   ├── ConnectionFailed      could not connect / connection dropped before an answer
-    │   └── Overloaded            the server said "busy" (HTTP 429/503 while serving)
+    │   ├── Overloaded            the server said "busy" (HTTP 429/503 while serving)
+    │   └── NoCompatibleVersion   no worker serves a version the request accepts (min/exact version); nothing sent
     ├── BackendUnavailable        a worker or the whole fleet is down (after retries, or none registered)
     │   └── BackendClosed         the backend was closed (``aclose``): no call reaches an engine again
     ├── InvalidRequest            the caller's input is wrong; ``.field`` names the offending field
@@ -31,7 +32,7 @@ Rules the adapters follow:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import attrs
 
@@ -44,6 +45,7 @@ __all__ = [
     "ContractViolation",
     "ControlFailed",
     "InvalidRequest",
+    "NoCompatibleVersion",
     "Overloaded",
     "RolloutBackendError",
     "StaleWeights",
@@ -85,6 +87,36 @@ class ConnectionFailed(TransientError):
 
 class Overloaded(TransientError):
     """The server answered that it is busy (HTTP 429, or 503 from a serving worker)."""
+
+
+class NoCompatibleVersion(TransientError):
+    """No worker the request could go to serves a version it accepts (``GenerateRequest.min_version``
+    / ``exact_version``), so nothing was sent (``nothing_generated`` is always true).
+
+    Retryable: once a worker is updated to (or still serves) an accepted version, the same request
+    can succeed; Miles' external rollout service answers the same way (``docs/advanced/
+    disaggregated-rollout.md`` in radixark/miles at 31f1ca961a94). ``served`` maps each worker to
+    the label it serves as far as the fleet knows; ``history`` is the fleet's order of labels.
+    """
+
+    def __init__(
+        self,
+        *,
+        min_version: str | None,
+        exact_version: str | None,
+        served: Mapping[str, str | None],
+        history: Sequence[str] = (),
+        reason: str = "no worker serves an accepted version",
+    ) -> None:
+        self.min_version = min_version
+        self.exact_version = exact_version
+        self.served = dict(served)
+        self.history = tuple(history)
+        want = " and ".join(
+            f"{name}={v!r}" for name, v in (("min_version", min_version), ("exact_version", exact_version)) if v
+        )
+        detail = ", ".join(f"{w}={v!r}" for w, v in self.served.items())
+        super().__init__(f"{reason} ({want}); workers serve: {detail}", nothing_generated=True)
 
 
 class BackendUnavailable(RolloutBackendError):

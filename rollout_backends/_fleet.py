@@ -36,6 +36,7 @@ from rollout_backends._errors import (
     ContractViolation,
     ControlFailed,
     InvalidRequest,
+    NoCompatibleVersion,
     RolloutBackendError,
     Unsupported,
     WorkerFailure,
@@ -264,6 +265,10 @@ class Fleet:
         self._cancelled: set[str] = set()
         self._on_close = on_close
         self._closed = False
+        # Moves when a weight load or relabel starts and when it ends on any worker: a generation
+        # that saw it unchanged overlapped no update this fleet made.
+        self._weights_epoch = 0
+        self._version_pick = itertools.count()
 
     # -- bookkeeping --------------------------------------------------------------------------
 
@@ -334,6 +339,16 @@ class Fleet:
         selected = self._select(workers)
         await fan_out(op.name, selected, lambda w: self._control(op, w))
 
+    async def _load(self, op: Command, selected: Sequence[str], version: str | None) -> None:
+        """A weight load or relabel on ``selected``, then the labels; the epoch moves before and
+        after, so a generation in flight meanwhile knows an update overlapped it."""
+        self._weights_epoch += 1
+        try:
+            await self._fan(op, selected)
+            self._versions.relabelled(version, selected)
+        finally:
+            self._weights_epoch += 1
+
     # -- data plane ---------------------------------------------------------------------------
 
     def _check_request(self, request: GenerateRequest) -> None:
@@ -356,12 +371,49 @@ class Fleet:
                 "input_ids", f"prompt of {len(request.input_ids)} tokens does not fit the context ({caps.max_context})"
             )
 
+    def _route_by_version(self, request: GenerateRequest) -> GenerateRequest:
+        """Keep a version-constrained request to the workers whose installed label satisfies it:
+        pinned where it is, to one of them when not every worker does (``NoCompatibleVersion``
+        where none does, or where the fleet cannot pin and not every worker does)."""
+        if not self.capabilities.version_constraints:
+            raise Unsupported("version_constraints")
+        book, least, exact = self._versions, request.min_version, request.exact_version
+        if least is not None and exact is not None:
+            at, floor = book.rank(exact), book.rank(least)
+            if at is not None and floor is not None and at < floor:
+                raise InvalidRequest(
+                    "exact_version", f"{exact!r} was installed before min_version {least!r}: no version is both"
+                )
+        labels = book.view
+        ok = [w for w in self._ids if book.satisfies(labels[w], min_version=least, exact_version=exact)]
+
+        def refuse(reason: str) -> NoCompatibleVersion:
+            return NoCompatibleVersion(
+                min_version=least, exact_version=exact, served=labels, history=book.history, reason=reason
+            )
+
+        if request.worker is not None:
+            self.driver(request.worker)  # an unknown id is the caller's InvalidRequest
+            if request.worker not in ok:
+                raise refuse(f"the pinned worker {request.worker!r} serves no accepted version")
+            return request
+        if not ok:
+            raise refuse("no worker serves an accepted version")
+        if len(ok) == len(self._ids):
+            return request  # any worker will do: the entry chooses
+        if not self.capabilities.worker_pinning:
+            raise refuse("not every worker serves an accepted version, and this fleet cannot pin a request")
+        return attrs.evolve(request, worker=ok[next(self._version_pick) % len(ok)])
+
     async def generate(self, request: GenerateRequest) -> Generation:
         """Generate on the pinned worker, else through the entry. Drivers may resend where nothing
         can have been generated (HTTP: ``RetryPolicy.generate_resends``); tokens are never counted
-        twice."""
+        twice. A request with ``min_version`` / ``exact_version`` goes only to a worker whose label
+        satisfies it (``_route_by_version``)."""
         self._require_open("generate")
         self._check_request(request)
+        if request.min_version is not None or request.exact_version is not None:
+            request = self._route_by_version(request)
         if request.worker is not None:
             target: Driver | Entry = self.driver(request.worker)
             if not self.capabilities.worker_pinning:
@@ -369,16 +421,27 @@ class Fleet:
             known: str | None = request.worker
         else:
             target, known = self._entry, self._sole_worker
+        labels, epoch = self._versions.view, self._weights_epoch  # what was installed when it started
         if self._abort_by_id:  # the hot path: no extra task per request
             gen = await target.generate(request)
         else:
             gen = await self._generate_cancellable(target, request, known)
-        if gen.worker is None and known is not None:
-            gen = attrs.evolve(gen, worker=known)
+        worker = gen.worker if gen.worker is not None else known
         if gen.logprobs is not None and len(gen.logprobs) != len(gen.output_ids):
-            raise ContractViolation("logprobs and output ids differ in length", worker=gen.worker)
-        if self.capabilities.version_source is VersionSource.STAMPED and gen.worker is not None:
-            gen = attrs.evolve(gen, weight_version=self._versions.label(gen.worker))
+            raise ContractViolation("logprobs and output ids differ in length", worker=worker)
+        end = gen.weight_version
+        if self.capabilities.version_source is VersionSource.STAMPED and worker is not None:
+            end = self._versions.label(worker)
+        start = gen.version_at_start
+        if start is None:
+            # Nothing this fleet loaded or relabelled overlapped the call: the version at the end
+            # served the start too. Otherwise the label the worker had when the call started.
+            if epoch == self._weights_epoch and end is not None:
+                start = end
+            elif worker is not None:
+                start = labels.get(worker)
+        if worker is not gen.worker or end is not gen.weight_version or start is not gen.version_at_start:
+            gen = attrs.evolve(gen, worker=worker, weight_version=end, version_at_start=start)
         return gen
 
     async def _generate_cancellable(
@@ -418,6 +481,7 @@ class Fleet:
             prompt_tokens=len(request.input_ids),
             worker=worker,
             latency_s=latency_s,
+            version_at_start=self._versions.label(worker),
         )
 
     async def abort(self, request_id: str) -> None:
@@ -497,8 +561,7 @@ class Fleet:
         _check_version(version)
         selected = self._select(workers)
         op = UpdateFromDistributed(bucket=bucket, group_name=group_name, version=version, flush_cache=flush_cache)
-        await self._fan(op, selected)
-        self._versions.relabelled(version, selected)
+        await self._load(op, selected, version)
 
     async def destroy_weight_group(
         self, group_name: str = "weight_update_group", *, workers: Sequence[str] | None = None
@@ -524,8 +587,7 @@ class Fleet:
         # A bad pair is the caller's InvalidRequest (raised here, or by every driver: fan_out).
         tensors = NamedTensors.of(named_tensors)
         op = UpdateFromTensors(tensors=tensors, version=version, flush_cache=flush_cache, load_format=load_format)
-        await self._fan(op, selected)
-        self._versions.relabelled(version, selected)
+        await self._load(op, selected, version)
 
     async def update_weights_from_disk(
         self,
@@ -544,8 +606,7 @@ class Fleet:
             raise InvalidRequest("load_format", "must be a string or None")
         selected = self._select(workers)
         op = UpdateFromDisk(path=path, version=version, load_format=load_format, flush_cache=flush_cache)
-        await self._fan(op, selected)
-        self._versions.relabelled(version, selected)
+        await self._load(op, selected, version)
 
     async def begin_weight_update(self, selector: str = "all", *, workers: Sequence[str] | None = None) -> None:
         _check_selector(selector)
@@ -558,8 +619,7 @@ class Fleet:
         if not isinstance(version, str) or not version:
             raise InvalidRequest("version", "must be a non-empty string")
         selected = self._select(workers)
-        await self._fan(SetVersion(version), selected)
-        self._versions.relabelled(version, selected)
+        await self._load(SetVersion(version), selected, version)
 
     async def weight_versions(self) -> Mapping[str, str | None]:
         if self.capabilities.version_source is not VersionSource.RESPONSE:

@@ -253,6 +253,13 @@ class GenerateRequest:
     worker: str | None = None
     #: A key that routers may use to keep related requests (one group's samples) together.
     routing_key: str | None = None
+    #: Serve only on a worker whose installed weight version is this label or one installed after
+    #: it; "after" is the order of the fleet's history of installed labels (``VersionBook.history``).
+    #: No such worker: ``NoCompatibleVersion`` (retryable). Needs ``Capabilities.version_constraints``.
+    min_version: str | None = None
+    #: Serve only on a worker whose installed weight version is exactly this label (else
+    #: ``NoCompatibleVersion``). With ``min_version`` too, it must not precede it in the history.
+    exact_version: str | None = None
 
     def __attrs_post_init__(self) -> None:
         if not self.input_ids:
@@ -269,6 +276,10 @@ class GenerateRequest:
             raise _fail("worker", f"must be a worker id (str) or None, got {type(self.worker).__name__}")
         if self.routing_key is not None and not isinstance(self.routing_key, str):
             raise _fail("routing_key", f"must be a str or None, got {type(self.routing_key).__name__}")
+        for name in ("min_version", "exact_version"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, str) or not v):
+                raise _fail(name, f"must be a non-empty version label (str) or None, got {v!r}"[:200])
 
 
 @attrs.frozen(slots=True, kw_only=True)
@@ -294,6 +305,10 @@ class Generation:
     #: With ``SamplingParams.top_logprobs = k``: for each output token, the ``k`` most likely
     #: ``(token_id, logprob)`` pairs, most likely first (``None`` when not asked for).
     top_logprobs: tuple[tuple[tuple[int, float], ...], ...] | None = None
+    #: The version the serving worker had installed when the request reached it (``None``: not
+    #: known). ``weight_version`` is the version at the end (``version_at_end``); a request that
+    #: spanned a weight update shows both.
+    version_at_start: str | None = None
 
     def __attrs_post_init__(self) -> None:
         if self.logprobs is not None and len(self.logprobs) != len(self.output_ids):
@@ -309,6 +324,11 @@ class Generation:
     @property
     def aborted(self) -> bool:
         return self.finish_reason is FinishReason.ABORT
+
+    @property
+    def version_at_end(self) -> str | None:
+        """The version that served the end of the request: ``weight_version``."""
+        return self.weight_version
 
 
 def _dtype_name(value: object) -> str:
@@ -485,6 +505,9 @@ class Capabilities:
     progress_probe: bool = True
     #: The largest ``SamplingParams.top_logprobs`` honoured (``Generation.top_logprobs``); 0: none.
     top_logprobs: int = 0
+    #: ``GenerateRequest.min_version`` / ``exact_version`` are honoured: routed only to workers
+    #: whose installed label satisfies them, else ``NoCompatibleVersion``. Undeclared: ``Unsupported``.
+    version_constraints: bool = False
     #: Greedy outputs do not depend on what else is batched (SGLang: deterministic inference).
     #: Without it, concurrent traffic can flip near-tied tokens (measured on the H200: 1 of 200).
     batch_invariant: bool = False

@@ -16,6 +16,12 @@ reproduction; ``tests/test_versions.py`` runs it over every backend). The rule, 
 - a worker is stale only while it is live and serves a version other than the expected one (with
   no expected version, none is).
 
+The book also keeps the fleet's history of labels: each label it recorded or relabelled, once, in
+the order it first appeared (a label put back by a rollback keeps its first place). That order is
+what ``GenerateRequest.min_version`` means by "this version or a later one" (``satisfies``): labels
+are names the trainer chose, not numbers, so the only order the fleet can vouch for is the one in
+which it installed them.
+
 The book holds labels, not served versions: the label is what a worker was last told to serve,
 which is all a fleet knows of engines that do not report versions (``VersionSource.STAMPED``
 stamps generations with it). Where engines report versions, the served version is read from them
@@ -25,6 +31,7 @@ and compared with ``expected``.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
+from types import MappingProxyType
 
 from rollout_backends._errors import InvalidRequest, StaleWeights
 
@@ -38,7 +45,7 @@ class VersionBook:
     ``await`` can interleave with an update.
     """
 
-    __slots__ = ("_declared", "_labels")
+    __slots__ = ("_declared", "_history", "_labels", "_rank", "_view")
 
     def __init__(self, workers: Iterable[str], label: str | None = None) -> None:
         """A book for ``workers``, each labelled ``label`` (the start-up version, where known).
@@ -51,6 +58,46 @@ class VersionBook:
             raise InvalidRequest("workers", "a fleet needs at least one worker")
         _check(label, "label")
         self._declared: str | None = None
+        self._rank: dict[str, int] = {}  # label -> its place in the history
+        self._history: tuple[str, ...] = ()
+        self._view: Mapping[str, str | None] = MappingProxyType({})
+        self._changed(label)
+
+    def _changed(self, label: str | None) -> None:
+        # Copy on write: a snapshot taken before a change (``view``) never sees it.
+        if self._view != self._labels:
+            self._view = MappingProxyType(dict(self._labels))
+        if label is not None and label not in self._rank:
+            self._rank[label] = len(self._history)
+            self._history = (*self._history, label)
+
+    @property
+    def view(self) -> Mapping[str, str | None]:
+        """The labels now, read-only and never changed afterwards: a snapshot costs nothing, and
+        ``view is`` a later ``view`` exactly when no label changed in between."""
+        return self._view
+
+    @property
+    def history(self) -> tuple[str, ...]:
+        """Every label recorded or relabelled, once, in the order it first appeared."""
+        return self._history
+
+    def rank(self, label: str | None) -> int | None:
+        """The place of ``label`` in the history (0: first); ``None`` if it never reached a worker."""
+        return self._rank.get(label) if label is not None else None
+
+    def satisfies(self, label: str | None, *, min_version: str | None, exact_version: str | None) -> bool:
+        """Whether a worker labelled ``label`` may serve a request with these constraints: its label
+        is ``exact_version`` (if given) and is ``min_version`` or a label first installed after it
+        (if given). An unknown label satisfies no constraint; no constraint is satisfied by any."""
+        if exact_version is not None and label != exact_version:
+            return False
+        if min_version is None:
+            return True
+        if label is None:
+            return False
+        at, least = self._rank.get(label), self._rank.get(min_version)
+        return at is not None and least is not None and at >= least
 
     @property
     def workers(self) -> tuple[str, ...]:
@@ -84,8 +131,10 @@ class VersionBook:
         For what a fleet learns rather than does: a launcher that knows the start-up version.
         """
         _check(version, "version")
-        for w in self._selected(workers):
+        selected = self._selected(workers)
+        for w in selected:
             self._labels[w] = version
+        self._changed(version if selected else None)
 
     def relabelled(self, version: str | None, workers: Sequence[str] | None = None) -> None:
         """An operation gave ``workers`` (``None``: all) the label ``version``: record it, and if it
@@ -100,6 +149,7 @@ class VersionBook:
         selected = self._selected(workers)
         for w in selected:
             self._labels[w] = version
+        self._changed(version if selected else None)
         if set(selected) >= self._labels.keys():
             self._declared = version
 

@@ -11,7 +11,7 @@ import rollout_backends.testing as testing
 EXPECTED_TOP = {
     "Aborted", "BackendClosed", "BackendTimeout", "BackendUnavailable", "Capabilities", "ConnectionFailed",
     "Completions", "ContractViolation", "ControlFailed", "FinishReason", "GenerateRequest", "Generation",
-    "HealthReport", "InvalidRequest", "MemoryTag", "Overloaded", "PauseMode", "RolloutBackend",
+    "HealthReport", "InvalidRequest", "MemoryTag", "NoCompatibleVersion", "Overloaded", "PauseMode", "RolloutBackend",
     "RolloutBackendError", "RoutingKind", "SamplingParams", "StaleWeights", "TensorSpec",
     "TransientError", "Unsupported", "VersionSource", "WeightBucket", "WeightGroup",
     "WeightTransport", "WeightUpdateFailed", "WeightUpdateTransaction", "WorkerFailure",

@@ -49,6 +49,23 @@ class Model:
                     labels[w] = call.version
         return labels
 
+    def history(self) -> list[str]:
+        """Labels in the order they first reached a worker (the start label first)."""
+        seen: list[str] = [self.start] if self.start is not None else []
+        for call in self.calls:
+            new = call.version is not None and call.version not in seen
+            if new and call.kind in ("record", "relabel") and self._covers(call):
+                seen.append(call.version)
+        return seen
+
+    def satisfies(self, label: str | None, min_version: str | None, exact_version: str | None) -> bool:
+        history = self.history()
+        if exact_version is not None and label != exact_version:
+            return False
+        if min_version is None:
+            return True
+        return label in history and min_version in history and history.index(label) >= history.index(min_version)
+
     def expected(self) -> str | None:
         for call in reversed(self.calls):
             if call.kind == "declare":
@@ -97,6 +114,25 @@ def test_the_book_follows_the_rule_after_every_call(fleet: Fleet) -> None:
         assert book.labels == model.labels()
         assert {w: book.label(w) for w in workers} == model.labels()
         assert book.expected == model.expected(), (call, book)
+
+
+@given(fleets(), MAYBE_VERSION, MAYBE_VERSION)
+def test_the_history_orders_labels_by_first_install(fleet: Fleet, least: str | None, exact: str | None) -> None:
+    """The history (``min_version``'s order) after every call, what satisfies a constraint, and that a
+    snapshot (``view``) never moves: the fleet reads a request's start version off one."""
+    workers, start, calls = fleet
+    book, model = VersionBook(workers, label=start), Model(workers, start)
+    for call in [None, *calls]:
+        before, snapshot = book.view, dict(book.view)
+        if call is not None:
+            _apply(book, call)
+            model.calls.append(call)
+        assert list(book.history) == model.history()
+        assert dict(before) == snapshot  # copy on write
+        assert (book.view is before) == (call is None or call.kind == "declare" or book.labels == snapshot)
+        for label in [None, *model.history()]:
+            got = book.satisfies(label, min_version=least, exact_version=exact)
+            assert got is model.satisfies(label, least, exact), (label, least, exact, book.history)
 
 
 @given(fleets(), st.data())

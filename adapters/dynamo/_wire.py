@@ -476,6 +476,8 @@ class DynamoWire:
             version_source=self.version_source,
             cached_tokens=routes.logprobs,
             worker_pinning=self.pinning,
+            # The fleet routes by its labels; without pinning it refuses while the workers disagree.
+            version_constraints=True,
             # The probe is a 1-token generation pinned to the worker: only where pinning works.
             progress_probe=self.pinning,
             batch_invariant=routes.deterministic,

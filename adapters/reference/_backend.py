@@ -248,6 +248,7 @@ class ReferenceBackend(Fleet):
             version_source=VersionSource.RESPONSE,
             cached_tokens=True,
             worker_pinning=True,
+            version_constraints=True,
             batch_invariant=True,  # every request runs alone through the model (no padded batches)
             max_context=first.max_context,
             vocab_size=first.vocab_size,

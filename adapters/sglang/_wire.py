@@ -162,6 +162,7 @@ class SGLangWire:
             version_source=VersionSource.RESPONSE,
             cached_tokens=True,
             worker_pinning=True,
+            version_constraints=True,  # the fleet routes by its labels, pinning where not all serve one
             batch_invariant=self.deterministic,
             max_context=self.max_context,
             vocab_size=self.vocab_size,
