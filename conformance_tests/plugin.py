@@ -212,7 +212,15 @@ def parity_cases(config: Any = None) -> list[ParityCase]:
     names an HF model (``--rb-hf-model``, or derived for ``reference://``)."""
     urls = backend_urls(config)
     cases = [ParityCase(a, b) for a, b in itertools.combinations(urls, 2)]
-    cases += [ParityCase(u, None) for u in urls if harness_for(u, config).hf_model_path is not None]
+    for u in urls:
+        try:
+            hf = harness_for(u, config).hf_model_path
+        except Exception:
+            # A harness that cannot be built: every check of this URL reports it as an error;
+            # collection goes on (an exception here would stop the whole run before any check).
+            continue
+        if hf is not None:
+            cases.append(ParityCase(u, None))
     return cases
 
 

@@ -313,3 +313,9 @@ def short_budget_harness(url: str) -> Harness:
     """``fake://`` with requests too short to be caught in flight: the abort and pause checks' setup is wrong."""
     _register()
     return Harness(long_max_new_tokens=2, pause_max_new_tokens=2, concurrency=8)
+
+
+def broken_harness(url: str) -> Harness:
+    """A harness function that raises: every check of ``url`` must be a pytest error, none a failure."""
+    _register()
+    raise RuntimeError("the harness cannot reach its checkpoint store")

@@ -74,3 +74,12 @@ def test_parity_per_pair_selected_by_rb_check(tmp_path: Path) -> None:
     only = _pytest("--rb-backend", same, "--rb-backend", other, "--rb-harness", f"{FAKE}:bare_harness",
                    "--rb-check", "greedy_shapes", tmp=tmp_path)  # fmt: skip
     assert only.returncode == 0 and "test_parity" not in only.stdout and "2 passed" in only.stdout, only.stdout[-2000:]
+
+
+def test_a_harness_that_cannot_be_built_is_an_error_per_check(tmp_path: Path) -> None:
+    out = _pytest("--rb-backend", "fake://", "--rb-harness", f"{FAKE}:broken_harness",
+                  "--rb-check", "greedy_shapes", "--rb-check", "finish_length", tmp=tmp_path)  # fmt: skip
+    assert out.returncode == 1, out.stdout[-3000:]
+    last = out.stdout.strip().splitlines()[-1]
+    assert "2 errors" in last and "failed" not in last, out.stdout[-3000:]
+    assert "the harness cannot reach its checkpoint store" in out.stdout
