@@ -769,8 +769,8 @@ async def run_check(
                 outcome = result(Outcome.ERROR, f"harness: {exc}", traceback.format_exc(), ctx.measurements)
             except Exception as exc:
                 if raised_by_backend(exc, backend):
-                    # Not a typed error, but the backend's: e.g. a Generation whose constructor refused
-                    # what the adapter parsed (ValueError) is the adapter's bug, not the harness's.
+                    # Not a typed error, but the backend's: e.g. a plain ValueError out of the
+                    # adapter's own parsing is the adapter's bug, not the harness's.
                     outcome = result(
                         Outcome.FAIL,
                         f"backend raised {type(exc).__name__} (not a RolloutBackendError): {exc}",

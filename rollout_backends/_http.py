@@ -262,13 +262,13 @@ class RetryPolicy:
 
     def __attrs_post_init__(self) -> None:
         if isinstance(self.attempts, bool) or not isinstance(self.attempts, int) or self.attempts < 1:
-            raise ValueError(f"RetryPolicy.attempts must be an int >= 1, got {self.attempts!r}")
+            raise InvalidRequest("retry.attempts", f"must be an int >= 1, got {self.attempts!r}")
         if (
             isinstance(self.generate_resends, bool)
             or not isinstance(self.generate_resends, int)
             or self.generate_resends < 0
         ):
-            raise ValueError(f"RetryPolicy.generate_resends must be an int >= 0, got {self.generate_resends!r}")
+            raise InvalidRequest("retry.generate_resends", f"must be an int >= 0, got {self.generate_resends!r}")
 
     def delay(self, attempt: int) -> float:
         base = min(self.max_backoff_s, self.backoff_s * (2**attempt))

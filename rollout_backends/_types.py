@@ -15,7 +15,7 @@ from typing import Any
 
 import attrs
 
-from rollout_backends._errors import InvalidRequest
+from rollout_backends._errors import ContractViolation, InvalidRequest
 
 __all__ = [
     "Capabilities",
@@ -130,12 +130,42 @@ def _token_ids(field: str, value: object) -> tuple[int, ...]:
     return _checked_token_ids(field, value)
 
 
+def _integer_dtype(dtype: object) -> bool | None:
+    """Whether a numpy or torch dtype holds integers (without importing either); ``None`` for
+    anything that is not such a dtype. Booleans, floats and complex numbers are not token ids."""
+    kind = getattr(dtype, "kind", None)  # numpy: 'i' signed, 'u' unsigned, 'b' bool, 'f' float, ...
+    if isinstance(kind, str):
+        return kind in ("i", "u")
+    name = str(dtype)  # torch: "torch.int64", "torch.uint8", "torch.bool", "torch.bfloat16", ...
+    if name.startswith("torch."):
+        return name.removeprefix("torch.").startswith(("int", "uint"))
+    return None
+
+
+def _array_token_ids(field: str, value: Any) -> list[Any]:
+    """A numpy array or torch tensor of token ids as Python ints, exactly (``tolist``); any other
+    dtype, or more than one dimension (a batch), is refused naming ``field``."""
+    if not _integer_dtype(value.dtype):
+        raise _fail(field, f"must hold integer token ids, got dtype {value.dtype}")
+    ndim = getattr(value, "ndim", 1)
+    if ndim != 1:
+        raise _fail(field, f"must be one-dimensional (one prompt), got {ndim} dimensions")
+    ids: list[Any] = value.tolist()
+    return ids
+
+
 def _checked_token_ids(field: str, value: object) -> tuple[int, ...]:
-    """The rule itself, one token at a time (``_token_ids`` must agree with it on every input)."""
+    """The rule itself, one token at a time (``_token_ids`` must agree with it on every input).
+    numpy arrays and torch tensors of an integer dtype, and their integer scalars, are taken exactly."""
+    if getattr(value, "dtype", None) is not None and hasattr(value, "tolist"):
+        value = _array_token_ids(field, value)
     if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
         raise _fail(field, f"must be a sequence of ints, got {type(value).__name__}")
     out = []
     for i, t in enumerate(value):
+        dtype = getattr(t, "dtype", None)
+        if dtype is not None and _integer_dtype(dtype) and getattr(t, "ndim", 0) == 0:
+            t = int(t)  # a numpy integer scalar or a 0-d integer tensor: exact
         if isinstance(t, bool) or not isinstance(t, int):
             raise _fail(f"{field}[{i}]", f"must be an int token id, got {type(t).__name__}")
         if t < 0:
@@ -148,6 +178,10 @@ def _checked_token_ids(field: str, value: object) -> tuple[int, ...]:
 
 def _input_ids(value: object) -> tuple[int, ...]:
     return _token_ids("input_ids", value)
+
+
+def _stop_token_ids(value: object) -> tuple[int, ...]:
+    return _token_ids("sampling.stop_token_ids", value)
 
 
 def _int_tuple(value: Iterable[int]) -> tuple[int, ...]:
@@ -171,7 +205,7 @@ class SamplingParams:
     top_k: int = -1  #: -1 = whole vocabulary
     min_p: float = 0.0
     min_new_tokens: int = 0
-    stop_token_ids: tuple[int, ...] = attrs.field(default=(), converter=_int_tuple)
+    stop_token_ids: tuple[int, ...] = attrs.field(default=(), converter=_stop_token_ids)
     ignore_eos: bool = False  #: also disables ``stop_token_ids`` (SGLang semantics)
     seed: int | None = None
     repetition_penalty: float = 1.0
@@ -311,13 +345,15 @@ class Generation:
     version_at_start: str | None = None
 
     def __attrs_post_init__(self) -> None:
+        # An answer that cannot be one Generation is the engine's (or adapter's) breach of the
+        # protocol, never the caller's input. A value type cannot name a worker; adapters check
+        # first and raise ContractViolation naming it.
         if self.logprobs is not None and len(self.logprobs) != len(self.output_ids):
-            # A value type cannot name a worker; adapters check first and raise ContractViolation.
-            raise ValueError(
+            raise ContractViolation(
                 f"logprobs ({len(self.logprobs)}) and output_ids ({len(self.output_ids)}) differ in length"
             )
         if self.top_logprobs is not None and len(self.top_logprobs) != len(self.output_ids):
-            raise ValueError(
+            raise ContractViolation(
                 f"top_logprobs ({len(self.top_logprobs)}) and output_ids ({len(self.output_ids)}) differ in length"
             )
 
@@ -472,12 +508,22 @@ class HealthReport:
         raise KeyError(worker_id)
 
 
+def _enum_set(field: str, kind: type[enum.Enum], values: Iterable[Any]) -> frozenset[Any]:
+    out = set()
+    for v in values:
+        try:
+            out.add(kind(v))
+        except ValueError:
+            raise _fail(field, f"unknown value {v!r} (known: {[m.value for m in kind]})") from None
+    return frozenset(out)
+
+
 def _pause_modes(values: Iterable[PauseMode | str]) -> frozenset[PauseMode]:
-    return frozenset(PauseMode(v) for v in values)
+    return _enum_set("capabilities.pause_modes", PauseMode, values)
 
 
 def _transports(values: Iterable[WeightTransport | str]) -> frozenset[WeightTransport]:
-    return frozenset(WeightTransport(v) for v in values)
+    return _enum_set("capabilities.weight_transports", WeightTransport, values)
 
 
 @attrs.frozen(slots=True, kw_only=True)

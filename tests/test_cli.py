@@ -271,3 +271,9 @@ def test_bad_connect_url_keys_are_typed_errors() -> None:
     with pytest.raises(rb.InvalidRequest) as exc_info:
         asyncio.run(rb.open_backend("dynamo://127.0.0.1:1?workers=a:1,b:2&rpc_ports=5"))
     assert exc_info.value.field == "url.rpc_ports"
+    # A typo'd key is refused naming it, on every scheme, never ignored (nothing is contacted).
+    for url in ("sglang://127.0.0.1:1?worker=2", "sglang://127.0.0.1:1?vocab=5", "dynamo://127.0.0.1:1?router=kv",
+                "reference://?worker=2"):  # fmt: skip
+        with pytest.raises(rb.InvalidRequest) as exc_info:
+            asyncio.run(rb.open_backend(url))
+        assert exc_info.value.field == "url." + url.split("?")[1].split("=")[0], url

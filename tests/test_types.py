@@ -73,7 +73,8 @@ def test_generate_request_is_frozen_and_has_unique_ids() -> None:
 
 
 def test_generation_lengths_must_agree() -> None:
-    with pytest.raises(ValueError):
+    # The engine's breach of the protocol, typed (a RolloutBackendError), never a bare ValueError.
+    with pytest.raises(rb.ContractViolation):
         rb.Generation(
             request_id="r", output_ids=(1, 2), logprobs=(-0.1,), finish_reason=rb.FinishReason.LENGTH,
             weight_version=None, prompt_tokens=1,
@@ -101,8 +102,54 @@ def test_capabilities_convert_and_query() -> None:
     caps = rb.Capabilities(pause_modes=["abort", rb.PauseMode.RETRACT], weight_transports=["disk"])
     assert caps.supports_pause(rb.PauseMode.ABORT) and not caps.supports_pause(rb.PauseMode.IN_PLACE)
     assert caps.supports_transport(rb.WeightTransport.DISK)
-    with pytest.raises(ValueError):
+    with pytest.raises(rb.InvalidRequest) as info:
         rb.Capabilities(pause_modes=["sometimes"])
+    assert info.value.field == "capabilities.pause_modes"
+    with pytest.raises(rb.InvalidRequest) as info:
+        rb.Capabilities(weight_transports=["carrier-pigeon"])
+    assert info.value.field == "capabilities.weight_transports"
+
+
+def test_misuse_is_typed() -> None:
+    """Library-level misuse raises a RolloutBackendError naming the field, not ValueError/TypeError."""
+    from rollout_backends.kit import RetryPolicy
+
+    for kwargs, field in (({"attempts": 0}, "retry.attempts"), ({"generate_resends": -1}, "retry.generate_resends")):
+        with pytest.raises(rb.InvalidRequest) as info:
+            RetryPolicy(**kwargs)  # type: ignore[arg-type]
+        assert info.value.field == field
+
+
+def test_numpy_and_torch_token_ids_are_taken_exactly() -> None:
+    np = pytest.importorskip("numpy")
+    torch = pytest.importorskip("torch")
+    big = 2**63 - 1
+    for ids in (np.array([1, 2, big]), np.array([1, 2, 3], dtype=np.uint32), torch.tensor([1, 2, big]),
+                torch.tensor([1, 2, 3], dtype=torch.int32), [np.int64(1), torch.tensor(2), 3]):  # fmt: skip
+        req = rb.GenerateRequest(input_ids=ids)
+        assert req.input_ids == tuple(int(t) for t in ids) and all(type(t) is int for t in req.input_ids)
+        sp = rb.SamplingParams(stop_token_ids=ids)
+        assert sp.stop_token_ids == req.input_ids and all(type(t) is int for t in sp.stop_token_ids)
+    refused = [
+        (np.array([1.0, 2.0]), "input_ids"),
+        (torch.tensor([1.0]), "input_ids"),
+        (torch.tensor([1], dtype=torch.bfloat16), "input_ids"),
+        (torch.tensor([True, False]), "input_ids"),
+        (np.array([True]), "input_ids"),
+        (np.array([[1, 2], [3, 4]]), "input_ids"),  # a batch
+        (np.array([1, -1]), "input_ids[1]"),
+        (np.array([1, 2**64 - 1], dtype=np.uint64), "input_ids[1]"),
+        ([1, np.float32(2)], "input_ids[1]"),
+        ([1, np.True_], "input_ids[1]"),
+        ([1, torch.tensor([2])], "input_ids[1]"),
+    ]
+    for ids, field in refused:
+        with pytest.raises(rb.InvalidRequest) as info:
+            rb.GenerateRequest(input_ids=ids)
+        assert info.value.field == field, ids
+        with pytest.raises(rb.InvalidRequest) as info:
+            rb.SamplingParams(stop_token_ids=ids)
+        assert info.value.field == field.replace("input_ids", "sampling.stop_token_ids"), ids
 
 
 def test_health_report_summary() -> None:

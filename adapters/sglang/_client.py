@@ -170,14 +170,22 @@ async def connect(
     return HttpFleetBackend(wire, fleet, client=client, name="sglang", on_close=on_close)
 
 
+#: The query keys ``open_from_url`` reads (what the launcher prints).
+_URL_KEYS = frozenset({"workers", "routing", "vocab_size"})
+
+
 async def open_from_url(url: str, **kwargs: Any) -> HttpFleetBackend:
     """Registry entry: ``sglang://host:port?workers=h1:p1,h2:p2&routing=cache_aware&vocab_size=N``
     (``vocab_size``: token ids are checked against it before they are sent; the launcher prints
     such a URL with every key it knows)."""
     parts = urlsplit(url)
-    query = parse_qs(parts.query)
-    if "workers" in query and "workers" not in kwargs:
-        kwargs["workers"] = [w for item in query["workers"] for w in item.split(",") if w]
+    query = parse_qs(parts.query, keep_blank_values=True)
+    for key in query:  # a typo (``?worker=2``) is refused, never ignored
+        if key not in _URL_KEYS:
+            raise InvalidRequest(f"url.{key}", f"unknown option (known: {sorted(_URL_KEYS)})")
+    workers = [w for item in query.get("workers", ()) for w in item.split(",") if w]
+    if workers and "workers" not in kwargs:
+        kwargs["workers"] = workers
     if "routing" in query and "routing" not in kwargs:
         kwargs["routing"] = query["routing"][0]
     if "vocab_size" in query and "vocab_size" not in kwargs:

@@ -80,7 +80,7 @@ BUGS = frozenset(
         # logprobs[i] is that of output[i+1], the last one padded with 0.0 (one position early)
         "logprobs_shifted_ahead",
         "pause_abort_noop",  # pause(ABORT) leaves in-flight requests running
-        "generation_value_error",  # the adapter builds a Generation its constructor refuses (ValueError)
+        "generation_value_error",  # the adapter's own parsing raises a plain ValueError (not typed)
     }
 )
 
@@ -153,7 +153,9 @@ class BuggyDriver(FakeDriver):
                 top_logprobs=() if gen.top_logprobs is not None else None,
             )
         if "generation_value_error" in self.bugs and gen.logprobs is not None:
-            gen = attrs.evolve(gen, logprobs=(*gen.logprobs, -1.0))  # one too many: Generation raises ValueError
+            # Generation itself refuses misaligned logprobs typed (ContractViolation); an adapter's
+            # own parser can still raise a plain exception, e.g. int() of a malformed field.
+            raise ValueError(f"invalid literal for int() with base 10: {'x' * len(gen.logprobs)!r}")
         if "version_lag" in self.bugs:
             gen = attrs.evolve(gen, weight_version=self.loaded_version)
         if "wrong_prompt_tokens" in self.bugs:

@@ -179,7 +179,7 @@ async def test_pause_that_did_nothing_is_blamed_not_the_budget(tmp_path: Path) -
 
 
 async def test_a_plain_exception_out_of_the_backend_is_a_failure() -> None:
-    """A Generation constructor refusing what the adapter built (ValueError) is the backend's fault."""
+    """A plain exception out of the adapter's own parsing (ValueError) is the backend's fault."""
     r = await check_greedy_shapes(fake_factory(bugs=frozenset({"generation_value_error"})))
     assert r.outcome is Outcome.FAIL, r.line()
     assert r.message.startswith("backend raised ValueError (not a RolloutBackendError)")

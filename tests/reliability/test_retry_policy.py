@@ -15,6 +15,7 @@ from rollout_backends import (
     BackendUnavailable,
     ConnectionFailed,
     GenerateRequest,
+    InvalidRequest,
     PauseMode,
     SamplingParams,
     TransientError,
@@ -205,9 +206,9 @@ async def test_resend_delay_is_bounded() -> None:
 
 
 def test_policy_validates() -> None:
-    with pytest.raises(ValueError):
+    with pytest.raises(InvalidRequest):
         RetryPolicy(generate_resends=-1)
-    with pytest.raises(ValueError):
+    with pytest.raises(InvalidRequest):
         RetryPolicy(attempts=0)
 
 
