@@ -86,6 +86,7 @@ from ._parity import (
     hf_logprobs,
     pair_parity,
 )
+from ._versions import check_min_version_after_partial_update, check_unknown_exact_version_is_retryable
 from ._weights import (
     check_disk_update_matches_fresh,
     check_distributed_update_matches_fresh,
@@ -134,6 +135,7 @@ __all__ = [
     "check_ignore_eos",
     "check_injected_failure_rolls_back",
     "check_max_new_tokens",
+    "check_min_version_after_partial_update",
     "check_parity",
     "check_pause_abort",
     "check_pause_in_place",
@@ -150,6 +152,7 @@ __all__ = [
     "check_staleness_visible",
     "check_tensor_update_matches_fresh",
     "check_top_logprobs",
+    "check_unknown_exact_version_is_retryable",
     "check_update_failure_keeps_version",
     "compare",
     "default_parity_prompts",

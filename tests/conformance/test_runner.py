@@ -35,6 +35,10 @@ NEEDS_HOOK_OR_CAPABILITY = {
     ),
     "hf_logprob_parity": "harness hook 'hf_model_path' not provided",
     "staleness_visible": "needs >= 2 workers, the fleet has 1",
+    "unknown_exact_version_is_retryable": "capability version_constraints=True not declared",
+    "min_version_after_partial_update": (
+        "capability version_constraints=True not declared; needs >= 2 workers, the fleet has 1"
+    ),
 }
 
 
