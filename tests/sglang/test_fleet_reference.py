@@ -31,6 +31,7 @@ from rollout_backends import (
     RoutingKind,
     SamplingParams,
     WeightGroup,
+    open_backend,
 )
 from rollout_backends.adapters.reference import ReferenceBackend, WeightSender, free_port
 from rollout_backends.adapters.sglang import SGLangFleet, SGLangFleetConfig, connect, launch_sglang_fleet
@@ -126,6 +127,19 @@ async def test_fleet_handle_and_router_listing(fleet: SGLangFleet) -> None:
     assert report.ready and report.router_live is True
     assert {w.weight_version for w in report.workers} == {START_VERSION}
     assert sorted(p.name for p in fleet.log_dir.iterdir()) == ["router.log", "worker-0.log", "worker-1.log"]
+
+
+async def test_a_bare_url_discovers_the_limits(fleet: SGLangFleet) -> None:
+    """``sglang://host:port`` of the router and nothing else: the vocabulary size (the served model's
+    config.json) and the context length (/server_info) come from the workers (issue 16: the
+    conformance suite failed 22 checks on such a URL for want of the vocabulary size)."""
+    assert fleet.router_url is not None
+    for url in (fleet.router_url, fleet.worker_urls[0]):
+        backend = await open_backend("sglang://" + url.split("://", 1)[1])
+        try:
+            assert (backend.capabilities.vocab_size, backend.capabilities.max_context) == (512, 4096)
+        finally:
+            await backend.aclose()
 
 
 async def test_greedy_and_seeded_outputs_equal_in_process_reference(
