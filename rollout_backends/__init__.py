@@ -56,10 +56,13 @@ from rollout_backends._types import (
     WeightTransport,
     WorkerHealth,
 )
+from rollout_backends._worker_loss import WorkerLoss, WorkerLossPolicy
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "WorkerLoss",
+    "WorkerLossPolicy",
     "Aborted",
     "BackendTimeout",
     "BackendUnavailable",

@@ -20,11 +20,13 @@ Every error this library raises derives from :class:`RolloutBackendError`. The t
 
 Rules the adapters follow:
 
-* ``TransientError`` means the same call may succeed if sent again. A ``generate`` that may have
-  produced tokens (a timeout, a connection lost after sending) is never resent by the library;
-  only errors with ``nothing_generated=True`` (no engine started the request) may be, and only
-  where the caller opted in (``RetryPolicy(generate_resends=N)``). See ``docs/errors.md`` and
-  ``docs/reliability.md``.
+* ``TransientError`` means the same call may succeed if sent again. The HTTP transport never
+  resends a ``generate`` that may have produced tokens (a timeout, a connection lost after
+  sending); only errors with ``nothing_generated=True`` (no engine started the request), where
+  the caller opted in (``RetryPolicy(generate_resends=N)``). A generation cut off by a lost worker
+  is resent by the fleet *whole*, as a fresh generation with the same request id
+  (``WorkerLossPolicy``, on by default; never spliced onto the lost attempt's tokens, never after
+  a timeout). See ``docs/errors.md`` and ``docs/reliability.md``.
 * ``ControlFailed.failures`` names each worker and step that failed; an error never names fewer
   workers than failed.
 * Secrets (API keys) never appear in messages.

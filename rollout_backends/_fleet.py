@@ -33,10 +33,12 @@ import attrs
 from rollout_backends._errors import (
     BackendClosed,
     BackendUnavailable,
+    ConnectionFailed,
     ContractViolation,
     ControlFailed,
     InvalidRequest,
     NoCompatibleVersion,
+    Overloaded,
     RolloutBackendError,
     Unsupported,
     WorkerFailure,
@@ -82,6 +84,7 @@ from rollout_backends._types import (
     ensure_tags,
 )
 from rollout_backends._versions import VersionBook
+from rollout_backends._worker_loss import DEFAULT_WORKER_LOSS, WorkerLossPolicy
 
 __all__ = ["Driver", "Entry", "Fleet", "RoundRobin", "fan_out"]
 
@@ -269,6 +272,12 @@ class Fleet:
         # that saw it unchanged overlapped no update this fleet made.
         self._weights_epoch = 0
         self._version_pick = itertools.count()
+        #: What to do with a generation cut off by a lost worker (resend it whole, by default).
+        self.worker_loss: WorkerLossPolicy = DEFAULT_WORKER_LOSS
+        # Requests between a lost attempt and their resend, and those aborted meanwhile.
+        self._resending: dict[str, int] = {}
+        self._abort_asked: set[str] = set()
+        self._resends_done = 0
 
     # -- bookkeeping --------------------------------------------------------------------------
 
@@ -295,6 +304,11 @@ class Fleet:
     def set_installed_version(self, version: str | None, workers: Sequence[str] | None = None) -> None:
         """Record the version workers serve (a launcher knows the start-up version); declares nothing."""
         self._versions.record(version, workers)
+
+    @property
+    def resends_after_worker_loss(self) -> int:
+        """How many times this fleet resent a generation cut off by a lost worker (``worker_loss``)."""
+        return self._resends_done
 
     @property
     def inflight(self) -> tuple[str, ...]:
@@ -407,13 +421,39 @@ class Fleet:
 
     async def generate(self, request: GenerateRequest) -> Generation:
         """Generate on the pinned worker, else through the entry. Drivers may resend where nothing
-        can have been generated (HTTP: ``RetryPolicy.generate_resends``); tokens are never counted
-        twice. A request with ``min_version`` / ``exact_version`` goes only to a worker whose label
-        satisfies it (``_route_by_version``)."""
+        can have been generated (HTTP: ``RetryPolicy.generate_resends``); a generation cut off by
+        a lost worker is resent whole per ``worker_loss`` (``rollout_backends._worker_loss``);
+        tokens are never counted twice. A request with ``min_version`` / ``exact_version`` goes
+        only to a worker whose label satisfies it (``_route_by_version``, again for each resend)."""
         self._require_open("generate")
         self._check_request(request)
-        if request.min_version is not None or request.exact_version is not None:
-            request = self._route_by_version(request)
+        constrained = request.min_version is not None or request.exact_version is not None
+        policy = self.worker_loss
+        if request.worker is not None or not policy.resends_lost:
+            return await self._generate_once(self._route_by_version(request) if constrained else request)
+        attempt = 0
+        t0 = time.perf_counter()
+        rid = request.request_id
+        try:
+            while True:
+                try:
+                    return await self._generate_once(self._route_by_version(request) if constrained else request)
+                except (ConnectionFailed, Overloaded, BackendUnavailable) as exc:
+                    if isinstance(exc, BackendClosed) or self._closed or attempt >= policy.resends:
+                        raise
+                attempt += 1
+                self._resending[rid] = self._resending.get(rid, 0) + 1
+                await asyncio.sleep(policy.delay(attempt))
+                if rid in self._abort_asked:  # aborted between attempts: nothing runs anywhere
+                    return await self._cancelled_generation(request, self._sole_worker, time.perf_counter() - t0)
+                self._require_open("generate")
+        finally:
+            if attempt:
+                self._resends_done += attempt
+                self._resending.pop(rid, None)
+                self._abort_asked.discard(rid)
+
+    async def _generate_once(self, request: GenerateRequest) -> Generation:
         if request.worker is not None:
             target: Driver | Entry = self.driver(request.worker)
             if not self.capabilities.worker_pinning:
@@ -490,6 +530,8 @@ class Fleet:
         a disconnect. A cancelled call returns ``FinishReason.ABORT`` with no tokens."""
         if not isinstance(request_id, str) or not request_id:
             raise InvalidRequest("request_id", f"must be a non-empty string, got {type(request_id).__name__}")
+        if request_id in self._resending:
+            self._abort_asked.add(request_id)  # not resent again; a resend already out is aborted below
         if self._abort_by_id:
             # The entry does not say which worker holds a request: ask every worker.
             await self._fan(AbortRequest(request_id), None)

@@ -15,7 +15,8 @@ EXPECTED_TOP = {
     "RolloutBackendError", "RoutingKind", "SamplingParams", "StaleWeights", "TensorSpec",
     "TransientError", "Unsupported", "VersionSource", "WeightBucket", "WeightGroup",
     "WeightTransport", "WeightUpdateFailed", "WeightUpdateTransaction", "WorkerFailure",
-    "WorkerHealth", "__version__", "as_completed", "available_schemes", "generate_group",
+    "WorkerHealth", "WorkerLoss", "WorkerLossPolicy", "__version__", "as_completed", "available_schemes",
+    "generate_group",
     "generate_group_as_completed", "group_requests", "open_backend",
     "register_scheme", "wait_ready", "weight_update",
 }  # fmt: skip

@@ -19,6 +19,8 @@ from rollout_backends import (
     PauseMode,
     SamplingParams,
     TransientError,
+    WorkerLoss,
+    WorkerLossPolicy,
 )
 from rollout_backends._http import HttpClient, HttpRequest, HttpResponse, MockTransport, RetryPolicy
 from rollout_backends._supervisor import free_port
@@ -77,7 +79,11 @@ def _backend(script: Script, *, resends: int = 0, attempts: int = 3) -> HttpFlee
     wire = SGLangWire(entry_url="http://router:1", routing="round_robin")
     client = HttpClient(MockTransport(script), retry=RetryPolicy(attempts=attempts, generate_resends=resends, **FAST))
     workers = [Worker(id=f"w{i}", control_url=f"http://w{i}:1", generate_url=f"http://w{i}:1") for i in range(2)]
-    return HttpFleetBackend(wire, workers, client=client)
+    b = HttpFleetBackend(wire, workers, client=client)
+    # The transport's resends alone: the fleet's worker-loss resends (tests/test_worker_loss.py)
+    # would resend a generation cut off mid-answer whole, which is a different promise.
+    b.worker_loss = WorkerLossPolicy(action=WorkerLoss.FAIL)
+    return b
 
 
 def _req() -> GenerateRequest:
