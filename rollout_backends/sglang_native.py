@@ -17,6 +17,8 @@ native path (client), the reference server, the Miles facade and our Dynamo work
 * :func:`error_body` / :func:`error_message` / :func:`error_field`: SGLang's error bodies, and the
   field a refusal names, in our spelling; :func:`named_field` the same through a channel that
   carries only a message.
+* control bodies both ways: ``disk_body`` / :func:`parse_disk_body` and the like (the SGLang and
+  Dynamo wires build them, the facade parses them).
 * :data:`ADMIN_ROUTES`: the routes that take SGLang's admin key.
 
 Shapes are SGLang 0.5.16's (0.5.23's where they differ), read from ``GenerateReqInput`` and the
@@ -36,14 +38,27 @@ from typing import Any
 import attrs
 
 from rollout_backends._errors import ContractViolation, InvalidRequest
-from rollout_backends._ops import UpdateFromDisk, UpdateFromDistributed, UpdateFromTensors
+from rollout_backends._ops import (
+    AbortAll,
+    AbortRequest,
+    DestroyWeightGroup,
+    InitWeightGroup,
+    Pause,
+    SetVersion,
+    UpdateFromDisk,
+    UpdateFromDistributed,
+    UpdateFromTensors,
+)
 from rollout_backends._types import (
     MAX_TOP_LOGPROBS,
     FinishReason,
     GenerateRequest,
     Generation,
     MemoryTag,
+    PauseMode,
     SamplingParams,
+    TensorSpec,
+    WeightBucket,
     WeightGroup,
 )
 
@@ -52,6 +67,15 @@ __all__ = [
     "distributed_body",
     "init_group_body",
     "memory_body",
+    "parse_abort_body",
+    "parse_destroy_group_body",
+    "parse_disk_body",
+    "parse_distributed_body",
+    "parse_init_group_body",
+    "parse_memory_body",
+    "parse_pause_body",
+    "parse_set_version_body",
+    "parse_tensors_body",
     "set_version_body",
     "tensors_body",
     "ABORT_MESSAGE",
@@ -60,6 +84,7 @@ __all__ = [
     "SAMPLING_PARAM_KEYS",
     "NativeRequest",
     "ParseRules",
+    "TensorsBody",
     "TextOptions",
     "UnknownKeys",
     "answer_body",
@@ -997,3 +1022,176 @@ def set_version_body(version: str) -> dict[str, Any]:
 
 def memory_body(tags: tuple[MemoryTag, ...] | None) -> dict[str, Any]:
     return {"tags": None if tags is None else [t.value for t in tags]}
+
+
+# -- control bodies -> values (the servers' side: the facade) -------------------------------------
+#
+# Each is the inverse of the builder above (hypothesis round trips in tests/test_sglang_native.py):
+# every field's JSON type checked (``"false"`` is not a boolean), a refusal naming the key as the
+# caller wrote it, SGLang's defaults where a key is absent.
+
+
+def _opt(body: Mapping[str, Any], key: str, check: Callable[[str, object], Any], default: Any) -> Any:
+    v = body.get(key)
+    return default if v is None else check(key, v)
+
+
+def _opt_str(key: str, v: object) -> str:
+    return _str(key, v, 1 << 16)
+
+
+def _control_body(body: object) -> Mapping[str, Any]:
+    if body is None:
+        return {}
+    if type(body) is not dict:
+        raise InvalidRequest("body", f"must be a JSON object, got {_type_name(body)}")
+    check_depth(body, 8)
+    return body
+
+
+def _abort_flag(body: Mapping[str, Any], default: bool) -> bool:
+    flag: bool = _opt(body, "abort_all_requests", _bool, default)
+    return flag
+
+
+def parse_disk_body(body: object) -> tuple[UpdateFromDisk, bool]:
+    """``/update_weights_from_disk`` -> the update and ``abort_all_requests`` (SGLang's default false)."""
+    b = _control_body(body)
+    path = b.get("model_path")
+    if path is None or (type(path) is str and not path):
+        raise InvalidRequest("model_path", "is required")
+    op = UpdateFromDisk(
+        path=_opt_str("model_path", path),
+        version=_opt(b, "weight_version", _opt_str, None),
+        load_format=_opt(b, "load_format", _opt_str, None),
+        flush_cache=_opt(b, "flush_cache", _bool, True),
+    )
+    return op, _abort_flag(b, False)
+
+
+def parse_distributed_body(body: object) -> tuple[UpdateFromDistributed, bool]:
+    """``/update_weights_from_distributed`` -> the update and ``abort_all_requests``."""
+    b = _control_body(body)
+    names, dtypes, shapes = b.get("names"), b.get("dtypes"), b.get("shapes")
+    for key, v in (("names", names), ("dtypes", dtypes), ("shapes", shapes)):
+        if type(v) is not list:
+            raise InvalidRequest(key, f"must be a list, got {_type_name(v)}")
+    assert isinstance(names, list) and isinstance(dtypes, list) and isinstance(shapes, list)
+    if not len(names) == len(dtypes) == len(shapes):
+        raise InvalidRequest("names", "names, dtypes and shapes differ in length")
+    if b.get("load_format") is not None:
+        raise InvalidRequest("load_format", "only plain tensor broadcasts are supported (null)")
+    specs = []
+    for i, (n, d, shape) in enumerate(zip(names, dtypes, shapes, strict=True)):
+        if type(shape) is not list:
+            raise InvalidRequest(f"shapes[{i}]", f"must be a list of ints, got {_type_name(shape)}")
+        dims = tuple(_int(f"shapes[{i}][{j}]", x, low=0) for j, x in enumerate(shape))
+        specs.append(TensorSpec(_opt_str(f"names[{i}]", n), _opt_str(f"dtypes[{i}]", d), dims))
+    try:
+        bucket = WeightBucket(tuple(specs))
+    except InvalidRequest as exc:
+        raise InvalidRequest("names", exc.reason) from None
+    op = UpdateFromDistributed(
+        bucket=bucket,
+        group_name=_opt(b, "group_name", _opt_str, "weight_update_group"),
+        version=_opt(b, "weight_version", _opt_str, None),
+        flush_cache=_opt(b, "flush_cache", _bool, True),
+    )
+    return op, _abort_flag(b, False)
+
+
+def parse_init_group_body(body: object) -> InitWeightGroup:
+    """``/init_weights_update_group`` -> the group (its fields named as SGLang's keys)."""
+    b = _control_body(body)
+    for key in ("master_address", "master_port", "world_size"):
+        if b.get(key) is None:
+            raise InvalidRequest(key, "is required")
+    rank_offset: int = _opt(b, "rank_offset", _int, 1)
+    try:
+        group = WeightGroup(
+            master_address=_opt_str("master_address", b["master_address"]),
+            master_port=_int("master_port", b["master_port"]),
+            world_size=_int("world_size", b["world_size"]),
+            rank_offset=rank_offset,
+            group_name=_opt(b, "group_name", _opt_str, "weight_update_group"),
+            backend=_opt(b, "backend", _opt_str, "nccl"),
+        )
+    except InvalidRequest as exc:
+        raise InvalidRequest(exc.field.removeprefix("group."), exc.reason) from None
+    return InitWeightGroup(group=group, rank_offset=rank_offset)
+
+
+def parse_set_version_body(body: object) -> tuple[SetVersion, bool]:
+    """``/update_weight_version`` -> the label and ``abort_all_requests`` (SGLang's default true)."""
+    b = _control_body(body)
+    version = b.get("new_version")
+    if version is None or (type(version) is str and not version):
+        raise InvalidRequest("new_version", "must be a non-empty string")
+    return SetVersion(version=_opt_str("new_version", version)), _abort_flag(b, True)
+
+
+def parse_memory_body(body: object) -> tuple[MemoryTag, ...] | None:
+    """``/release_memory_occupation`` and ``/resume_memory_occupation`` -> the tags (``None``: all)."""
+    tags = _control_body(body).get("tags")
+    if tags is None:
+        return None
+    if type(tags) is not list:
+        raise InvalidRequest("tags", f"must be a list of memory tags or null, got {_type_name(tags)}")
+    out = []
+    for i, t in enumerate(tags):
+        try:
+            out.append(MemoryTag(_opt_str(f"tags[{i}]", t)))
+        except ValueError:
+            known = [m.value for m in MemoryTag]
+            raise InvalidRequest(f"tags[{i}]", f"unknown memory tag {t!r} (known: {known})") from None
+    return tuple(out)
+
+
+def parse_pause_body(body: object) -> Pause:
+    """``/pause_generation`` -> the pause (SGLang's default mode is ``abort``)."""
+    mode = _opt(_control_body(body), "mode", _opt_str, "abort")
+    try:
+        return Pause(mode=PauseMode(mode))
+    except ValueError:
+        raise InvalidRequest("mode", f"unknown pause mode {mode!r} (known: {[m.value for m in PauseMode]})") from None
+
+
+def parse_abort_body(body: object) -> AbortAll | AbortRequest | None:
+    """``/abort_request`` -> abort all, one request by ``rid``, or nothing (neither set)."""
+    b = _control_body(body)
+    if _opt(b, "abort_all", _bool, False):
+        return AbortAll()
+    rid = _opt(b, "rid", _opt_str, "")
+    return AbortRequest(request_id=rid) if rid else None
+
+
+def parse_destroy_group_body(body: object) -> DestroyWeightGroup:
+    """``/destroy_weights_update_group`` -> the group name."""
+    return DestroyWeightGroup(group_name=_opt(_control_body(body), "group_name", _opt_str, "weight_update_group"))
+
+
+@attrs.frozen(slots=True, kw_only=True)
+class TensorsBody:
+    """``/update_weights_from_tensor``'s body: ``payloads`` are SGLang's serialized named tensors
+    (one per TP rank; the server decodes them), the rest as in :func:`tensors_body`."""
+
+    payloads: tuple[str, ...]
+    load_format: str | None
+    version: str | None
+    flush_cache: bool
+    abort_all_requests: bool
+
+
+def parse_tensors_body(body: object) -> TensorsBody:
+    """``/update_weights_from_tensor`` -> its fields, typed (the payloads left encoded)."""
+    b = _control_body(body)
+    payloads = b.get("serialized_named_tensors")
+    if type(payloads) is not list or not payloads:
+        raise InvalidRequest("serialized_named_tensors", "must be a non-empty list (one entry per TP rank)")
+    return TensorsBody(
+        payloads=tuple(_str(f"serialized_named_tensors[{i}]", p, 1 << 40) for i, p in enumerate(payloads)),
+        load_format=_opt(b, "load_format", _opt_str, None),
+        version=_opt(b, "weight_version", _opt_str, None),
+        flush_cache=_opt(b, "flush_cache", _bool, True),
+        abort_all_requests=_abort_flag(b, False),
+    )

@@ -268,3 +268,75 @@ def test_error_body_carries_the_callers_field() -> None:
     body = sn.error_body(rb.InvalidRequest("sampling_params.top_k", "must be -1 or >= 1"))
     assert body["error"]["param"] == "sampling_params.top_k" and "must be" in body["error"]["message"]
     assert sn.error_field(body, "") == "sampling.top_k"
+
+
+# -- control bodies both ways ----------------------------------------------------------------------
+
+_label = st.one_of(st.none(), st.text(min_size=1, max_size=8))
+_name = st.text(st.characters(codec="ascii", categories=["L", "N"]), min_size=1, max_size=8)
+
+
+@settings(max_examples=100, deadline=None, database=None, derandomize=True)
+@given(
+    st.text(min_size=1, max_size=20), _label, st.one_of(st.none(), _name), st.booleans(),
+    st.lists(st.tuples(_name, st.sampled_from(["float32", "bfloat16"]), st.lists(st.integers(0, 9), max_size=3)),
+             min_size=1, max_size=4, unique_by=lambda t: t[0]),
+    _name, st.sampled_from(list(rb.PauseMode)), st.lists(st.sampled_from(list(rb.MemoryTag)), max_size=3),
+)  # fmt: skip
+def test_control_bodies_round_trip(
+    path: str, version: str | None, load_format: str | None, flush: bool, specs: list[Any], group: str,
+    mode: rb.PauseMode, tags: list[rb.MemoryTag],
+) -> None:  # fmt: skip
+    """What the wires build, the facade parses back to the same values (SGLang's wire format once)."""
+    from rollout_backends.kit import Pause, SetVersion, UpdateFromDisk, UpdateFromDistributed
+
+    disk = UpdateFromDisk(path=path, version=version, load_format=load_format, flush_cache=flush)
+    assert sn.parse_disk_body(json.loads(json.dumps(sn.disk_body(disk)))) == (disk, False)
+    bucket = rb.WeightBucket([rb.TensorSpec(n, d, tuple(s)) for n, d, s in specs])
+    dist = UpdateFromDistributed(bucket=bucket, group_name=group, version=version, flush_cache=flush)
+    assert sn.parse_distributed_body(json.loads(json.dumps(sn.distributed_body(dist)))) == (dist, False)
+    g = rb.WeightGroup(master_address="10.0.0.1", master_port=29500, world_size=3, rank_offset=1, group_name=group,
+                       backend="gloo")  # fmt: skip
+    op = sn.parse_init_group_body(json.loads(json.dumps(sn.init_group_body(g, 1))))
+    assert op.group == g and op.rank_offset == 1
+    assert sn.parse_set_version_body(sn.set_version_body(group)) == (SetVersion(version=group), False)
+    assert sn.parse_memory_body(sn.memory_body(tuple(tags))) == tuple(tags)
+    assert sn.parse_memory_body(sn.memory_body(None)) is None
+    assert sn.parse_pause_body({"mode": mode.value}) == Pause(mode=mode)
+
+
+@pytest.mark.parametrize(
+    ("parse", "body", "field"),
+    [
+        (sn.parse_disk_body, {"model_path": "/m", "flush_cache": "false"}, "flush_cache"),
+        (sn.parse_disk_body, {"model_path": "/m", "abort_all_requests": 1}, "abort_all_requests"),
+        (sn.parse_disk_body, {"model_path": 7}, "model_path"),
+        (sn.parse_disk_body, {}, "model_path"),
+        (sn.parse_disk_body, {"model_path": "/m", "weight_version": 3}, "weight_version"),
+        (sn.parse_distributed_body, {"names": ["a"], "dtypes": ["f"], "shapes": [[1, -1]]}, "shapes[0][1]"),
+        (sn.parse_distributed_body, {"names": "a", "dtypes": ["f"], "shapes": [[1]]}, "names"),
+        (sn.parse_distributed_body, {"names": ["a"], "dtypes": [], "shapes": [[1]]}, "names"),
+        (sn.parse_distributed_body, {"names": [5], "dtypes": ["f"], "shapes": [[1]]}, "names[0]"),
+        (sn.parse_init_group_body, {"master_address": "h", "master_port": "29500", "world_size": 2}, "master_port"),
+        (sn.parse_init_group_body, {"master_address": "h", "master_port": 70000, "world_size": 2}, "master_port"),
+        (sn.parse_init_group_body, {"master_address": "h", "master_port": 1, "world_size": 2**70}, "world_size"),
+        (sn.parse_init_group_body, {"master_port": 1, "world_size": 2}, "master_address"),
+        (sn.parse_set_version_body, {"new_version": 2}, "new_version"),
+        (sn.parse_set_version_body, {"new_version": "v", "abort_all_requests": "no"}, "abort_all_requests"),
+        (sn.parse_memory_body, {"tags": "weights"}, "tags"),
+        (sn.parse_memory_body, {"tags": ["weights", "gpu"]}, "tags[1]"),
+        (sn.parse_pause_body, {"mode": "sideways"}, "mode"),
+        (sn.parse_pause_body, {"mode": 1}, "mode"),
+        (sn.parse_abort_body, {"abort_all": "true"}, "abort_all"),
+        (sn.parse_abort_body, {"rid": 5}, "rid"),
+        (sn.parse_destroy_group_body, {"group_name": ["g"]}, "group_name"),
+        (sn.parse_tensors_body, {"serialized_named_tensors": "x"}, "serialized_named_tensors"),
+        (sn.parse_tensors_body, {"serialized_named_tensors": [1]}, "serialized_named_tensors[0]"),
+        (sn.parse_tensors_body, {"serialized_named_tensors": ["x"], "flush_cache": "0"}, "flush_cache"),
+        (sn.parse_disk_body, [1], "body"),
+    ],
+)
+def test_control_bodies_name_the_bad_key(parse: Any, body: Any, field: str) -> None:
+    with pytest.raises(rb.InvalidRequest) as info:
+        parse(body)
+    assert info.value.field == field

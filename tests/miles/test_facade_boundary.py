@@ -202,3 +202,30 @@ async def test_the_lenient_switch_keeps_sglangs_ignore_unknown_keys_rule() -> No
         async with TestClient(TestServer(app)) as c:
             r = await c.post("/generate", json={"input_ids": [1], "sampling_params": {"max_new_token": 2}})
             assert r.status == 400 and (await r.json())["error"]["param"] == "sampling_params.max_new_token"
+
+
+@pytest.mark.parametrize(
+    ("route", "body", "field"),
+    [
+        ("/update_weights_from_disk", {"model_path": "/m", "flush_cache": "false"}, "flush_cache"),
+        ("/update_weights_from_disk", {"model_path": "/m", "abort_all_requests": "yes"}, "abort_all_requests"),
+        ("/update_weight_version", {"new_version": 3}, "new_version"),
+        ("/init_weights_update_group", {"master_address": "h", "master_port": "1", "world_size": 2}, "master_port"),
+        ("/update_weights_from_distributed", {"names": ["a"], "dtypes": ["f"], "shapes": [[-1]]}, "shapes[0][0]"),
+        ("/update_weights_from_tensor", {"serialized_named_tensors": ["x"], "flush_cache": 1}, "flush_cache"),
+        ("/pause_generation", {"mode": "sideways"}, "mode"),
+        ("/abort_request", {"abort_all": "true"}, "abort_all"),
+        ("/release_memory_occupation", {"tags": ["gpu"]}, "tags[0]"),
+        ("/w/w0/update_weights_from_disk", {"model_path": "/m", "weight_version": 1}, "weight_version"),
+    ],
+)
+def test_control_bodies_are_typed(
+    facade: tuple[str, ScriptedBackend], route: str, body: dict[str, Any], field: str
+) -> None:
+    """A control body's wrong value is a 400 naming its key, before any backend call (SGLang's
+    ``{"success": false}`` shape where SGLang answers it)."""
+    url, backend = facade
+    before = len(backend.calls)
+    r = httpx.post(f"{url}{route}", json=body, timeout=10)
+    assert r.status_code == 400, r.text
+    assert field in r.text and len(backend.calls) == before

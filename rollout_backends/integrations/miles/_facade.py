@@ -38,19 +38,15 @@ from rollout_backends import (
     GenerateRequest,
     Generation,
     InvalidRequest,
-    PauseMode,
     RolloutBackend,
     RolloutBackendError,
     SamplingParams,
     StaleWeights,
-    TensorSpec,
     TransientError,
     Unsupported,
-    WeightBucket,
-    WeightGroup,
     __version__,
 )
-from rollout_backends.kit import json_loads
+from rollout_backends.kit import AbortAll, AbortRequest, json_loads
 from rollout_backends.sglang_native import (
     ADMIN_ROUTES,
     ROUTING_KEY_HEADER,
@@ -61,7 +57,16 @@ from rollout_backends.sglang_native import (
     decode_text,
     meta_info,
     native_field,
+    parse_abort_body,
+    parse_destroy_group_body,
+    parse_disk_body,
+    parse_distributed_body,
+    parse_init_group_body,
+    parse_memory_body,
+    parse_pause_body,
     parse_request,
+    parse_set_version_body,
+    parse_tensors_body,
 )
 
 from ._shapes import decode_tensor_payload
@@ -407,7 +412,7 @@ class MilesFacade:
     def parse(self, body: object, *, routing_key: str | None = None, worker: str | None = None) -> NativeRequest:
         """A ``/generate`` body -> the request, by the codec's one strictness rule (an
         ``InvalidRequest`` names the field as the caller spelled it)."""
-        return parse_request(
+        parsed = parse_request(
             body,
             rules=self._rules(),
             encode=self._encode if self.tokenizer is not None else None,
@@ -415,6 +420,10 @@ class MilesFacade:
             worker=worker,
             new_rid=lambda: uuid.uuid4().hex,
         )
+        top, most = parsed.request.sampling.top_logprobs, self.backend.capabilities.top_logprobs
+        if top > most:
+            raise InvalidRequest("top_logprobs_num", f"this backend returns at most {most} top logprobs, asked {top}")
+        return parsed
 
     async def _served(self, req: GenerateRequest) -> Generation:
         """``req`` generated; a duplicate in-flight request id is refused (SGLang's words), and the
@@ -632,21 +641,20 @@ class MilesFacade:
 
     # -- control ------------------------------------------------------------------------------
 
+    # Bodies are parsed by the codec (the inverse of the wires' builders): every value's JSON type
+    # checked, a refusal (400) naming the key as the caller wrote it, SGLang's defaults otherwise.
+
     async def abort_request(self, request: web.Request, workers: tuple[str, ...] | None) -> web.StreamResponse:
-        body = await _json_body(request)
-        if body.get("abort_all"):
+        op = parse_abort_body(await _json_body(request))
+        if isinstance(op, AbortAll):
             await self.backend.abort_all(workers=workers)
-        elif body.get("rid"):
-            await self.backend.abort(str(body["rid"]))
+        elif isinstance(op, AbortRequest):
+            await self.backend.abort(op.request_id)
         return web.Response(status=200)
 
     async def pause_generation(self, request: web.Request, workers: tuple[str, ...] | None) -> web.StreamResponse:
-        body = await _json_body(request)
-        try:
-            mode = PauseMode(body.get("mode", "abort"))  # SGLang's default mode is abort
-        except ValueError:
-            raise InvalidRequest("mode", f"unknown pause mode {body.get('mode')!r}") from None
-        await self.backend.pause(mode, workers=workers)
+        op = parse_pause_body(await _json_body(request))
+        await self.backend.pause(op.mode, workers=workers)
         return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
 
     async def continue_generation(self, request: web.Request, workers: tuple[str, ...] | None) -> web.StreamResponse:
@@ -657,101 +665,68 @@ class MilesFacade:
         await self.backend.flush_cache(workers=workers)
         return web.Response(text=_FLUSH_OK)
 
-    async def _maybe_abort(self, body: Mapping[str, Any], workers: tuple[str, ...] | None, default: bool) -> None:
-        if body.get("abort_all_requests", default):
+    async def _maybe_abort(self, abort_all: bool, workers: tuple[str, ...] | None) -> None:
+        if abort_all:
             await self.backend.abort_all(workers=workers)
 
     async def init_weights_update_group(
         self, request: web.Request, workers: tuple[str, ...] | None
     ) -> web.StreamResponse:
-        body = await _json_body(request)
-        group = WeightGroup(
-            master_address=body.get("master_address", ""),
-            master_port=body.get("master_port", 0),
-            world_size=body.get("world_size", 0),
-            rank_offset=body.get("rank_offset", 1),
-            group_name=body.get("group_name", "weight_update_group"),
-            backend=body.get("backend", "nccl"),
-        )
-        await self.backend.init_weight_group(group, workers=workers)
+        op = parse_init_group_body(await _json_body(request))
+        await self.backend.init_weight_group(op.group, workers=workers)
         return _ok("Succeeded to initialize custom process group.")
 
     async def destroy_weights_update_group(
         self, request: web.Request, workers: tuple[str, ...] | None
     ) -> web.StreamResponse:
-        body = await _json_body(request)
-        await self.backend.destroy_weight_group(body.get("group_name", "weight_update_group"), workers=workers)
+        op = parse_destroy_group_body(await _json_body(request))
+        await self.backend.destroy_weight_group(op.group_name, workers=workers)
         return _ok("Succeeded to destroy custom process group.")
 
     async def update_weights_from_distributed(
         self, request: web.Request, workers: tuple[str, ...] | None
     ) -> web.StreamResponse:
-        body = await _json_body(request)
-        if body.get("load_format") is not None:
-            raise InvalidRequest("load_format", "only plain tensor broadcasts are supported (null)")
-        names, dtypes, shapes = body.get("names"), body.get("dtypes"), body.get("shapes")
-        if not (isinstance(names, list) and isinstance(dtypes, list) and isinstance(shapes, list)):
-            raise InvalidRequest("names", "names, dtypes and shapes must be lists")
-        if not len(names) == len(dtypes) == len(shapes):
-            raise InvalidRequest("names", "names, dtypes and shapes differ in length")
-        bucket = WeightBucket(tuple(TensorSpec(n, d, tuple(s)) for n, d, s in zip(names, dtypes, shapes, strict=True)))
-        await self._maybe_abort(body, workers, False)
+        op, abort_all = parse_distributed_body(await _json_body(request))
+        await self._maybe_abort(abort_all, workers)
         await self.backend.update_weights_from_distributed(
-            bucket,
-            group_name=body.get("group_name", "weight_update_group"),
-            version=body.get("weight_version"),
-            flush_cache=bool(body.get("flush_cache", True)),
-            workers=workers,
+            op.bucket, group_name=op.group_name, version=op.version, flush_cache=op.flush_cache, workers=workers
         )
         return _ok("Succeeded to update parameter online from distributed.")
 
     async def update_weights_from_tensor(
         self, request: web.Request, workers: tuple[str, ...] | None
     ) -> web.StreamResponse:
-        body = await _json_body(request)
-        payloads = body.get("serialized_named_tensors")
-        if not isinstance(payloads, list) or not payloads:
-            raise InvalidRequest("serialized_named_tensors", "must be a non-empty list (one entry per TP rank)")
+        tb = parse_tensors_body(await _json_body(request))
         # Every TP rank's entry holds the same named tensors; the backend shards for its own ranks.
-        named = decode_tensor_payload(payloads[0], body.get("load_format"))
-        await self._maybe_abort(body, workers, False)
+        named = decode_tensor_payload(tb.payloads[0], tb.load_format)
+        await self._maybe_abort(tb.abort_all_requests, workers)
         await self.backend.update_weights_from_tensors(
-            named,
-            version=body.get("weight_version"),
-            flush_cache=bool(body.get("flush_cache", True)),
-            workers=workers,
+            named, version=tb.version, flush_cache=tb.flush_cache, workers=workers
         )
         return _ok("Succeeded to update parameter online from tensor.")
 
     async def update_weights_from_disk(
         self, request: web.Request, workers: tuple[str, ...] | None
     ) -> web.StreamResponse:
-        body = await _json_body(request)
-        path = body.get("model_path")
-        if not isinstance(path, str) or not path:
-            raise InvalidRequest("model_path", "is required")
-        await self._maybe_abort(body, workers, False)
+        op, abort_all = parse_disk_body(await _json_body(request))
+        await self._maybe_abort(abort_all, workers)
         await self.backend.update_weights_from_disk(
-            path,
-            version=body.get("weight_version"),
-            load_format=body.get("load_format"),
-            flush_cache=bool(body.get("flush_cache", True)),
-            workers=workers,
+            op.path, version=op.version, load_format=op.load_format, flush_cache=op.flush_cache, workers=workers
         )
         return _ok("Succeeded to update model weights.", num_paused_requests=0)
 
     async def update_weight_version(self, request: web.Request, workers: tuple[str, ...] | None) -> web.StreamResponse:
-        body = await _json_body(request)
-        version = body.get("new_version")
-        if not isinstance(version, str) or not version:
-            raise InvalidRequest("new_version", "must be a non-empty string")
-        await self._maybe_abort(body, workers, True)  # SGLang's default aborts every request
-        await self.backend.set_weight_version(version, workers=workers)
-        return _ok(f"Weight version updated to {version}", new_version=version)
+        op, abort_all = parse_set_version_body(await _json_body(request))
+        await self._maybe_abort(abort_all, workers)  # SGLang's default aborts every request
+        await self.backend.set_weight_version(op.version, workers=workers)
+        return _ok(f"Weight version updated to {op.version}", new_version=op.version)
 
     async def begin_weight_update(self, request: web.Request, workers: tuple[str, ...] | None) -> web.StreamResponse:
         body = await _json_body(request)
-        await self.backend.begin_weight_update(str(body.get("selector", "all")), workers=workers)
+        selector = body.get("selector", "all")
+        if not isinstance(selector, str):
+            raise InvalidRequest("selector", f"must be a string, got {type(selector).__name__}")
+        await self.backend.begin_weight_update(selector, workers=workers)
         return _ok("Weight update session opened.")
 
     async def end_weight_update(self, request: web.Request, workers: tuple[str, ...] | None) -> web.StreamResponse:
@@ -761,15 +736,13 @@ class MilesFacade:
     async def release_memory_occupation(
         self, request: web.Request, workers: tuple[str, ...] | None
     ) -> web.StreamResponse:
-        body = await _json_body(request)
-        await self.backend.release_memory(body.get("tags"), workers=workers)
+        await self.backend.release_memory(parse_memory_body(await _json_body(request)), workers=workers)
         return web.json_response(None)
 
     async def resume_memory_occupation(
         self, request: web.Request, workers: tuple[str, ...] | None
     ) -> web.StreamResponse:
-        body = await _json_body(request)
-        await self.backend.resume_memory(body.get("tags"), workers=workers)
+        await self.backend.resume_memory(parse_memory_body(await _json_body(request)), workers=workers)
         return web.json_response(None)
 
     def unsupported(self, what: str) -> Handler:
