@@ -75,7 +75,7 @@ from ._health import (
     check_reject_unknown_sampling_key,
     check_staleness_visible,
 )
-from ._logprobs import check_top_logprobs
+from ._logprobs import check_prompt_logprobs_rescore, check_top_logprobs
 from ._parity import (
     HFParity,
     PairParity,
@@ -140,6 +140,7 @@ __all__ = [
     "check_pause_abort",
     "check_pause_in_place",
     "check_pause_retract",
+    "check_prompt_logprobs_rescore",
     "check_reject_bad_max_new_tokens",
     "check_reject_empty_prompt",
     "check_reject_out_of_vocab",

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import math
 
-from rollout_backends import Capabilities, Generation, RolloutBackend
+from rollout_backends import Capabilities, FinishReason, GenerateRequest, Generation, RolloutBackend, SamplingParams
 
 from ._core import CheckContext, Requirement, _Requires, check, expect
 from ._harness import Harness
 
-__all__ = ["check_top_logprobs"]
+__all__ = ["check_prompt_logprobs_rescore", "check_top_logprobs"]
 
 #: The k the checks ask for (at most what the backend declares).
 _TOP_K = 5
@@ -19,6 +19,12 @@ def _top_declared(c: Capabilities, h: Harness, b: RolloutBackend) -> str | None:
     if not c.logprobs:
         return "capability logprobs=True not declared"
     return None if c.top_logprobs >= 1 else "capability top_logprobs >= 1 not declared"
+
+
+def _prompt_declared(c: Capabilities, h: Harness, b: RolloutBackend) -> str | None:
+    if not c.logprobs:
+        return "capability logprobs=True not declared"
+    return None if c.prompt_logprobs else "capability prompt_logprobs=True not declared"
 
 
 def _check_top_shape(ctx: CheckContext, gen: Generation, k: int, tol: float) -> float:
@@ -70,3 +76,78 @@ async def check_top_logprobs(ctx: CheckContext) -> None:
     ctx.measure("max_abs_dlogprob_vs_top", worst)
     # Without top_logprobs none come back (the field stays None).
     expect(all(p.top_logprobs is None for p in plain), "top_logprobs came back although not asked for")
+
+
+async def _rescore(ctx: CheckContext, seq: tuple[int, ...], start: int) -> Generation:
+    req = GenerateRequest(
+        input_ids=seq,
+        sampling=SamplingParams(max_new_tokens=0, temperature=0.0),
+        request_id=ctx.request_id("rescore"),
+        prompt_logprobs_start=start,
+    )
+    got = await ctx.backend.generate(req)
+    rid = req.request_id
+    expect(got.request_id == rid, f"{rid}: answered as {got.request_id!r}")
+    expect(got.output_ids == (), f"{rid}: max_new_tokens=0 generated {list(got.output_ids)}")
+    expect(got.finish_reason is FinishReason.LENGTH, f"{rid}: finish {got.finish_reason.value!r}, want 'length'")
+    expect(got.prompt_tokens == len(seq), f"{rid}: prompt_tokens={got.prompt_tokens}, sent {len(seq)}")
+    lps = got.prompt_logprobs
+    expect(lps is not None, f"{rid}: prompt_logprobs_start={start} but no prompt_logprobs")
+    assert lps is not None
+    expect(len(lps) == len(seq) - start, f"{rid}: {len(lps)} prompt logprobs from {start} of {len(seq)} tokens")
+    expect(lps[0] is None, f"{rid}: the first scored position has logprob {lps[0]!r}, want None (SGLang's shape)")
+    for i, lp in enumerate(lps[1:], 1):
+        expect(isinstance(lp, float) and math.isfinite(lp) and lp <= 1e-6, f"{rid}: prompt logprob {i} is {lp!r}")
+    return got
+
+
+@check("logprobs")
+@_Requires([Requirement("prompt_logprobs", _prompt_declared)])
+async def check_prompt_logprobs_rescore(ctx: CheckContext) -> None:
+    """Re-scoring prompt + output of a greedy generation (``max_new_tokens=0``, prompt logprobs from
+    the last prompt token, as Miles' --recompute-logprobs-via-prefill sends it) gives the
+    generation's own logprobs at the output positions; from 0 it gives the same numbers; prompt
+    logprobs asked with a generation do not change its tokens."""
+    tol = ctx.harness.logprob_tolerance
+    worst = 0.0
+    for p in ctx.prompts(3, min_len=2, max_len=20):
+        g = await ctx.generate(p, ctx.greedy(10, ignore_eos=True))
+        assert g.logprobs is not None
+        seq = tuple(p) + g.output_ids
+        tail = await _rescore(ctx, seq, len(p) - 1)
+        whole = await _rescore(ctx, seq, 0)
+        assert tail.prompt_logprobs is not None and whole.prompt_logprobs is not None
+        for j, lp in enumerate(g.logprobs):
+            again, full = tail.prompt_logprobs[1 + j], whole.prompt_logprobs[len(p) + j]
+            assert again is not None and full is not None
+            worst = max(worst, abs(again - lp), abs(full - lp))
+            expect(
+                abs(again - lp) <= tol and abs(full - lp) <= tol,
+                f"output token {j} ({g.output_ids[j]}): generated with logprob {lp!r}, re-scored {again!r} "
+                f"(from {len(p) - 1}) and {full!r} (from 0)",
+            )
+        # The prompt part agrees between the two starts as well.
+        for j in range(len(p) - 1, len(seq)):
+            a, b = whole.prompt_logprobs[j], tail.prompt_logprobs[j - (len(p) - 1)]
+            if a is not None and b is not None:
+                worst = max(worst, abs(a - b))
+                expect(abs(a - b) <= tol, f"position {j}: {a!r} from 0, {b!r} from {len(p) - 1}")
+        # Prompt logprobs with a real generation: same tokens, prompt logprobs as re-scored.
+        req = GenerateRequest(
+            input_ids=p,
+            sampling=ctx.greedy(10, ignore_eos=True),
+            request_id=ctx.request_id("with-prompt"),
+            prompt_logprobs_start=0,
+        )
+        both = await ctx.backend.generate(req)
+        expect(both.output_ids == g.output_ids, f"{req.request_id}: prompt logprobs changed the greedy tokens")
+        expect(
+            both.prompt_logprobs is not None and len(both.prompt_logprobs) == len(p),
+            f"{req.request_id}: prompt logprobs {both.prompt_logprobs!r} for a {len(p)}-token prompt",
+        )
+        assert both.prompt_logprobs is not None
+        for j in range(1, len(p)):
+            a, b = both.prompt_logprobs[j], whole.prompt_logprobs[j]
+            assert a is not None and b is not None
+            expect(abs(a - b) <= tol, f"{req.request_id}: prompt position {j}: {a!r}, re-scored {b!r}")
+    ctx.measure("max_abs_dlogprob", worst)

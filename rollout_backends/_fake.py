@@ -85,6 +85,7 @@ FAKE_CAPABILITIES = Capabilities(
     abort=True,
     batch_invariant=True,
     top_logprobs=20,
+    prompt_logprobs=True,
     vocab_size=VOCAB_SIZE,
     max_context=MAX_CONTEXT,
 )
@@ -127,6 +128,7 @@ class _Running:
     out: list[int] = attrs.field(factory=list)
     lps: list[float] = attrs.field(factory=list)
     tops: list[tuple[tuple[int, float], ...]] = attrs.field(factory=list)
+    prompt_lps: tuple[float | None, ...] | None = None
 
 
 class FakeDriver:
@@ -226,6 +228,14 @@ class FakeDriver:
             self.cache.setdefault(prompt[:k], self.seed)
         rng = self._rng(sp)
         limit = self._limit(sp)
+        start = r.request.prompt_logprobs_start
+        if start is not None and r.request.return_logprobs:
+            # Each prompt token's logprob given the tokens before it (SGLang's shape: the first None).
+            scored = range(start + 1, len(prompt))
+            r.prompt_lps = (
+                None,
+                *(_logprobs(self.seed, prompt_seed, self._scored_prefix(prompt, j))[prompt[j]] for j in scored),
+            )
         finish = FinishReason.LENGTH
         while len(r.out) < limit:
             await asyncio.sleep(self.token_delay)
@@ -273,6 +283,10 @@ class FakeDriver:
     def _logprob(self, logprob: float) -> float:
         return logprob
 
+    def _scored_prefix(self, prompt: tuple[int, ...], position: int) -> tuple[int, ...]:
+        """The tokens a prompt position's logprob is conditioned on (``prompt_logprobs_start``)."""
+        return prompt[:position]
+
     def _ranked(self, logprobs: Sequence[float]) -> list[int]:
         """Token ids, most likely first (ties by id): what ``top_logprobs`` lists."""
         return sorted(range(VOCAB_SIZE), key=lambda i: (-logprobs[i], i))
@@ -294,6 +308,7 @@ class FakeDriver:
             worker=self._id,
             matched_stop=out[-1] if finish is FinishReason.STOP else None,
             top_logprobs=tops,
+            prompt_logprobs=r.prompt_lps,
         )
 
     # -- control ------------------------------------------------------------------------------

@@ -221,8 +221,9 @@ class SamplingParams:
         if not 0 <= tk <= MAX_TOP_LOGPROBS:
             raise _fail("sampling.top_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}], got {tk}")
         m = _check_int("sampling.max_new_tokens", self.max_new_tokens)
-        if m < 1:
-            raise _fail("sampling.max_new_tokens", f"must be >= 1, got {m}")
+        if m < 0:
+            # 0 (re-score the prompt, generate nothing) only with GenerateRequest.prompt_logprobs_start.
+            raise _fail("sampling.max_new_tokens", f"must be >= 1 (or 0 with prompt_logprobs_start), got {m}")
         t = _check_float("sampling.temperature", self.temperature)
         if t < 0:
             raise _fail("sampling.temperature", f"must be >= 0, got {t}")
@@ -294,6 +295,11 @@ class GenerateRequest:
     #: Serve only on a worker whose installed weight version is exactly this label (else
     #: ``NoCompatibleVersion``). With ``min_version`` too, it must not precede it in the history.
     exact_version: str | None = None
+    #: ``s``: also return the prompt's logprobs from position ``s`` on (``Generation.prompt_logprobs``;
+    #: SGLang's ``logprob_start_len``), in ``[0, len(input_ids))``; needs ``return_logprobs`` and
+    #: ``Capabilities.prompt_logprobs``. With ``sampling.max_new_tokens = 0`` it re-scores a sequence
+    #: (prompt + an earlier output) without generating.
+    prompt_logprobs_start: int | None = None
 
     def __attrs_post_init__(self) -> None:
         if not self.input_ids:
@@ -314,6 +320,16 @@ class GenerateRequest:
             v = getattr(self, name)
             if v is not None and (not isinstance(v, str) or not v):
                 raise _fail(name, f"must be a non-empty version label (str) or None, got {v!r}"[:200])
+        start = self.prompt_logprobs_start
+        if start is not None:
+            _check_int("prompt_logprobs_start", start)
+            if not 0 <= start < len(self.input_ids):
+                n = len(self.input_ids)
+                raise _fail("prompt_logprobs_start", f"must be in [0, len(input_ids)={n}), got {start}")
+            if not self.return_logprobs:
+                raise _fail("prompt_logprobs_start", "needs return_logprobs=True (they come with the logprobs)")
+        elif self.sampling.max_new_tokens == 0:
+            raise _fail("sampling.max_new_tokens", "0 generates nothing: it re-scores, with prompt_logprobs_start set")
 
 
 @attrs.frozen(slots=True, kw_only=True)
@@ -343,6 +359,10 @@ class Generation:
     #: known). ``weight_version`` is the version at the end (``version_at_end``); a request that
     #: spanned a weight update shows both.
     version_at_start: str | None = None
+    #: With ``GenerateRequest.prompt_logprobs_start = s``: for ``input_ids[s:]``, each token's logprob
+    #: given the tokens before it; entry 0 is ``None``, as in SGLang (the logits start at ``s``: the
+    #: logprob of ``input_ids[s]`` would need position ``s - 1``'s). Unscaled by the temperature.
+    prompt_logprobs: tuple[float | None, ...] | None = None
 
     def __attrs_post_init__(self) -> None:
         # An answer that cannot be one Generation is the engine's (or adapter's) breach of the
@@ -356,6 +376,8 @@ class Generation:
             raise ContractViolation(
                 f"top_logprobs ({len(self.top_logprobs)}) and output_ids ({len(self.output_ids)}) differ in length"
             )
+        if self.prompt_logprobs is not None and len(self.prompt_logprobs) > self.prompt_tokens:
+            raise ValueError(f"{len(self.prompt_logprobs)} prompt logprobs for {self.prompt_tokens} prompt tokens")
 
     @property
     def aborted(self) -> bool:
@@ -554,6 +576,9 @@ class Capabilities:
     #: ``GenerateRequest.min_version`` / ``exact_version`` are honoured: routed only to workers
     #: whose installed label satisfies them, else ``NoCompatibleVersion``. Undeclared: ``Unsupported``.
     version_constraints: bool = False
+    #: ``GenerateRequest.prompt_logprobs_start`` is honoured (``Generation.prompt_logprobs``), and so
+    #: are zero-budget re-scoring requests (``max_new_tokens = 0``).
+    prompt_logprobs: bool = False
     #: Greedy outputs do not depend on what else is batched (SGLang: deterministic inference).
     #: Without it, concurrent traffic can flip near-tied tokens (measured on the H200: 1 of 200).
     batch_invariant: bool = False

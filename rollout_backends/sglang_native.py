@@ -141,7 +141,12 @@ _GREEDY_EPS = 1e-6
 _OURS_TO_NATIVE = {"seed": "sampling_seed"}
 _NATIVE_TO_OURS = {v: k for k, v in _OURS_TO_NATIVE.items()}
 #: ``GenerateRequest`` fields -> SGLang's top-level keys, where they differ.
-_TOP_OURS_TO_NATIVE = {"request_id": "rid", "return_logprobs": "return_logprob", "sampling": "sampling_params"}
+_TOP_OURS_TO_NATIVE = {
+    "request_id": "rid",
+    "return_logprobs": "return_logprob",
+    "sampling": "sampling_params",
+    "prompt_logprobs_start": "logprob_start_len",
+}
 _TOP_NATIVE_TO_OURS = {v: k for k, v in _TOP_OURS_TO_NATIVE.items()}
 #: ``SamplingParams`` fields SGLang carries at the top level of the body, not in ``sampling_params``.
 _SAMPLING_AT_TOP = {"top_logprobs": "top_logprobs_num"}
@@ -272,6 +277,8 @@ def request_body(request: GenerateRequest, *, stream: bool = False) -> dict[str,
     }
     if request.sampling.top_logprobs:
         body["top_logprobs_num"] = request.sampling.top_logprobs
+    if request.prompt_logprobs_start is not None:
+        body["logprob_start_len"] = request.prompt_logprobs_start
     if stream:
         body["stream"] = True
     return body
@@ -403,6 +410,14 @@ def parse_sampling(
     ``max_new_tokens: 0`` (prefill only), which only ``rules.allow_prefill_only`` accepts. With
     ``prompt_len`` and ``rules.max_context``, SGLang's context rule applies.
     """
+    sampling, opts = _parse_sampling(params, field=field, rules=rules, prompt_len=prompt_len)
+    return (None if sampling.max_new_tokens == 0 else sampling), opts
+
+
+def _parse_sampling(
+    params: object, *, field: str, rules: ParseRules, prompt_len: int | None
+) -> tuple[SamplingParams, TextOptions]:
+    """:func:`parse_sampling`, with ``max_new_tokens: 0`` kept (``parse_request`` re-scores with it)."""
     if params is None:
         params = {}
     if type(params) is list:
@@ -473,7 +488,6 @@ def parse_sampling(
         if not rules.allow_prefill_only:
             raise InvalidRequest(f"{field}.max_new_tokens", "0 (a prefill with no output) is not supported")
         ours.pop("min_new_tokens", None)
-        return None, opts
     ours["max_new_tokens"] = max_new
     try:
         return SamplingParams(**ours), opts
@@ -607,8 +621,7 @@ def parse_request(
     if stream is not None and _bool("stream", stream) and not rules.allow_stream:
         raise InvalidRequest("stream", "streaming is not supported by this server (send stream=false)")
     start = body.get("logprob_start_len")
-    if start is not None and _int("logprob_start_len", start) != -1:
-        raise InvalidRequest("logprob_start_len", "prompt logprobs are not part of the protocol (use -1)")
+    prompt_start = None if start is None or _int("logprob_start_len", start, low=-1) == -1 else start
     top = body.get("top_logprobs_num")
     top_k = 0 if top is None else _int("top_logprobs_num", top, low=0, high=MAX_TOP_LOGPROBS)
     tid_lp = body.get("token_ids_logprob")
@@ -637,7 +650,14 @@ def parse_request(
             f"The input ({len(input_ids)} tokens) is longer than the model's context length "
             f"({rules.max_context} tokens).",
         )
-    sampling, opts = parse_sampling(body.get("sampling_params"), rules=rules, prompt_len=len(input_ids))
+    sampling, opts = _parse_sampling(
+        body.get("sampling_params"), field="sampling_params", rules=rules, prompt_len=len(input_ids)
+    )
+    prefill_only = sampling.max_new_tokens == 0
+    if prefill_only and prompt_start is None:
+        # A bare prefill (no prompt logprobs): the server answers it; the protocol's request asks
+        # for one token, which the server ignores.
+        sampling = SamplingParams(max_new_tokens=1)
     rid = body.get("rid")
     if type(rid) is list:
         raise InvalidRequest("rid", "a list of rids (a batch) is not supported")
@@ -649,7 +669,7 @@ def parse_request(
     ret_lp = False if ret_lp is None else _bool("return_logprob", ret_lp)
     if top_k and not ret_lp:
         raise InvalidRequest("top_logprobs_num", "needs return_logprob=true (SGLang returns top logprobs only then)")
-    if top_k and sampling is not None:
+    if top_k:
         sampling = attrs.evolve(sampling, top_logprobs=top_k)
     ret_prompt = body.get("return_prompt_token_ids")
     ret_prompt = False if ret_prompt is None else _bool("return_prompt_token_ids", ret_prompt)
@@ -660,10 +680,11 @@ def parse_request(
     try:
         request = GenerateRequest(
             input_ids=input_ids,
-            sampling=sampling if sampling is not None else SamplingParams(max_new_tokens=1),
+            sampling=sampling,
             return_logprobs=ret_lp,
             worker=worker,
             routing_key=key,
+            prompt_logprobs_start=prompt_start,
             **extra,
         )
     except InvalidRequest as exc:
@@ -672,7 +693,7 @@ def parse_request(
         request=request,
         text_options=opts,
         return_prompt_token_ids=ret_prompt,
-        prefill_only=sampling is None,
+        prefill_only=prefill_only,
         stream=bool(stream),
     )
 
@@ -689,11 +710,14 @@ def finish_reason_body(gen: Generation) -> dict[str, Any]:
     return {"type": "abort", "message": ABORT_MESSAGE, "status_code": None, "err_type": None}
 
 
-def meta_info(gen: Generation, *, return_logprob: bool, worker: str | None = None) -> dict[str, Any]:
+def meta_info(
+    gen: Generation, *, return_logprob: bool, worker: str | None = None, input_ids: Sequence[int] | None = None
+) -> dict[str, Any]:
     """SGLang's ``meta_info`` for one finished generation.
 
     ``weight_version`` is left out when unknown (a ``null`` would read as a version to Miles).
     ``worker`` is not SGLang's: our Dynamo worker names itself there (the frontend does not).
+    ``input_ids`` (the request's) name the prompt tokens of ``gen.prompt_logprobs``.
     """
     meta: dict[str, Any] = {
         "id": gen.request_id,
@@ -712,6 +736,12 @@ def meta_info(gen: Generation, *, return_logprob: bool, worker: str | None = Non
         meta["output_token_logprobs"] = [[lp, tid, None] for lp, tid in zip(lps, gen.output_ids, strict=True)]
         if gen.top_logprobs is not None:
             meta["output_top_logprobs"] = [[[lp, tid, None] for tid, lp in top] for top in gen.top_logprobs]
+        if gen.prompt_logprobs is not None:
+            if input_ids is None:
+                raise ValueError("a Generation with prompt_logprobs needs the request's input_ids to answer")
+            scored = input_ids[len(input_ids) - len(gen.prompt_logprobs) :]
+            pairs = zip(gen.prompt_logprobs, scored, strict=True)
+            meta["input_token_logprobs"] = [[lp, tid, None] for lp, tid in pairs]
     return meta
 
 
@@ -722,14 +752,15 @@ def answer_body(
     text: str | None = None,
     prompt_token_ids: Sequence[int] | None = None,
     worker: str | None = None,
+    input_ids: Sequence[int] | None = None,
 ) -> dict[str, Any]:
     """SGLang's ``/generate`` answer for one request; ``text`` is left out without a tokenizer
-    (as ``--skip-tokenizer-init`` does)."""
+    (as ``--skip-tokenizer-init`` does). ``input_ids`` are needed with ``gen.prompt_logprobs``."""
     body: dict[str, Any] = {}
     if text is not None:
         body["text"] = text
     body["output_ids"] = list(gen.output_ids)
-    body["meta_info"] = meta_info(gen, return_logprob=return_logprob, worker=worker)
+    body["meta_info"] = meta_info(gen, return_logprob=return_logprob, worker=worker, input_ids=input_ids)
     if prompt_token_ids is not None:
         body["prompt_token_ids"] = list(prompt_token_ids)
     return body
@@ -823,6 +854,28 @@ def _top_logprobs(
     return tuple(out)
 
 
+def _prompt_logprobs(entries: object, scored: Sequence[int], worker: str | None) -> tuple[float | None, ...]:
+    """SGLang's ``input_token_logprobs`` for ``scored`` (the prompt from ``logprob_start_len``):
+    ``[[logprob, id, text], ...]``, the first logprob ``null``."""
+    if type(entries) is not list or len(entries) != len(scored):
+        got = len(entries) if type(entries) is list else _type_name(entries)
+        raise ContractViolation(
+            f"meta_info.input_token_logprobs has {got} entries for {len(scored)} prompt tokens", worker=worker
+        )
+    out: list[float | None] = []
+    for i, (e, tid) in enumerate(zip(entries, scored, strict=True)):
+        if type(e) is not list or len(e) < 2 or e[1] != tid:
+            raise ContractViolation(f"meta_info.input_token_logprobs[{i}] is not [logprob, {tid}, ...]", worker=worker)
+        lp = e[0]
+        if lp is None and i == 0:
+            out.append(None)
+            continue
+        if (type(lp) is not float and type(lp) is not int) or math.isnan(lp):
+            raise ContractViolation(f"meta_info.input_token_logprobs[{i}] has no logprob ({lp!r})", worker=worker)
+        out.append(float(lp))
+    return tuple(out)
+
+
 def _finish(meta: Mapping[str, Any], worker: str | None) -> tuple[FinishReason, int | None]:
     fr = meta.get("finish_reason")
     if fr is None:
@@ -874,6 +927,10 @@ def parse_answer(request: GenerateRequest, data: object, latency_s: float, *, wo
     k = request.sampling.top_logprobs
     if k and request.return_logprobs:
         top = _top_logprobs(meta.get("output_top_logprobs"), len(out), k, "output_top_logprobs", worker)
+    prompt_lps: tuple[float | None, ...] | None = None
+    if request.prompt_logprobs_start is not None and request.return_logprobs:
+        scored = request.input_ids[request.prompt_logprobs_start :]
+        prompt_lps = _prompt_logprobs(meta.get("input_token_logprobs"), scored, worker)
     version = meta.get("weight_version")
     rid = meta.get("id")
     return Generation(
@@ -888,6 +945,7 @@ def parse_answer(request: GenerateRequest, data: object, latency_s: float, *, wo
         latency_s=latency_s,
         matched_stop=matched if reason is FinishReason.STOP else None,
         top_logprobs=top,
+        prompt_logprobs=prompt_lps,
     )
 
 

@@ -41,14 +41,19 @@ def sampling_params(draw: st.DrawFn) -> rb.SamplingParams:
 
 
 @st.composite
-def requests(draw: st.DrawFn) -> rb.GenerateRequest:
+def requests(draw: st.DrawFn, *, rescoring: bool = False) -> rb.GenerateRequest:
     sampling = draw(sampling_params())
+    ids = draw(_ids)
+    start = draw(st.one_of(st.none(), st.integers(0, len(ids) - 1)))
+    if rescoring:  # zero budget: prompt logprobs only (what Miles' recompute path sends)
+        sampling, start = sampling.replace(max_new_tokens=0, min_new_tokens=0), draw(st.integers(0, len(ids) - 1))
     return rb.GenerateRequest(
-        input_ids=draw(_ids),
+        input_ids=ids,
         sampling=sampling,
         request_id=draw(st.text(min_size=1, max_size=30)),
-        # Top logprobs come only with the logprobs.
-        return_logprobs=draw(st.booleans()) or sampling.top_logprobs > 0,
+        # Top and prompt logprobs come only with the logprobs.
+        return_logprobs=draw(st.booleans()) or sampling.top_logprobs > 0 or start is not None,
+        prompt_logprobs_start=start,
     )
 
 
@@ -65,6 +70,19 @@ def test_request_round_trips(request: rb.GenerateRequest) -> None:
     assert not parsed.prefill_only and not parsed.stream and not parsed.return_prompt_token_ids
     # The body asks for raw ids in the text too (what an RL client wants).
     assert parsed.text_options == sn.TextOptions(skip_special_tokens=False, no_stop_trim=True)
+
+
+@SETTINGS
+@given(requests(rescoring=True))
+def test_rescoring_request_round_trips_where_prefill_is_allowed(request: rb.GenerateRequest) -> None:
+    body = _wire(sn.request_body(request))
+    assert body["sampling_params"]["max_new_tokens"] == 0
+    assert body["logprob_start_len"] == request.prompt_logprobs_start
+    with pytest.raises(rb.InvalidRequest) as e:
+        sn.parse_request(body)
+    assert e.value.field == "sampling_params.max_new_tokens"
+    parsed = sn.parse_request(body, rules=sn.ParseRules(allow_prefill_only=True))
+    assert parsed.prefill_only and parsed.request == request
 
 
 @SETTINGS
@@ -92,21 +110,28 @@ def generations(draw: st.DrawFn) -> tuple[rb.GenerateRequest, rb.Generation]:
                             unique_by=lambda p: p[0])  # fmt: skip
         drawn = draw(st.lists(position, min_size=len(out), max_size=len(out)))
         tops = tuple(tuple(sorted(p, key=lambda e: (-e[1], e[0]))) for p in drawn)
+    ids = draw(_ids)
+    start = draw(st.one_of(st.none(), st.integers(0, len(ids) - 1))) if want_lp else None
     request = rb.GenerateRequest(
-        input_ids=draw(_ids), sampling=rb.SamplingParams(top_logprobs=k), return_logprobs=want_lp
+        input_ids=ids, sampling=rb.SamplingParams(top_logprobs=k), return_logprobs=want_lp, prompt_logprobs_start=start
     )
+    prompt_lps = None
+    if start is not None:
+        rest = draw(st.lists(st.floats(-1e6, 0.0), min_size=len(ids) - start - 1, max_size=len(ids) - start - 1))
+        prompt_lps = (None, *rest)
     gen = rb.Generation(
         request_id=draw(st.text(min_size=1, max_size=30)),
         output_ids=out,
         logprobs=lps,
         finish_reason=reason,
         weight_version=draw(st.one_of(st.none(), st.text(min_size=1, max_size=10))),
-        prompt_tokens=draw(st.integers(0, 2**31)),
+        prompt_tokens=len(ids) if start is not None else draw(st.integers(0, 2**31)),
         cached_tokens=draw(st.integers(0, 2**31)),
         worker=draw(st.one_of(st.none(), st.text(min_size=1, max_size=10))),
         latency_s=draw(st.floats(0.0, 1e4)),
         matched_stop=matched,
         top_logprobs=tops,
+        prompt_logprobs=prompt_lps,
     )
     return request, gen
 
@@ -115,7 +140,11 @@ def generations(draw: st.DrawFn) -> tuple[rb.GenerateRequest, rb.Generation]:
 @given(generations(), st.one_of(st.none(), st.text(max_size=20)))
 def test_generation_round_trips(pair: tuple[rb.GenerateRequest, rb.Generation], text: str | None) -> None:
     request, gen = pair
-    body = _wire(sn.answer_body(gen, return_logprob=request.return_logprobs, text=text, worker="ignored-name"))
+    body = _wire(
+        sn.answer_body(
+            gen, return_logprob=request.return_logprobs, text=text, worker="ignored-name", input_ids=request.input_ids
+        )
+    )
     assert ("text" in body) == (text is not None)
     back = sn.parse_answer(request, body, gen.latency_s, worker=gen.worker)
     assert back == gen
@@ -230,7 +259,7 @@ def test_top_logprobs_need_the_logprobs() -> None:
 
 
 def test_field_names_both_ways() -> None:
-    pairs = [("sampling.top_logprobs", "top_logprobs_num")]
+    pairs = [("sampling.top_logprobs", "top_logprobs_num"), ("prompt_logprobs_start", "logprob_start_len")]
     pairs += [("sampling.seed", "sampling_params.sampling_seed"), ("sampling.stop_token_ids[2]",
              "sampling_params.stop_token_ids[2]"), ("request_id", "rid"), ("return_logprobs", "return_logprob"),
              ("input_ids[3]", "input_ids[3]")]  # fmt: skip

@@ -11,7 +11,6 @@ import rollout_backends as rb
 @pytest.mark.parametrize(
     ("kwargs", "field"),
     [
-        ({"max_new_tokens": 0}, "sampling.max_new_tokens"),
         ({"max_new_tokens": -3}, "sampling.max_new_tokens"),
         ({"max_new_tokens": 2.0}, "sampling.max_new_tokens"),
         ({"max_new_tokens": True}, "sampling.max_new_tokens"),
@@ -161,3 +160,20 @@ def test_health_report_summary() -> None:
     assert r.live and not r.ready and r.any_ready
     assert r.stale_workers == ("b",) and r.unhealthy_workers == ("b",)
     assert r.worker("b").weight_version == "v0"
+
+
+def test_zero_budget_rescoring_needs_prompt_logprobs() -> None:
+    rb_ = pytest.importorskip("rollout_backends")
+    zero = rb_.SamplingParams(max_new_tokens=0)
+    with pytest.raises(rb_.InvalidRequest) as e:
+        rb_.GenerateRequest(input_ids=[1, 2], sampling=zero)
+    assert e.value.field == "sampling.max_new_tokens"
+    ok = rb_.GenerateRequest(input_ids=[1, 2], sampling=zero, prompt_logprobs_start=1)
+    assert ok.prompt_logprobs_start == 1
+    for bad, kw in [(2, {}), (-1, {}), (True, {}), (0, {"return_logprobs": False})]:
+        with pytest.raises(rb_.InvalidRequest) as e:
+            rb_.GenerateRequest(input_ids=[1, 2], sampling=zero, prompt_logprobs_start=bad, **kw)
+        assert e.value.field == "prompt_logprobs_start"
+    with pytest.raises(rb_.InvalidRequest) as e:
+        rb_.SamplingParams(max_new_tokens=-1)
+    assert e.value.field == "sampling.max_new_tokens"

@@ -138,6 +138,8 @@ class FlavorRoutes:
     #: The most top logprobs per token (the frontend takes ``logprobs`` <= 5; stock dynamo.sglang
     #: refuses >= 1 unless its workers run with ``DYN_SGL_ALLOW_TOP_LOGPROBS=1``).
     top_logprobs: int = 0
+    #: Prompt logprobs and zero-budget re-scoring (our worker: ``engine_data.prompt_logprobs``).
+    prompt_logprobs: bool = False
     #: dynamo.sglang 1.4.x awaits the synchronous ``TokenizerManager.abort_request``: the abort is
     #: dispatched, then the route fails with "object NoneType can't be used in 'await' expression".
     abort_all_await_bug: bool = False
@@ -145,7 +147,13 @@ class FlavorRoutes:
 
 ROUTES: Mapping[DynamoFlavor, FlavorRoutes] = {
     DynamoFlavor.ROLLOUT: FlavorRoutes(
-        sglang=True, rollout_routes=True, rollout_abort_all=True, tensors=True, deterministic=True, top_logprobs=5
+        sglang=True,
+        rollout_routes=True,
+        rollout_abort_all=True,
+        tensors=True,
+        deterministic=True,
+        top_logprobs=5,
+        prompt_logprobs=True,
     ),
     DynamoFlavor.SGLANG14: FlavorRoutes(sglang=True, abort_all_await_bug=True),
     DynamoFlavor.SGLANG14_SHIM: FlavorRoutes(sglang=True, rollout_routes=True, abort_all_await_bug=True),
@@ -235,7 +243,8 @@ def completion_body(request: GenerateRequest, model: str, *, logprobs: bool, ins
     body: dict[str, Any] = {
         "model": model,
         "prompt": list(request.input_ids),
-        "max_tokens": s.max_new_tokens,
+        # The frontend refuses max_tokens 0: a re-scoring request generates one token, dropped.
+        "max_tokens": max(s.max_new_tokens, 1),
         "temperature": s.temperature,
         "top_p": s.top_p,
         "min_p": s.min_p,
@@ -260,6 +269,8 @@ def completion_body(request: GenerateRequest, model: str, *, logprobs: bool, ins
         body["logprobs"] = s.top_logprobs
         if s.top_logprobs:
             body["return_tokens_as_token_ids"] = True
+    if request.prompt_logprobs_start is not None:
+        body["prompt_logprobs"] = 0  # output_options.prompt_logprobs: the worker scores the prompt from 0
     nvext: dict[str, Any] = {
         "extra_fields": list(EXTRA_FIELDS),
         # The request id reaches the worker whatever its form (x-dynamo-request-id takes UUIDs only).
@@ -351,6 +362,22 @@ def _f32(value: float) -> float:
     """The float32 the frontend serialised (it keeps logprobs as f32 and prints the shortest
     decimal): its exact value, i.e. what the engine's float32 tensor held."""
     return float(struct.unpack("<f", struct.pack("<f", value))[0])
+
+
+def _engine_prompt_logprobs(request: GenerateRequest, value: object, worker: str | None) -> tuple[float | None, ...]:
+    """Our worker's ``engine_data.prompt_logprobs`` (the whole prompt's, the first ``None``) -> from
+    ``prompt_logprobs_start`` on, the first ``None`` (SGLang's shape)."""
+    n = len(request.input_ids)
+    if not isinstance(value, list) or len(value) != n:
+        got = len(value) if isinstance(value, list) else type(value).__name__
+        raise ContractViolation(f"engine_data.prompt_logprobs has {got} entries for {n} prompt tokens", worker=worker)
+    start = request.prompt_logprobs_start or 0
+    out: list[float | None] = [None]
+    for i, lp in enumerate(value[start + 1 :], start + 1):
+        if not isinstance(lp, (int, float)) or isinstance(lp, bool) or math.isnan(lp):
+            raise ContractViolation(f"engine_data.prompt_logprobs[{i}] is not a number ({lp!r})", worker=worker)
+        out.append(float(lp))
+    return tuple(out)
 
 
 _TOKEN_ID = re.compile(r"token_id:(\d+)")
@@ -468,6 +495,7 @@ class DynamoWire:
             memory_release=sg and self.memory_saver,
             logprobs=routes.logprobs,
             top_logprobs=routes.top_logprobs,
+            prompt_logprobs=routes.prompt_logprobs,
             streaming=False,
             routing=_ROUTING.get(self.router_mode, RoutingKind.OTHER),
             abort=True,
@@ -494,7 +522,11 @@ class DynamoWire:
                 "sampling.top_logprobs",
                 f"{k} > {self.routes.top_logprobs}, the most this Dynamo fleet ({self.flavor.value} workers) returns",
             )
-        if self.native_generate and worker is None:
+        if request.prompt_logprobs_start is not None and not self.routes.prompt_logprobs:
+            raise InvalidRequest(
+                "prompt_logprobs_start", f"this Dynamo fleet ({self.flavor.value} workers) returns no prompt logprobs"
+            )
+        if self.native_generate and worker is None and request.prompt_logprobs_start is None:
             return HttpRequest("POST", f"{self.frontend_url}/generate", json=native_body(request))
         body = completion_body(
             request,
@@ -653,6 +685,12 @@ class DynamoWire:
         assert isinstance(details, dict)
         version = engine_data.get("weight_version")
         prompt_tokens = usage.get("prompt_tokens")
+        prompt_lps = None
+        if request.prompt_logprobs_start is not None and request.return_logprobs:
+            prompt_lps = _engine_prompt_logprobs(request, engine_data.get("prompt_logprobs"), worker)
+        if request.sampling.max_new_tokens == 0:  # re-scoring: the one token generated is not the caller's
+            ids, top, reason, matched = [], None, FinishReason.LENGTH, None
+            logprobs = () if logprobs is not None else None
         return Generation(
             request_id=request.request_id,
             output_ids=tuple(ids),
@@ -665,6 +703,7 @@ class DynamoWire:
             latency_s=latency_s,
             matched_stop=matched,
             top_logprobs=top,
+            prompt_logprobs=prompt_lps,
         )
 
     def _finish(

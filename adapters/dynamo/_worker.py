@@ -52,7 +52,7 @@ import os
 import signal
 import struct
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -164,6 +164,9 @@ def preprocessed_body(request: Mapping[str, Any]) -> dict[str, Any]:
     top = (request.get("output_options") or {}).get("logprobs")
     if top:
         body["top_logprobs_num"] = top
+    # ``prompt_logprobs: k`` (the Dynamo wire sends 0): the whole prompt's, from position 0.
+    if (request.get("output_options") or {}).get("prompt_logprobs") is not None:
+        body["logprob_start_len"] = 0
     return body
 
 
@@ -201,7 +204,9 @@ def build_native_request(
     return parse_request(body, rules=attrs.evolve(rules, allow_stream=True))
 
 
-def native_chunk(gen: Generation, return_logprob: bool, worker_name: str | None) -> dict[str, Any]:
+def native_chunk(
+    gen: Generation, return_logprob: bool, worker_name: str | None, input_ids: Sequence[int] | None = None
+) -> dict[str, Any]:
     """The whole generation as one SGLang incremental response (the codec's ``meta_info``), wrapped
     the way ``dynamo.sglang`` 1.6.x wraps it (``engine_data.sglang_response``; the frontend forwards
     it as one SSE event).
@@ -210,7 +215,9 @@ def native_chunk(gen: Generation, return_logprob: bool, worker_name: str | None)
     engine produced them all before the first chunk anyway). ``meta_info.worker`` is not SGLang's:
     it names this worker, which the frontend does not report on this path.
     """
-    meta = meta_info(gen, return_logprob=return_logprob and gen.logprobs is not None, worker=worker_name)
+    meta = meta_info(
+        gen, return_logprob=return_logprob and gen.logprobs is not None, worker=worker_name, input_ids=input_ids
+    )
     response = {"output_ids": list(gen.output_ids), "meta_info": meta}
     return {"token_ids": [], "index": 0, "engine_data": {"sglang_response": response}}
 
@@ -352,7 +359,7 @@ class DynamoWorker:
             yield refusal_chunk(refused, request, native=native is not None)
             return
         if native is not None:
-            yield native_chunk(gen, return_logprob, self.worker_name)
+            yield native_chunk(gen, return_logprob, self.worker_name, input_ids=greq.input_ids)
             return
         for chunk in self._chunks(gen, request):
             yield chunk
@@ -411,6 +418,11 @@ class DynamoWorker:
             "finish_reason": gen.finish_reason.value,
             "worker": self.worker_name,
         }
+        if gen.prompt_logprobs is not None:
+            # The 1.4.2 frontend renders no prompt logprobs in /v1/completions (echo and
+            # prompt_logprobs reach the worker, nothing comes back; measured): engine_data carries
+            # them, from prompt position 0 (the first None), unrounded.
+            last["engine_data"]["prompt_logprobs"] = list(gen.prompt_logprobs)
         return chunks
 
     def _add_text(self, chunks: list[dict[str, Any]], request: Mapping[str, Any]) -> None:

@@ -240,6 +240,7 @@ class ReferenceBackend(Fleet):
             memory_release=True,
             logprobs=True,
             top_logprobs=20,  # SamplingParams' limit
+            prompt_logprobs=True,
             streaming=False,
             routing=RoutingKind.ROUND_ROBIN if len(engines) > 1 else RoutingKind.SINGLE,
             abort=True,

@@ -121,6 +121,8 @@ class _Req:
     logprobs: list[float] = attrs.field(factory=list)
     #: Per output token, the ``sampling.top_logprobs`` most likely ``(id, logprob)`` pairs.
     top_logprobs: list[tuple[tuple[int, float], ...]] = attrs.field(factory=list)
+    #: ``input_ids[prompt_logprobs_start:]``'s logprobs, from the first prefill (kept over a RETRACT).
+    prompt_logprobs: tuple[float | None, ...] | None = None
     cache: Any = None  #: KV cache; None = not computed yet, or dropped by a RETRACT pause
     generator: Any = None
     counts: Any = None  #: output-token counts (only when a penalty needs them)
@@ -407,7 +409,22 @@ class ReferenceEngine:
             cache = req.cache = DynamicCache(config=self._config)
         else:
             ids = [req.output_ids[-1]]
+        start = req.request.prompt_logprobs_start
         with torch.inference_mode():
+            if start is not None and req.prompt_logprobs is None and not req.output_ids:
+                # Prompt logprobs: a forward of its own (no cache), so that the generation's own
+                # numbers are those of a request without them, bit for bit. SGLang's shape:
+                # input_ids[start:], the first entry None; unscaled log_softmax.
+                scoring = self._model(
+                    input_ids=torch.tensor([ids], dtype=torch.long), use_cache=False, logits_to_keep=len(ids) - start
+                )
+                rows = scoring.logits[0, :-1].to(torch.float32)
+                scored = torch.tensor(ids[start + 1 :], dtype=torch.long)
+                lps = torch.log_softmax(rows, dim=-1).gather(1, scored[:, None])[:, 0]
+                req.prompt_logprobs = (None, *(float(v) for v in lps.tolist()))
+            if req.sampling.max_new_tokens == 0:  # re-scoring only: nothing is sampled
+                req.cache = None
+                return -1, 0.0, None
             out = self._model(
                 input_ids=torch.tensor([ids], dtype=torch.long),
                 use_cache=True,
@@ -479,6 +496,9 @@ class ReferenceEngine:
             req.cache = None
             return
         sp = req.sampling
+        if sp.max_new_tokens == 0:
+            self._finish(req, FinishReason.LENGTH)
+            return
         req.output_ids.append(token)
         req.logprobs.append(logprob)
         if top is not None:
@@ -519,6 +539,7 @@ class ReferenceEngine:
             top_logprobs=tuple(req.top_logprobs)
             if req.request.return_logprobs and req.request.sampling.top_logprobs
             else None,
+            prompt_logprobs=req.prompt_logprobs if req.request.return_logprobs else None,
         )
         if not req.future.done():
             req.future.set_result(gen)

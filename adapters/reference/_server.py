@@ -9,7 +9,7 @@ tokenizer-free mode (token ids only, no ``text`` key). Bodies are parsed by the 
 ``400 {"error": {"message", "type", "param"}}`` naming the field as the caller spelled it.
 
 What it cannot honour is refused (400), never ignored: streaming, batches, stop strings, ``n > 1``,
-constrained decoding, ``logit_bias``, input logprobs, LoRA, routed experts, hidden states,
+constrained decoding, ``logit_bias``, LoRA, routed experts, hidden states,
 multimodal data, custom logit processors, sessions, disaggregation (the codec's list), and unknown
 keys (``unknown_keys=UnknownKeys.IGNORE`` keeps SGLang's ignore-unknown-keys rule). Like SGLang it
 refuses ``len(input_ids) + max_new_tokens >= context`` (it does not truncate).
@@ -302,7 +302,9 @@ class ReferenceServer:
         req = parsed.request
         text = None if self.tokenizer is None else decode_text(self.tokenizer, g, parsed.text_options)
         prompt = req.input_ids if parsed.return_prompt_token_ids else None
-        return answer_body(g, return_logprob=req.return_logprobs, text=text, prompt_token_ids=prompt)
+        return answer_body(
+            g, return_logprob=req.return_logprobs, text=text, prompt_token_ids=prompt, input_ids=req.input_ids
+        )
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
         body = await _body(request, allow_empty=False)
@@ -314,7 +316,7 @@ class ReferenceServer:
         if req.request_id in self._inflight:
             # SGLang's words; the first request keeps running (and is not aborted by this one).
             return _json(error_body(InvalidRequest("rid", f"Duplicate request ID detected: {req.request_id}")), 400)
-        if parsed.prefill_only:
+        if parsed.prefill_only and req.prompt_logprobs_start is None:  # a bare prefill: nothing to compute
             g = Generation(
                 request_id=req.request_id,
                 output_ids=(),

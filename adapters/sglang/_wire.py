@@ -154,6 +154,7 @@ class SGLangWire:
             memory_release=self.memory_saver,
             logprobs=True,
             top_logprobs=20,  # SGLang's top_logprobs_num has no limit; SamplingParams' is 20
+            prompt_logprobs=True,  # logprob_start_len, and max_new_tokens=0
             streaming=False,
             routing=self.routing,
             abort=True,

@@ -81,6 +81,7 @@ BUGS = frozenset(
         "logprobs_shifted_ahead",
         "pause_abort_noop",  # pause(ABORT) leaves in-flight requests running
         "generation_value_error",  # the adapter's own parsing raises a plain ValueError (not typed)
+        "prompt_logprobs_shifted",  # a prompt token's logprob is conditioned on itself too (one late)
     }
 )
 
@@ -126,6 +127,10 @@ class BuggyDriver(FakeDriver):
         if "concurrency_noise" in self.bugs and len(self.running) > 1:
             logprob -= 0.01
         return abs(logprob) + 0.5 if "positive_logprob" in self.bugs else logprob
+
+    def _scored_prefix(self, prompt: tuple[int, ...], position: int) -> tuple[int, ...]:
+        late = 1 if "prompt_logprobs_shifted" in self.bugs else 0
+        return prompt[: position + late]
 
     def _ranked(self, logprobs: Sequence[float]) -> list[int]:
         ranked = super()._ranked(logprobs)

@@ -133,6 +133,7 @@ BUG_TO_CHECK = {
     "logprobs_shifted_ahead": "continuation_consistent",
     "pause_abort_noop": "pause_abort",
     "generation_value_error": "greedy_shapes",
+    "prompt_logprobs_shifted": "prompt_logprobs_rescore",
 }
 
 
@@ -159,8 +160,8 @@ async def test_declared_capability_that_misbehaves_fails(bug: str, tmp_path: Pat
 )
 async def test_misaligned_logprobs_fail_with_no_harness(bug: str, caught_by: str) -> None:
     """Logprobs one position off, and nothing but the backend given: the run is not green, also
-    where the backend offers no top-k logprobs to compare with."""
-    no_top = attrs.evolve(FULL, top_logprobs=0)
+    where the backend offers no top-k or prompt logprobs to compare with (re-scoring catches it too)."""
+    no_top = attrs.evolve(FULL, top_logprobs=0, prompt_logprobs=False)
     report = await run_checks(fake_factory(bugs=frozenset({bug}), declare=no_top), Harness(concurrency=8))
     assert not report.ok
     assert [r.name for r in report.failed] == [caught_by], report.summary()

@@ -41,3 +41,31 @@ def test_limits() -> None:
     with pytest.raises(InvalidRequest) as e:
         SamplingParams(top_logprobs=21)
     assert e.value.field == "sampling.top_logprobs"
+
+
+async def test_prompt_logprobs_and_zero_budget_rescoring(engine: ReferenceEngine) -> None:
+    greedy = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
+    g = await engine.generate(GenerateRequest(input_ids=PROMPT, sampling=greedy))
+    seq = PROMPT + g.output_ids
+    start = len(PROMPT) - 1
+    zero = SamplingParams(max_new_tokens=0)
+    r = await engine.generate(GenerateRequest(input_ids=seq, sampling=zero, prompt_logprobs_start=start))
+    assert r.output_ids == () and r.logprobs == () and r.prompt_tokens == len(seq)
+    assert r.prompt_logprobs is not None and len(r.prompt_logprobs) == len(seq) - start
+    assert r.prompt_logprobs[0] is None
+    assert max(abs(a - b) for a, b in zip(r.prompt_logprobs[1:], g.logprobs or (), strict=True)) < 1e-4  # type: ignore[operator]
+    # With a generation: its own numbers are those of a request without prompt logprobs, bit for bit.
+    both = await engine.generate(GenerateRequest(input_ids=PROMPT, sampling=greedy, prompt_logprobs_start=0))
+    assert both.output_ids == g.output_ids and both.logprobs == g.logprobs
+    assert both.prompt_logprobs is not None and len(both.prompt_logprobs) == len(PROMPT)
+    whole = await engine.generate(GenerateRequest(input_ids=seq, sampling=zero, prompt_logprobs_start=0))
+    assert whole.prompt_logprobs is not None
+
+    # Other sequence lengths: the same numbers up to float32 rounding (other matmul shapes).
+    def close(a: tuple[float | None, ...], b: tuple[float | None, ...]) -> bool:
+        pairs = list(zip(a, b, strict=True))
+        both_none = all((x is None) == (y is None) for x, y in pairs)
+        return both_none and all(abs(x - y) < 1e-5 for x, y in pairs if x is not None and y is not None)
+
+    assert close(both.prompt_logprobs, whole.prompt_logprobs[: len(PROMPT)])
+    assert close(whole.prompt_logprobs[start:][1:], r.prompt_logprobs[1:])

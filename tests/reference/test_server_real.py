@@ -78,3 +78,20 @@ async def test_real_engine_generate_and_updates(server: str, model_dir: Path, mo
             assert info["weight_version"] == "a2" and info["model_path"] == str(model_dir_b)
         async with s.get(f"{server}/health_generate") as r:
             assert r.status == 200
+
+
+async def test_rescoring_answers_input_token_logprobs(server: str) -> None:
+    """Miles' --recompute-logprobs-via-prefill body: max_new_tokens 0, logprob_start_len = prompt_len - 1."""
+    async with aiohttp.ClientSession() as s:
+        greedy = {"max_new_tokens": 6, "temperature": 0.0, "ignore_eos": True}
+        _, first = await _post(s, f"{server}/generate", {"input_ids": [1, 2, 3], "sampling_params": greedy,
+                                                          "return_logprob": True})  # fmt: skip
+        seq = [1, 2, 3, *first["output_ids"]]
+        zero = {"max_new_tokens": 0}
+        body = {"input_ids": seq, "sampling_params": zero, "return_logprob": True, "logprob_start_len": 2}
+        status, out = await _post(s, f"{server}/generate", body)
+    assert status == 200 and out["output_ids"] == [] and out["meta_info"]["finish_reason"]["type"] == "length"
+    entries = out["meta_info"]["input_token_logprobs"]
+    assert [e[1] for e in entries] == seq[2:] and entries[0][0] is None
+    for (lp, tid, _), (want, wid, _) in zip(entries[1:], first["meta_info"]["output_token_logprobs"], strict=True):
+        assert tid == wid and abs(lp - want) < 1e-4
