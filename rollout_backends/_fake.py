@@ -86,6 +86,7 @@ FAKE_CAPABILITIES = Capabilities(
     batch_invariant=True,
     top_logprobs=20,
     prompt_logprobs=True,
+    version_constraints=True,  # the Fleet's routing by label, as for every engine
     vocab_size=VOCAB_SIZE,
     max_context=MAX_CONTEXT,
 )

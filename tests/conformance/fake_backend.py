@@ -82,6 +82,7 @@ BUGS = frozenset(
         "pause_abort_noop",  # pause(ABORT) leaves in-flight requests running
         "generation_value_error",  # the adapter's own parsing raises a plain ValueError (not typed)
         "prompt_logprobs_shifted",  # a prompt token's logprob is conditioned on itself too (one late)
+        "version_constraints_ignored",  # min_version / exact_version declared, and routed as if absent
     }
 )
 
@@ -233,6 +234,11 @@ class FakeBackend(FakeFleet):
     def _check_request(self, request: rb.GenerateRequest) -> None:
         if "accept_oov" not in self.bugs:
             super()._check_request(request)
+
+    def _route_by_version(self, request: rb.GenerateRequest) -> rb.GenerateRequest:
+        if "version_constraints_ignored" in self.bugs:
+            return request
+        return super()._route_by_version(request)
 
     async def health(self, *, probe: bool = False) -> HealthReport:
         report = await super().health(probe=probe)

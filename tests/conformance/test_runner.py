@@ -35,10 +35,7 @@ NEEDS_HOOK_OR_CAPABILITY = {
     ),
     "hf_logprob_parity": "harness hook 'hf_model_path' not provided",
     "staleness_visible": "needs >= 2 workers, the fleet has 1",
-    "unknown_exact_version_is_retryable": "capability version_constraints=True not declared",
-    "min_version_after_partial_update": (
-        "capability version_constraints=True not declared; needs >= 2 workers, the fleet has 1"
-    ),
+    "min_version_after_partial_update": "needs >= 2 workers, the fleet has 1",
 }
 
 
@@ -134,7 +131,22 @@ BUG_TO_CHECK = {
     "pause_abort_noop": "pause_abort",
     "generation_value_error": "greedy_shapes",
     "prompt_logprobs_shifted": "prompt_logprobs_rescore",
+    "version_constraints_ignored": "min_version_after_partial_update",
 }
+
+
+#: Checks that need a fleet of two.
+TWO_WORKERS = {"staleness_visible", "min_version_after_partial_update"}
+
+
+async def test_a_fleet_that_ignores_version_constraints_fails_both_checks(tmp_path: Path) -> None:
+    bug = frozenset({"version_constraints_ignored"})
+    for name in ("unknown_exact_version_is_retryable", "min_version_after_partial_update"):
+        (c,) = select_checks([name])
+        bad = await c(fake_factory(workers=2, bugs=bug), fake_harness(tmp_path))
+        assert bad.outcome is Outcome.FAIL and "served" in (bad.message or ""), bad.line()
+        good = await c(fake_factory(workers=2), fake_harness(tmp_path))
+        assert good.outcome is Outcome.PASS, good.line()
 
 
 def test_every_bug_is_mapped() -> None:
@@ -145,12 +157,12 @@ def test_every_bug_is_mapped() -> None:
 async def test_declared_capability_that_misbehaves_fails(bug: str, tmp_path: Path) -> None:
     name = BUG_TO_CHECK[bug]
     (c,) = select_checks([name])
-    factory = fake_factory(workers=2 if name == "staleness_visible" else 1, bugs=frozenset({bug}))
+    factory = fake_factory(workers=2 if name in TWO_WORKERS else 1, bugs=frozenset({bug}))
     result = await c(factory, fake_harness(tmp_path))
     assert result.outcome is Outcome.FAIL, result.line()
     assert result.message and result.traceback
     # and the same check passes without the bug (the failure is the bug's, not the check's)
-    clean = await c(fake_factory(workers=2 if name == "staleness_visible" else 1), fake_harness(tmp_path))
+    clean = await c(fake_factory(workers=2 if name in TWO_WORKERS else 1), fake_harness(tmp_path))
     assert clean.outcome is Outcome.PASS, clean.line()
 
 
