@@ -40,11 +40,9 @@ from rollout_backends import (
     GenerateRequest,
     Generation,
     InvalidRequest,
-    MemoryTag,
-    PauseMode,
     SamplingParams,
 )
-from rollout_backends.kit import deserialize_named_tensors, json_loads, serialize_named_tensors
+from rollout_backends.kit import AbortAll, AbortRequest, deserialize_named_tensors, json_loads, serialize_named_tensors
 from rollout_backends.sglang_native import (
     ADMIN_ROUTES,
     NativeRequest,
@@ -54,7 +52,14 @@ from rollout_backends.sglang_native import (
     decode_text,
     error_body,
     native_field,
+    parse_abort_body,
+    parse_destroy_group_body,
+    parse_disk_body,
+    parse_memory_body,
+    parse_pause_body,
     parse_request,
+    parse_set_version_body,
+    parse_tensors_body,
 )
 
 __all__ = [
@@ -224,6 +229,9 @@ class ReferenceServer:
             if isinstance(e.body, str):
                 return web.Response(text=e.body, status=e.status)
             return _json(e.body, e.status)
+        except InvalidRequest as e:  # a control body the codec refused, naming the key: SGLang's
+            # failed-control shape (``success: false``) with the error object that names the field
+            return _json({"success": False, "message": str(e), **error_body(e)}, 400)
         except web.HTTPNotFound:
             return _json({"detail": "Not Found"}, 404)
         except web.HTTPMethodNotAllowed:
@@ -464,22 +472,19 @@ class ReferenceServer:
             return self._result(False, f"{what} failed: {e}", **extra)
         return self._result(True, "Succeeded to " + what + ".", **extra)
 
+    # Control bodies are parsed by the codec (the inverses of the builders the wires send): every
+    # value's JSON type, SGLang's defaults, a 400 naming the key.
+
     async def abort_request(self, request: web.Request) -> web.StreamResponse:
-        body = await _body(request)
-        rid = _field(body, "rid", str, "", nullable=True) or ""
-        if _field(body, "abort_all", bool, False):
+        op = parse_abort_body(await _body(request))
+        if isinstance(op, AbortAll):
             await self.engine.abort_all()
-        elif rid:
-            await self.engine.abort(rid)
+        elif isinstance(op, AbortRequest):
+            await self.engine.abort(op.request_id)
         return web.Response(status=200)
 
     async def pause_generation(self, request: web.Request) -> web.StreamResponse:
-        body = await _body(request)
-        mode = _field(body, "mode", str, "abort")
-        try:
-            pm = PauseMode(mode)
-        except ValueError:
-            raise _err(f"mode must be one of abort, retract, in_place; got {mode!r}") from None
+        pm = parse_pause_body(await _body(request)).mode
         try:
             await self.engine.pause(pm)
         except Exception as e:
@@ -509,11 +514,8 @@ class ReferenceServer:
         return web.Response(text=_FLUSH_OK, status=200)
 
     async def update_weight_version(self, request: web.Request) -> web.StreamResponse:
-        body = await _body(request)
-        if "new_version" not in body or not isinstance(body["new_version"], str):
-            return self._result(False, "new_version (a string) is required")
-        v = body["new_version"]
-        abort_all = _field(body, "abort_all_requests", bool, True)
+        op, abort_all = parse_set_version_body(await _body(request))
+        v = op.version
         try:
             if abort_all:
                 await self.engine.abort_all()
@@ -527,14 +529,10 @@ class ReferenceServer:
             await self.engine.abort_all()
 
     async def update_weights_from_disk(self, request: web.Request) -> web.StreamResponse:
-        body = await _body(request)
-        if not isinstance(body.get("model_path"), str) or not body["model_path"]:
-            raise _err("missing required field `model_path`")
-        path = body["model_path"]
-        load_format = _field(body, "load_format", str, None, nullable=True)
-        version = _field(body, "weight_version", str, None, nullable=True)
-        flush = _field(body, "flush_cache", bool, True)
-        await self._maybe_abort(body)
+        op, abort_all = parse_disk_body(await _body(request))
+        path, load_format, version, flush = op.path, op.load_format, op.version, op.flush_cache
+        if abort_all:
+            await self.engine.abort_all()
         resp = await self._control(
             "update weights from disk",
             self.engine.update_weights_from_disk(path, load_format=load_format, version=version, flush_cache=flush),
@@ -553,22 +551,18 @@ class ReferenceServer:
         return None
 
     async def update_weights_from_tensor(self, request: web.Request) -> web.StreamResponse:
-        body = await _body(request)
-        entries = body.get("serialized_named_tensors")
-        if not isinstance(entries, list) or not all(isinstance(e, str) for e in entries):
-            raise _err("missing required field `serialized_named_tensors` (a list of strings, one per TP rank)")
+        tb = parse_tensors_body(await _body(request))
+        entries, load_format, version, flush = tb.payloads, tb.load_format, tb.version, tb.flush_cache
         if len(entries) != 1:
             return self._result(False, f"expected 1 serialized_named_tensors entry (tp_size=1), got {len(entries)}")
-        load_format = _field(body, "load_format", str, None, nullable=True)
-        version = _field(body, "weight_version", str, None, nullable=True)
-        flush = _field(body, "flush_cache", bool, True)
         if (err := self._session_error()) is not None:
             return err
         try:
             named = deserialize_named_tensors(entries[0])
         except Exception as e:
             return self._result(False, f"cannot decode serialized_named_tensors: {type(e).__name__}: {e}")
-        await self._maybe_abort(body)
+        if tb.abort_all_requests:
+            await self.engine.abort_all()
         return await self._control(
             "update weights from tensor",
             self.engine.update_weights_from_tensors(named, version=version, flush_cache=flush, load_format=load_format),
@@ -615,8 +609,7 @@ class ReferenceServer:
         )
 
     async def destroy_weights_update_group(self, request: web.Request) -> web.StreamResponse:
-        body = await _body(request)
-        group_name = _field(body, "group_name", str, "weight_update_group")
+        group_name = parse_destroy_group_body(await _body(request)).group_name
         return await self._control("destroy weights update group", self.engine.destroy_weight_group(group_name))
 
     async def begin_weight_update(self, request: web.Request) -> web.StreamResponse:
@@ -635,15 +628,8 @@ class ReferenceServer:
         return resp
 
     async def _memory(self, request: web.Request, release: bool) -> web.StreamResponse:
-        body = await _body(request)
-        tags = body.get("tags")
-        if tags is not None:
-            if not isinstance(tags, list) or not all(isinstance(t, str) for t in tags):
-                raise _err("tags must be null or a list of strings")
-            known = {m.value for m in MemoryTag}
-            for t in tags:
-                if t not in known:
-                    raise _err(f"unknown memory tag {t!r} (known: {sorted(known)})")
+        parsed = parse_memory_body(await _body(request))
+        tags = None if parsed is None else [t.value for t in parsed]
         try:
             await (self.engine.release_memory(tags) if release else self.engine.resume_memory(tags))
         except Exception as e:
