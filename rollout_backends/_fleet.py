@@ -268,9 +268,10 @@ class Fleet:
         self._cancelled: set[str] = set()
         self._on_close = on_close
         self._closed = False
-        # Moves when a weight load or relabel starts and when it ends on any worker: a generation
-        # that saw it unchanged overlapped no update this fleet made.
-        self._weights_epoch = 0
+        # Per worker, a count that moves when a weight load or relabel of it starts and when it
+        # ends (a new mapping each time: a snapshot never moves): a generation whose worker's count
+        # did not move overlapped no update this fleet made there.
+        self._epochs: Mapping[str, int] = dict.fromkeys(ids, 0)
         self._version_pick = itertools.count()
         #: What to do with a generation cut off by a lost worker (resend it whole, by default).
         self.worker_loss: WorkerLossPolicy = DEFAULT_WORKER_LOSS
@@ -356,12 +357,18 @@ class Fleet:
     async def _load(self, op: Command, selected: Sequence[str], version: str | None) -> None:
         """A weight load or relabel on ``selected``, then the labels; the epoch moves before and
         after, so a generation in flight meanwhile knows an update overlapped it."""
-        self._weights_epoch += 1
+        self._bump(selected)
         try:
             await self._fan(op, selected)
             self._versions.relabelled(version, selected)
         finally:
-            self._weights_epoch += 1
+            self._bump(selected)
+
+    def _bump(self, selected: Sequence[str]) -> None:
+        epochs = dict(self._epochs)
+        for w in selected:
+            epochs[w] += 1
+        self._epochs = epochs
 
     # -- data plane ---------------------------------------------------------------------------
 
@@ -461,7 +468,7 @@ class Fleet:
             known: str | None = request.worker
         else:
             target, known = self._entry, self._sole_worker
-        labels, epoch = self._versions.view, self._weights_epoch  # what was installed when it started
+        labels, epochs = self._versions.view, self._epochs  # what was installed when it started
         if self._abort_by_id:  # the hot path: no extra task per request
             gen = await target.generate(request)
         else:
@@ -472,16 +479,24 @@ class Fleet:
         end = gen.weight_version
         if self.capabilities.version_source is VersionSource.STAMPED and worker is not None:
             end = self._versions.label(worker)
-        start = gen.version_at_start
+        start, spans = gen.version_at_start, gen.version_spans
+        # Nothing this fleet loaded or relabelled on the worker (or anywhere, where the worker is not
+        # known) overlapped the call: the version at the end served all of it. Otherwise the start
+        # is the label the worker had when the call started, and where the tokens changed version
+        # is not known here: no spans (never guessed).
+        now = self._epochs
+        quiet = end is not None and (now is epochs or (worker is not None and epochs.get(worker) == now.get(worker)))
         if start is None:
-            # Nothing this fleet loaded or relabelled overlapped the call: the version at the end
-            # served the start too. Otherwise the label the worker had when the call started.
-            if epoch == self._weights_epoch and end is not None:
-                start = end
-            elif worker is not None:
-                start = labels.get(worker)
-        if worker is not gen.worker or end is not gen.weight_version or start is not gen.version_at_start:
-            gen = attrs.evolve(gen, worker=worker, weight_version=end, version_at_start=start)
+            start = end if quiet else labels.get(worker) if worker is not None else None
+        if spans is None and quiet and end is not None and self.capabilities.version_spans is VersionSource.STAMPED:
+            spans = ((0, end),) if gen.output_ids else ()
+        if (
+            worker is not gen.worker
+            or end is not gen.weight_version
+            or start is not gen.version_at_start
+            or spans is not gen.version_spans
+        ):
+            gen = attrs.evolve(gen, worker=worker, weight_version=end, version_at_start=start, version_spans=spans)
         return gen
 
     async def _generate_cancellable(

@@ -80,7 +80,8 @@ class RoutingKind(str, enum.Enum):
 
 
 class VersionSource(str, enum.Enum):
-    """Where a ``Generation.weight_version`` comes from."""
+    """Where a ``Generation.weight_version`` comes from (``Capabilities.version_source``), and where
+    its ``version_spans`` come from (``Capabilities.version_spans``)."""
 
     RESPONSE = "response"  #: the engine reports it in each response
     STAMPED = "stamped"  #: the adapter stamps the version it last installed on the serving worker
@@ -332,6 +333,25 @@ class GenerateRequest:
             raise _fail("sampling.max_new_tokens", "0 generates nothing: it re-scores, with prompt_logprobs_start set")
 
 
+def _check_spans(spans: tuple[tuple[int, str], ...], n: int) -> None:
+    """``Generation.version_spans`` covers ``n`` output tokens exactly, else ``ContractViolation``."""
+    if not n:
+        if spans:
+            raise ContractViolation(f"version_spans {spans!r} for no output tokens")
+        return
+    previous: tuple[int, str] | None = None
+    for span in spans:
+        if type(span) is not tuple or len(span) != 2 or type(span[0]) is not int or type(span[1]) is not str:
+            raise ContractViolation(f"version_spans: {span!r} is not an (index, version) pair")
+        if previous is None and span[0] != 0:
+            raise ContractViolation(f"version_spans start at {span[0]}, not 0")
+        if previous is not None and not (previous[0] < span[0] < n and previous[1] != span[1]):
+            raise ContractViolation(f"version_spans: {span!r} after {previous!r} (of {n} tokens) is not a new run")
+        previous = span
+    if previous is None:
+        raise ContractViolation(f"version_spans empty for {n} output tokens")
+
+
 @attrs.frozen(slots=True, kw_only=True)
 class Generation:
     """The result of one ``generate``.
@@ -363,6 +383,11 @@ class Generation:
     #: given the tokens before it; entry 0 is ``None``, as in SGLang (the logits start at ``s``: the
     #: logprob of ``input_ids[s]`` would need position ``s - 1``'s). Unscaled by the temperature.
     prompt_logprobs: tuple[float | None, ...] | None = None
+    #: Which version produced which output tokens: runs of ``(first output index, version)``, the
+    #: first at index 0, indices increasing, each run to the next one's index (the last to the
+    #: end), adjacent runs of different versions; ``()`` for no tokens. A request in flight across
+    #: an update has two runs or more. ``None``: not known (``Capabilities.version_spans``).
+    version_spans: tuple[tuple[int, str], ...] | None = None
 
     def __attrs_post_init__(self) -> None:
         # An answer that cannot be one Generation is the engine's (or adapter's) breach of the
@@ -378,6 +403,8 @@ class Generation:
             )
         if self.prompt_logprobs is not None and len(self.prompt_logprobs) > self.prompt_tokens:
             raise ValueError(f"{len(self.prompt_logprobs)} prompt logprobs for {self.prompt_tokens} prompt tokens")
+        if self.version_spans is not None:
+            _check_spans(self.version_spans, len(self.output_ids))
 
     @property
     def aborted(self) -> bool:
@@ -579,6 +606,10 @@ class Capabilities:
     #: ``GenerateRequest.prompt_logprobs_start`` is honoured (``Generation.prompt_logprobs``), and so
     #: are zero-budget re-scoring requests (``max_new_tokens = 0``).
     prompt_logprobs: bool = False
+    #: Where ``Generation.version_spans`` come from: ``RESPONSE``, the engine (exact across
+    #: updates, token by token); ``STAMPED``, the fleet, only where exact (a generation that no
+    #: load or relabel of its worker overlapped: one run), else ``None``; ``NONE``: never known.
+    version_spans: VersionSource = VersionSource.NONE
     #: Greedy outputs do not depend on what else is batched (SGLang: deterministic inference).
     #: Without it, concurrent traffic can flip near-tied tokens (measured on the H200: 1 of 200).
     batch_invariant: bool = False

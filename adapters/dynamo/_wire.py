@@ -506,6 +506,8 @@ class DynamoWire:
             worker_pinning=self.pinning,
             # The fleet routes by its labels; without pinning it refuses while the workers disagree.
             version_constraints=True,
+            # No engine reports per-token versions: the fleet gives spans where no update overlapped.
+            version_spans=VersionSource.NONE if self.version_source is VersionSource.NONE else VersionSource.STAMPED,
             # The probe is a 1-token generation pinned to the worker: only where pinning works.
             progress_probe=self.pinning,
             batch_invariant=routes.deterministic,

@@ -250,6 +250,7 @@ class ReferenceBackend(Fleet):
             cached_tokens=True,
             worker_pinning=True,
             version_constraints=True,
+            version_spans=VersionSource.RESPONSE,  # the engine records the version of every token
             batch_invariant=True,  # every request runs alone through the model (no padded batches)
             max_context=first.max_context,
             vocab_size=first.vocab_size,

@@ -128,6 +128,10 @@ class _Req:
     counts: Any = None  #: output-token counts (only when a penalty needs them)
     cached_tokens: int | None = None
     finished: bool = False
+    #: The label installed when the request arrived (``Generation.version_at_start``).
+    version_at_start: str = ""
+    #: Runs of ``(first output index, version)``: the label installed when each token's forward ran.
+    spans: list[tuple[int, str]] = attrs.field(factory=list)
 
     @property
     def sampling(self) -> SamplingParams:
@@ -351,7 +355,13 @@ class ReferenceEngine:
         loop = self._bind()
         self._validate(request)
         sp = request.sampling
-        req = _Req(request=request, future=loop.create_future(), t0=time.monotonic(), admitted=self._paused is None)
+        req = _Req(
+            request=request,
+            future=loop.create_future(),
+            t0=time.monotonic(),
+            admitted=self._paused is None,
+            version_at_start=self._version,
+        )
         if not sp.greedy:
             seed = sp.seed if sp.seed is not None else self._seed_rng.randrange(2**63)
             req.generator = torch.Generator().manual_seed(seed)
@@ -388,12 +398,15 @@ class ReferenceEngine:
                 if req.cached_tokens is None:
                     req.cached_tokens = self._index.match(req.request.input_ids)
                     self._index.insert(req.request.input_ids)
+                # Loads take the step lock, so these are the weights this step runs with; the label
+                # is read before it (a relabel during the forward counts from the next token).
+                version = self._version
                 try:
                     token, logprob, top = await loop.run_in_executor(self._executor, self._step, req)
                 except Exception as exc:  # a bug or a broken weight set: fail this request, keep serving
                     self._fail(req, EngineError(f"{self._worker_id}: forward failed: {type(exc).__name__}: {exc}"))
                     continue
-                self._apply(req, token, logprob, top)
+                self._apply(req, token, logprob, top, version)
 
     def _step(self, req: _Req) -> tuple[int, float, tuple[tuple[int, float], ...] | None]:
         """Worker thread: run the forward for the tokens not in the cache, pick the next token."""
@@ -490,8 +503,10 @@ class ReferenceEngine:
         token = int(order[min(pos, last)])
         return token, float(logprobs[token]), self._top(logprobs, sp.top_logprobs)
 
-    def _apply(self, req: _Req, token: int, logprob: float, top: tuple[tuple[int, float], ...] | None) -> None:
-        """Loop thread: record a step's token and decide whether the request is done."""
+    def _apply(
+        self, req: _Req, token: int, logprob: float, top: tuple[tuple[int, float], ...] | None, version: str
+    ) -> None:
+        """Loop thread: record a step's token (and the version it came from); is the request done?"""
         if req.finished:  # aborted during the step: that token is not delivered
             req.cache = None
             return
@@ -499,6 +514,8 @@ class ReferenceEngine:
         if sp.max_new_tokens == 0:
             self._finish(req, FinishReason.LENGTH)
             return
+        if not req.spans or req.spans[-1][1] != version:
+            req.spans.append((len(req.output_ids), version))
         req.output_ids.append(token)
         req.logprobs.append(logprob)
         if top is not None:
@@ -540,6 +557,8 @@ class ReferenceEngine:
             if req.request.return_logprobs and req.request.sampling.top_logprobs
             else None,
             prompt_logprobs=req.prompt_logprobs if req.request.return_logprobs else None,
+            version_at_start=req.version_at_start,
+            version_spans=tuple(req.spans),
         )
         if not req.future.done():
             req.future.set_result(gen)

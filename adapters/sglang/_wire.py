@@ -164,6 +164,9 @@ class SGLangWire:
             cached_tokens=True,
             worker_pinning=True,
             version_constraints=True,  # the fleet routes by its labels, pinning where not all serve one
+            # SGLang 0.5.16 keeps no per-token versions (it stamps each chunk with the version then
+            # served; docs/pause-modes.md): the fleet gives spans only where no update overlapped.
+            version_spans=VersionSource.STAMPED,
             batch_invariant=self.deterministic,
             max_context=self.max_context,
             vocab_size=self.vocab_size,
