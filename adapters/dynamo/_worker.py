@@ -57,14 +57,18 @@ from typing import Any
 
 import attrs
 
-from rollout_backends import FinishReason, GenerateRequest, Generation, InvalidRequest, PauseMode
+from rollout_backends import FinishReason, GenerateRequest, Generation, InvalidRequest, MemoryTag, PauseMode
 from rollout_backends.sglang_native import (
     NativeRequest,
     ParseRules,
     error_body,
     meta_info,
     native_field,
+    parse_disk_body,
+    parse_memory_body,
     parse_request,
+    parse_set_version_body,
+    parse_tensors_body,
 )
 
 from ._detok import IncrementalDetokenizer, TextDecoder, load_text_decoder, worker_text_enabled
@@ -440,16 +444,17 @@ class DynamoWorker:
 
     # -- engine routes (dynamo.sglang 1.4.2 paths and bodies) --------------------------------------
 
+    # Bodies are parsed by the codec (the inverses of the builders the wire sends): a wrong value is
+    # ``success: false`` naming its key (``_json_safe``), never read by truthiness.
+
     async def _update_weights_from_disk(self, body: dict[str, Any]) -> dict[str, Any]:
-        if body.get("abort_all_requests"):
+        op, abort_all = parse_disk_body(body)
+        if abort_all:
             await self._abort_all()
         try:
             await _maybe_await(
                 self.engine.update_weights_from_disk(
-                    body["model_path"],
-                    load_format=body.get("load_format"),
-                    version=body.get("weight_version"),
-                    flush_cache=bool(body.get("flush_cache", True)),
+                    op.path, load_format=op.load_format, version=op.version, flush_cache=op.flush_cache
                 )
             )
         except Exception as e:  # SGLang answers 200 + success false
@@ -459,18 +464,14 @@ class DynamoWorker:
     async def _update_weights_from_tensor(self, body: dict[str, Any]) -> dict[str, Any]:
         # SGLang's body: serialized_named_tensors = one base64 string per TP rank, each a
         # ForkingPickler dump of [(name, tensor), ...]. TP = 1 here.
+        tb = parse_tensors_body(body)
         try:
             from rollout_backends.kit import deserialize_named_tensors
 
-            payload = body["serialized_named_tensors"]
-            blob = payload[0] if isinstance(payload, list) else payload
-            named = deserialize_named_tensors(blob)
+            named = deserialize_named_tensors(tb.payloads[0])
             await _maybe_await(
                 self.engine.update_weights_from_tensors(
-                    named,
-                    version=body.get("weight_version"),
-                    flush_cache=body.get("flush_cache", True),
-                    load_format=body.get("load_format"),
+                    named, version=tb.version, flush_cache=tb.flush_cache, load_format=tb.load_format
                 )
             )
         except Exception as e:
@@ -499,25 +500,24 @@ class DynamoWorker:
 
     async def _update_weight_version(self, body: dict[str, Any]) -> dict[str, Any]:
         # Same as dynamo.sglang: abort_all_requests defaults to True in SGLang's struct.
-        if body.get("abort_all_requests", True):
+        op, abort_all = parse_set_version_body(body)
+        if abort_all:
             await self._abort_all()
-        await _maybe_await(self.engine.set_weight_version(str(body["new_version"])))
-        return {
-            "success": True,
-            "message": f"Weight version updated to {body['new_version']}",
-            "new_version": body["new_version"],
-        }
+        await _maybe_await(self.engine.set_weight_version(op.version))
+        return {"success": True, "message": f"Weight version updated to {op.version}", "new_version": op.version}
 
     async def _release_memory(self, body: dict[str, Any]) -> dict[str, Any]:
+        tags = _tag_values(parse_memory_body(body))
         try:
-            await _maybe_await(self.engine.release_memory(body.get("tags")))
+            await _maybe_await(self.engine.release_memory(tags))
         except Exception as e:
             return {"status": "error", "message": str(e)}
         return {"status": "ok", "message": "Memory released"}
 
     async def _resume_memory(self, body: dict[str, Any]) -> dict[str, Any]:
+        tags = _tag_values(parse_memory_body(body))
         try:
-            await _maybe_await(self.engine.resume_memory(body.get("tags")))
+            await _maybe_await(self.engine.resume_memory(tags))
         except Exception as e:
             return {"status": "error", "message": str(e)}
         return {"status": "ok", "message": "Memory resumed"}
@@ -720,9 +720,16 @@ def reference_engine(arg: str) -> Any:
     return ReferenceEngine(path, **kw)
 
 
+def _tag_values(tags: tuple[MemoryTag, ...] | None) -> list[str] | None:
+    return None if tags is None else [t.value for t in tags]
+
+
 def _json_safe(fn: Callable[[dict[str, Any]], Any]) -> Callable[[dict[str, Any]], Any]:
     async def wrapper(body: dict[str, Any]) -> dict[str, Any]:
-        result = await fn(body or {})
+        try:
+            result = await fn(body or {})
+        except InvalidRequest as exc:  # a body the codec refused: SGLang's failed-control shape
+            result = {"success": False, "status": "error", "message": str(exc), "param": exc.field}
         safe: dict[str, Any] = json.loads(json.dumps(result, default=str))
         return safe
 

@@ -204,3 +204,26 @@ def _our(native: str) -> str:
     from rollout_backends.sglang_native import our_field
 
     return our_field(native)
+
+
+@pytest.mark.parametrize(
+    ("route", "body", "field"),
+    [
+        ("control/update_weights_from_disk", {"model_path": "/m", "flush_cache": "false"}, "flush_cache"),
+        ("control/update_weights_from_disk", {}, "model_path"),
+        ("control/update_weight_version", {"new_version": 7}, "new_version"),
+        ("control/update_weight_version", {"new_version": "v", "abort_all_requests": "no"}, "abort_all_requests"),
+        ("control/update_weights_from_tensor", {"serialized_named_tensors": "x"}, "serialized_named_tensors"),
+        ("control/release_memory_occupation", {"tags": ["gpu"]}, "tags[0]"),
+    ],
+)
+def test_engine_route_bodies_are_typed(route: str, body: dict[str, Any], field: str) -> None:
+    """A wrong value in an engine route's body is ``success: false`` naming the key (the wire's
+    ControlFailed), before the engine sees it; never read by truthiness, never a 500."""
+    from rollout_backends.adapters.dynamo._worker import _json_safe
+
+    worker, engine = _worker()
+    before = list(engine.calls)
+    out = asyncio.run(_json_safe(worker.routes()[route])(body))
+    assert out["success"] is False and out["param"] == field, out
+    assert engine.calls == before
