@@ -158,7 +158,9 @@ def test_cpu_seconds_reads_this_process_and_its_growth() -> None:
 # -- the whole benchmark on CPU -------------------------------------------------------------------------
 
 
-def test_fanout_smoke_interleaves_every_row_and_reports_intervals(tmp_path: Path) -> None:
+def test_fanout_smoke_interleaves_every_row_and_reports_intervals(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """Reference workers behind real smg, and two Dynamo mockers behind real frontends (one per mode)."""
     pytest.importorskip("smg")
     pytest.importorskip("dynamo.frontend")
@@ -208,3 +210,8 @@ def test_fanout_smoke_interleaves_every_row_and_reports_intervals(tmp_path: Path
     both = pooled.by("dynamo rr", "gsm8k")
     assert both is not None and sorted(both.steps) == [1, 2, 3, 1001, 1002, 1003]
     assert fanout.main(["--reanalyze", str(tmp_path / "results.json"), str(tmp_path / "results.json")]) == 0
+    other = next(n for n in fanout.PRESETS["main"] if n != baseline)
+    capsys.readouterr()
+    assert fanout.main(["--reanalyze", str(tmp_path / "results.json"), "--baseline", other]) == 0
+    out = capsys.readouterr().out
+    assert f"baseline {other}" in out and f"vs {other} [95% CI]" in out

@@ -1693,11 +1693,13 @@ def pool(results: Sequence[RunResult]) -> RunResult:
     return out
 
 
-def reanalyze(paths: Sequence[str]) -> int:
-    """Print the tables and verdicts of saved runs (pooled when several are given)."""
+def reanalyze(paths: Sequence[str], baseline: str | None = None) -> int:
+    """Print the tables and verdicts of saved runs (pooled when several are given), against
+    ``baseline`` (default: the runs' own baseline where they agree, else ``sglang rr``)."""
     loaded = [load_result(p) for p in paths]
     baselines = {b for _, b in loaded}
-    baseline = loaded[0][1] if len(baselines) == 1 else "sglang rr"
+    if baseline is None:
+        baseline = loaded[0][1] if len(baselines) == 1 else "sglang rr"
     result = loaded[0][0] if len(loaded) == 1 else pool([r for r, _ in loaded])
     print(f"{len(paths)} run(s){' pooled' if len(paths) > 1 else ''}; baseline {baseline}")
     for wl, text in tables(result, baseline).items():
@@ -1774,7 +1776,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     args = p.parse_args(argv)
     if args.reanalyze:
-        return reanalyze(args.reanalyze)
+        return reanalyze(args.reanalyze, args.baseline)
     gpu = args.engine == "sglang"
     row_names = list(args.rows or PRESETS[args.preset])
     baseline = args.baseline or row_names[0]
