@@ -86,7 +86,12 @@ from ._parity import (
     hf_logprobs,
     pair_parity,
 )
-from ._versions import check_min_version_after_partial_update, check_unknown_exact_version_is_retryable
+from ._versions import (
+    check_min_version_after_partial_update,
+    check_unknown_exact_version_is_retryable,
+    check_version_spans_across_update,
+    check_version_spans_quiet,
+)
 from ._weights import (
     check_disk_update_matches_fresh,
     check_distributed_update_matches_fresh,
@@ -154,6 +159,8 @@ __all__ = [
     "check_tensor_update_matches_fresh",
     "check_top_logprobs",
     "check_unknown_exact_version_is_retryable",
+    "check_version_spans_across_update",
+    "check_version_spans_quiet",
     "check_update_failure_keeps_version",
     "compare",
     "default_parity_prompts",

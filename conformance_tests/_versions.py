@@ -1,4 +1,5 @@
-"""Version-constrained requests (issue 17 item 2): ``GenerateRequest.min_version`` / ``exact_version``.
+"""Weight versions per request: constraints (issue 17 item 2: ``GenerateRequest.min_version`` /
+``exact_version``) and per-token versions (item 1: ``Generation.version_spans``).
 
 A request goes only to a worker whose installed label satisfies it ("later" is the order of the
 fleet's history of installed labels); where none does the answer is ``NoCompatibleVersion``,
@@ -8,18 +9,39 @@ load) and put the labels back.
 
 from __future__ import annotations
 
+import asyncio
+
 from rollout_backends import (
     Capabilities,
     GenerateRequest,
     Generation,
     NoCompatibleVersion,
+    PauseMode,
     RolloutBackend,
+    VersionSource,
+    WeightTransport,
 )
 
-from ._core import CheckContext, CheckFailed, Requirement, _Requires, check, expect, requires, validate_generation
+from ._core import (
+    CheckContext,
+    CheckFailed,
+    HarnessError,
+    Requirement,
+    _Requires,
+    check,
+    expect,
+    requires,
+    validate_generation,
+)
 from ._harness import Harness
+from ._weights import _alt_loader, _restore, _update
 
-__all__ = ["check_min_version_after_partial_update", "check_unknown_exact_version_is_retryable"]
+__all__ = [
+    "check_min_version_after_partial_update",
+    "check_unknown_exact_version_is_retryable",
+    "check_version_spans_across_update",
+    "check_version_spans_quiet",
+]
 
 #: A label no fleet has installed (the check never installs it).
 _NEVER = "conformance-never-installed"
@@ -113,3 +135,89 @@ async def check_min_version_after_partial_update(ctx: CheckContext) -> None:
         for worker, old in previous.items():
             if old is not None:
                 await backend.set_weight_version(old, workers=[worker])
+
+
+def _spans_declared(c: Capabilities, h: Harness, b: RolloutBackend) -> str | None:
+    return None if c.version_spans is not VersionSource.NONE else "capability version_spans not declared"
+
+
+def _engine_spans(c: Capabilities, h: Harness, b: RolloutBackend) -> str | None:
+    if c.version_spans is VersionSource.RESPONSE:
+        return None
+    return "capability version_spans=RESPONSE not declared (spans across an update come only from an engine)"
+
+
+@check("versions")
+@_Requires([Requirement("version_spans declared", _spans_declared)])
+async def check_version_spans_quiet(ctx: CheckContext) -> None:
+    """With no update in flight, every generation is one span of the version it reports:
+    ``version_spans == ((0, weight_version),)`` and ``version_at_start == weight_version``."""
+    for i, prompt in enumerate(ctx.prompts(3, seed=23)):
+        gen = await ctx.generate(prompt, ctx.greedy(6, ignore_eos=True))
+        rid = gen.request_id
+        expect(gen.weight_version is not None, f"{rid}: version_spans declared, but no weight_version")
+        expect(
+            gen.version_spans == ((0, gen.weight_version),),
+            f"{rid}: version_spans {gen.version_spans!r}, want one span of {gen.weight_version!r}",
+        )
+        expect(gen.version_at_start == gen.weight_version, f"{rid}: version_at_start={gen.version_at_start!r}")
+        ctx.measure(f"spans_{i}", len(gen.version_spans or ()))
+
+
+@check("versions")
+@requires(
+    pause_mode=PauseMode.RETRACT,
+    any_transport=(WeightTransport.DISK, WeightTransport.TENSOR),
+    hooks=("alt_weights_path", "fresh_factory_on"),
+)
+@_Requires([Requirement("version_spans=RESPONSE", _engine_spans)])
+async def check_version_spans_across_update(ctx: CheckContext) -> None:
+    """A greedy request in flight across a weight update (``weight_update(mode=RETRACT)`` to the alt
+    weights) holds tokens of both versions: its spans start with the old version and end with the
+    new one, the old span equals the same request run before the update, and each new-version span
+    equals a fresh engine on the new weights given the tokens before it."""
+    prompt = ctx.prompts(1, min_len=6, max_len=12, seed=29)[0]
+    req = ctx.long_request(prompt, ctx.harness.pause_max_new_tokens, tag="spans")
+    n = req.sampling.max_new_tokens
+    before = await ctx.generate(prompt, ctx.greedy(n, ignore_eos=True))  # the old weights, uninterrupted
+    old = before.weight_version
+    previous = dict(await ctx.backend.weight_versions())
+    new = "conformance-spans"
+    try:
+        task = ctx.start(req)
+        await ctx.let_run()
+        if task.done():
+            raise HarnessError(f"the {n}-token request finished before the update: raise Harness.pause_max_new_tokens")
+        await _update(ctx, new, _alt_loader(ctx), PauseMode.RETRACT)
+        gen = await asyncio.wait_for(asyncio.shield(task), 60.0)
+        validate_generation(ctx, req, gen)
+        spans = gen.version_spans
+        expect(spans is not None, f"{gen.request_id}: no version_spans although the engine declares them")
+        assert spans is not None
+        ctx.measure("spans", ",".join(f"{at}:{v}" for at, v in spans))
+        versions = [v for _, v in spans]
+        expect(len(spans) >= 2, f"in flight across the update, yet one span: {spans!r}")
+        expect(versions[0] == old and versions[-1] == new, f"spans {spans!r}: want {old!r} first, {new!r} last")
+        expect(gen.version_at_start == old, f"version_at_start={gen.version_at_start!r}, want {old!r}")
+        expect(gen.weight_version == new, f"weight_version={gen.weight_version!r}, want {new!r}")
+        ends = [at for at, _ in spans[1:]] + [len(gen.output_ids)]
+        k = ends[0]
+        expect(gen.output_ids[:k] == before.output_ids[:k], f"the first {k} tokens ({old!r}) differ from a run before")
+        fresh_on, path = ctx.harness.fresh_factory_on, ctx.harness.alt_weights_path
+        assert fresh_on is not None and path is not None
+        fresh = await fresh_on(path)()
+        try:
+            for (at, version), end in zip(spans, ends, strict=True):
+                if version != new:
+                    continue
+                cont = ctx.request(prompt + gen.output_ids[:at], ctx.greedy(end - at, ignore_eos=True), "fresh")
+                want = await fresh.generate(cont)
+                expect(
+                    gen.output_ids[at:end] == want.output_ids,
+                    f"span ({at}, {version!r}) tokens {gen.output_ids[at:end]} differ from a fresh engine on the "
+                    f"new weights given the {at} tokens before it: {want.output_ids}",
+                )
+        finally:
+            await fresh.aclose()
+    finally:
+        await _restore(ctx, previous)

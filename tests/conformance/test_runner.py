@@ -36,6 +36,10 @@ NEEDS_HOOK_OR_CAPABILITY = {
     "hf_logprob_parity": "harness hook 'hf_model_path' not provided",
     "staleness_visible": "needs >= 2 workers, the fleet has 1",
     "min_version_after_partial_update": "needs >= 2 workers, the fleet has 1",
+    "version_spans_quiet": "capability version_spans not declared",
+    "version_spans_across_update": (
+        "capability version_spans=RESPONSE not declared (spans across an update come only from an engine)"
+    ),
 }
 
 

@@ -1,5 +1,6 @@
-"""The version-constraint checks pass on the reference fleet and fail on one that ignores the
-constraints (``Fleet._route_by_version`` skipped: every request served as if unconstrained)."""
+"""The version checks pass on the reference fleet and fail on broken ones: one that ignores the
+constraints (``Fleet._route_by_version`` skipped), one that stamps every token with the version at
+the finish, one that reports no spans."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import pytest
 import rollout_backends as rb
 from rollout_backends.adapters.reference import ReferenceBackend, ReferenceEngine
 from rollout_backends.conformance import BackendFactory, Harness, Outcome, select_checks
+from rollout_backends.conformance._reference import reference_harness
 
 CHECKS = ["unknown_exact_version_is_retryable", "min_version_after_partial_update"]
 
@@ -50,3 +52,33 @@ async def test_the_checks_skip_where_not_declared() -> None:
         (c,) = select_checks([name])
         r = await c(factory(Undeclared), Harness())
         assert r.outcome is Outcome.SKIP and "version_constraints" in (r.message or ""), r.line()
+
+
+class SpansAtFinish(ReferenceBackend):
+    """Reports every token as the version at the finish (what SGLang 0.5.16 stamps): one span."""
+
+    async def generate(self, request: rb.GenerateRequest) -> rb.Generation:
+        gen = await super().generate(request)
+        assert gen.weight_version is not None
+        return attrs.evolve(gen, version_spans=((0, gen.weight_version),) if gen.output_ids else ())
+
+
+class NoSpans(ReferenceBackend):
+    """Declares engine spans and reports none."""
+
+    async def generate(self, request: rb.GenerateRequest) -> rb.Generation:
+        return attrs.evolve(await super().generate(request), version_spans=None)
+
+
+@pytest.mark.parametrize(
+    ("name", "broken"),
+    [("version_spans_across_update", SpansAtFinish), ("version_spans_quiet", NoSpans)],
+)
+async def test_the_span_checks_pass_and_fail_on_wrong_spans(name: str, broken: type[ReferenceBackend]) -> None:
+    harness = reference_harness("reference://?workers=2&seed=0")
+    (c,) = select_checks([name])
+    good = await c(factory(ReferenceBackend), harness)
+    assert good.outcome is Outcome.PASS, good.line()
+    bad = await c(factory(broken), harness)
+    assert bad.outcome is Outcome.FAIL, bad.line()
+    assert "span" in (bad.message or "")
