@@ -351,8 +351,11 @@ class Fleet:
 
     async def _fan(self, op: Command, workers: Sequence[str] | None) -> None:
         self._require_open(op.name)
-        selected = self._select(workers)
-        await fan_out(op.name, selected, lambda w: self._control(op, w))
+        await self._fan_each(op.name, dict.fromkeys(self._select(workers), op))
+
+    async def _fan_each(self, operation: str, ops: Mapping[str, Command]) -> None:
+        """Every command a fleet sends goes out here: ``ops[w]`` to each worker ``w``, at once."""
+        await fan_out(operation, tuple(ops), lambda w: self._control(ops[w], w))
 
     async def _load(self, op: Command, selected: Sequence[str], version: str | None) -> None:
         """A weight load or relabel on ``selected``, then the labels; the epoch moves before and
@@ -387,6 +390,11 @@ class Fleet:
             i = next(i for i, t in enumerate(stops) if t >= caps.vocab_size)
             why = f"token id {stops[i]} >= vocab size {caps.vocab_size}"
             raise InvalidRequest(f"sampling.stop_token_ids[{i}]", why)
+        if request.sampling.top_logprobs > caps.top_logprobs:
+            raise InvalidRequest(
+                "sampling.top_logprobs",
+                f"{request.sampling.top_logprobs} asked; this backend returns at most {caps.top_logprobs}",
+            )
         if caps.max_context is not None and len(request.input_ids) >= caps.max_context:
             raise InvalidRequest(
                 "input_ids", f"prompt of {len(request.input_ids)} tokens does not fit the context ({caps.max_context})"
@@ -599,7 +607,7 @@ class Fleet:
             raise InvalidRequest(
                 "group.world_size", f"{group.world_size} is too small for {cursor - group.rank_offset} engine ranks"
             )
-        await fan_out(InitWeightGroup.name, selected, lambda w: self._control(InitWeightGroup(group, offsets[w]), w))
+        await self._fan_each(InitWeightGroup.name, {w: InitWeightGroup(group, offsets[w]) for w in selected})
 
     async def update_weights_from_distributed(
         self,

@@ -12,7 +12,6 @@ protocol is ``rollout_backends.sglang_native``. An adapter imports the core thro
 (``tests/test_import_contract.py``).
 """
 
-from rollout_backends._base import BackendBase
 from rollout_backends._fleet import Driver, Entry, Fleet, RoundRobin, fan_out
 from rollout_backends._http import (
     AiohttpTransport,
@@ -58,6 +57,9 @@ from rollout_backends._ops import (
 from rollout_backends._tensors import deserialize_named_tensors, serialize_named_tensors
 from rollout_backends._types import ensure_tags
 from rollout_backends._versions import VersionBook
+
+#: The name kept from before the one ``Fleet`` (issue 15): the class every backend now is.
+BackendBase = Fleet
 
 __all__ = [
     "HttpEntry",

@@ -101,6 +101,12 @@ async def test_caller_errors_are_invalid_requests_naming_the_field() -> None:
     with pytest.raises(rb.InvalidRequest) as info:
         fake_fleet(workers=0)
     assert info.value.field == "workers"
+    none = fake_fleet(capabilities=rb.Capabilities(vocab_size=64))  # declares no top logprobs
+    with pytest.raises(rb.InvalidRequest) as info:
+        await none.generate(
+            rb.GenerateRequest(input_ids=[1], return_logprobs=True, sampling=rb.SamplingParams(top_logprobs=2))
+        )
+    assert info.value.field == "sampling.top_logprobs" and none.fake("fake-0").requests == []
     with pytest.raises(rb.Unsupported):
         await backend.init_weight_group(rb.WeightGroup(master_address="h", master_port=1, world_size=2))
     # The one op the engine saw is the one it refused (the Unsupported one never left the fleet).

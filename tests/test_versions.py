@@ -26,6 +26,7 @@ import rollout_backends as rb
 from rollout_backends.adapters.reference import ReferenceBackend
 from rollout_backends.kit import Fleet, HttpFleetBackend
 from rollout_backends.testing import FakeFleet, fake_fleet, write_checkpoint
+from tests.miles.scripted import ScriptedBackend
 
 
 @pytest.fixture
@@ -53,7 +54,7 @@ async def _expect_v1_then_load_v2(b: FakeFleet, tmp: Path) -> None:
 
 def test_every_backend_is_the_one_fleet() -> None:
     protocol = {m for m in dir(rb.RolloutBackend) if not m.startswith("_")}
-    for cls in (HttpFleetBackend, ReferenceBackend, FakeFleet):
+    for cls in (HttpFleetBackend, ReferenceBackend, FakeFleet, ScriptedBackend):
         assert issubclass(cls, Fleet), cls
         own = protocol & set(vars(cls))
         assert not own, f"{cls.__name__} re-implements {sorted(own)}"
