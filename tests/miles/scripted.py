@@ -199,6 +199,8 @@ class ScriptedBackend(Fleet):
         self.aborted: set[str] = set()
         super().__init__([ScriptedDriver(self, w, caps) for w in workers], capabilities=caps, name="scripted")
         self.set_installed_version("default")
+        # Scripted failures reach the caller as they are: what Miles' own retries do is under test.
+        self.worker_loss = rb.WorkerLossPolicy(action=rb.WorkerLoss.FAIL)
 
     def names(self) -> list[str]:
         return [n for n, _ in self.calls]
