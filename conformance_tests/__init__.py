@@ -75,7 +75,7 @@ from ._health import (
     check_reject_unknown_sampling_key,
     check_staleness_visible,
 )
-from ._logprobs import check_prompt_logprobs_rescore, check_top_logprobs
+from ._logprobs import check_prompt_logprobs_rescore, check_stop_strings, check_top_logprobs
 from ._parity import (
     HFParity,
     PairParity,
@@ -155,6 +155,7 @@ __all__ = [
     "check_seeded_sampling",
     "check_set_version_keeps_inflight",
     "check_stale_prefix_after_update",
+    "check_stop_strings",
     "check_staleness_visible",
     "check_tensor_update_matches_fresh",
     "check_top_logprobs",

@@ -586,7 +586,7 @@ def validate_generation(
         expect(n == limit or hit_context, f"{rid}: finish 'length' after {n} of max_new_tokens={limit}")
     if gen.finish_reason is FinishReason.STOP:
         expect(n >= 1, f"{rid}: finish 'stop' with no output token (the stop token is part of the output)")
-        if gen.matched_stop is not None:
+        if isinstance(gen.matched_stop, int):  # a stop token (a stop string ends text, not ids)
             expect(
                 gen.output_ids[-1] == gen.matched_stop,
                 f"{rid}: matched_stop {gen.matched_stop} is not the last output id {gen.output_ids[-1]}",

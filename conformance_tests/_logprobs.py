@@ -9,7 +9,7 @@ from rollout_backends import Capabilities, FinishReason, GenerateRequest, Genera
 from ._core import CheckContext, Requirement, _Requires, check, expect
 from ._harness import Harness
 
-__all__ = ["check_prompt_logprobs_rescore", "check_top_logprobs"]
+__all__ = ["check_prompt_logprobs_rescore", "check_stop_strings", "check_top_logprobs"]
 
 #: The k the checks ask for (at most what the backend declares).
 _TOP_K = 5
@@ -151,3 +151,62 @@ async def check_prompt_logprobs_rescore(ctx: CheckContext) -> None:
             assert a is not None and b is not None
             expect(abs(a - b) <= tol, f"{req.request_id}: prompt position {j}: {a!r}, re-scored {b!r}")
     ctx.measure("max_abs_dlogprob", worst)
+
+
+def _stops_declared(c: Capabilities, h: Harness, b: RolloutBackend) -> str | None:
+    return None if c.stop_strings else "capability stop_strings=True not declared"
+
+
+#: A stop string no tiny model writes: a run with it has text and ends on its own terms.
+_NEVER = "\u2603" * 64
+
+
+def _pick_stop(text: str) -> tuple[str, int] | None:
+    """Two ASCII letters or digits of ``text`` past its start (where the first occurrence is)."""
+    for i in range(2, len(text) - 1):
+        sub = text[i : i + 2]
+        if sub.isascii() and sub.isalnum() and text.find(sub) == i:
+            return sub, i
+    return None
+
+
+@check("contract")
+@_Requires([Requirement("stop_strings", _stops_declared)])
+async def check_stop_strings(ctx: CheckContext) -> None:
+    """A stop string taken from a greedy run's text ends the same run there (SGLang's semantics):
+    finish 'stop' with the string as matched_stop, the ids a prefix of the free run's ending with
+    the token that completes it (one token fewer has not met it), the text cut before it (kept
+    with no_stop_trim)."""
+    checked = 0
+    for p in ctx.prompts(6, min_len=3, max_len=16, seed=5):
+        n = ctx.cap_new_tokens(len(p), 24)
+        free = await ctx.generate(p, ctx.greedy(n, stop=(_NEVER,)))
+        expect(free.text is not None, f"{free.request_id}: a request with stop strings got no text")
+        assert free.text is not None
+        expect(free.matched_stop != _NEVER, f"{free.request_id}: matched a stop string it does not contain")
+        picked = _pick_stop(free.text)
+        if picked is None:
+            continue
+        sub, pos = picked
+        for keep in (False, True):
+            g = await ctx.generate(p, ctx.greedy(n, stop=(_NEVER, sub), no_stop_trim=keep))
+            rid = g.request_id
+            expect(
+                g.finish_reason is FinishReason.STOP,
+                f"{rid}: stop {sub!r} in {free.text!r}: finish {g.finish_reason.value!r}",
+            )
+            expect(g.matched_stop == sub, f"{rid}: matched_stop {g.matched_stop!r}, want {sub!r}")
+            expect(free.output_ids[: len(g.output_ids)] == g.output_ids, f"{rid}: ids are not the free run's prefix")
+            want = free.text[: pos + len(sub)] if keep else free.text[:pos]
+            expect(g.text == want, f"{rid}: text {g.text!r}, want {want!r} (no_stop_trim={keep})")
+        if len(g.output_ids) > 1:
+            short = await ctx.generate(p, ctx.greedy(len(g.output_ids) - 1, stop=(sub,)))
+            expect(
+                short.finish_reason is not FinishReason.STOP or short.matched_stop != sub,
+                f"{short.request_id}: {sub!r} already matched one token before the token completing it",
+            )
+            expect(short.text is None or sub not in short.text, f"{short.request_id}: text {short.text!r} has {sub!r}")
+        checked += 1
+    if not checked:
+        ctx.skip("no greedy run's text has two ASCII letters to stop on")
+    ctx.measure("stops_checked", checked)

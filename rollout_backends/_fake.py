@@ -87,9 +87,19 @@ FAKE_CAPABILITIES = Capabilities(
     top_logprobs=20,
     prompt_logprobs=True,
     version_constraints=True,  # the Fleet's routing by label, as for every engine
+    stop_strings=True,
     vocab_size=VOCAB_SIZE,
     max_context=MAX_CONTEXT,
 )
+
+
+#: The fake's "tokenizer": token ``t`` is the one character ``_CHARS[t]``.
+_CHARS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789+/"
+
+
+def fake_text(ids: Sequence[int]) -> str:
+    """The fake's text for token ids (one character each)."""
+    return "".join(_CHARS[t % len(_CHARS)] for t in ids)
 
 
 def write_checkpoint(path: str | Path, seed: int) -> str:
@@ -130,6 +140,7 @@ class _Running:
     lps: list[float] = attrs.field(factory=list)
     tops: list[tuple[tuple[int, float], ...]] = attrs.field(factory=list)
     prompt_lps: tuple[float | None, ...] | None = None
+    matched: str | None = None
 
 
 class FakeDriver:
@@ -254,10 +265,23 @@ class FakeDriver:
             r.lps.append(self._logprob(lps[tok]))
             if sp.top_logprobs:
                 r.tops.append(tuple((i, lps[i]) for i in self._ranked(lps)[: sp.top_logprobs]))
+            if len(r.out) >= limit:  # SGLang: the length limit before stop strings
+                break
+            r.matched = self._stop_string(r.out, sp)
+            if r.matched is not None:
+                finish = FinishReason.STOP
+                break
             if self._stops(tok, sp):
                 finish = FinishReason.STOP
                 break
         return self._answer(r, finish, cached)
+
+    def _stop_string(self, out: Sequence[int], sampling: SamplingParams) -> str | None:
+        """SGLang's check: the last (longest stop + 1) tokens' text; the first stop it contains."""
+        if not sampling.stop:
+            return None
+        tail = fake_text(out[-(max(map(len, sampling.stop)) + 1) :])
+        return next((st for st in sampling.stop if st in tail), None)
 
     async def _wait_resumed(self, r: _Running) -> None:
         """Hold a request while paused (an aborted one gets out)."""
@@ -307,10 +331,21 @@ class FakeDriver:
             prompt_tokens=len(r.request.input_ids),
             cached_tokens=cached,
             worker=self._id,
-            matched_stop=out[-1] if finish is FinishReason.STOP else None,
+            matched_stop=(r.matched or out[-1]) if finish is FinishReason.STOP else None,
             top_logprobs=tops,
             prompt_logprobs=r.prompt_lps,
+            text=self._text(r, finish) if r.request.sampling.stop else None,
         )
+
+    def _text(self, r: _Running, finish: FinishReason) -> str:
+        """SGLang's text: cut before the matched stop string (after it with ``no_stop_trim``)."""
+        full = fake_text(r.out)
+        if finish is FinishReason.STOP and r.matched is not None:
+            pos = full.find(r.matched)
+            return full[: pos + len(r.matched)] if r.request.sampling.no_stop_trim else full[:pos]
+        if finish is FinishReason.STOP and not r.request.sampling.no_stop_trim:
+            return full[:-1]
+        return full
 
     # -- control ------------------------------------------------------------------------------
 

@@ -42,6 +42,10 @@ _INT64_MIN = -(2**63)
 #: The most alternatives ``SamplingParams.top_logprobs`` may ask for per token (OpenAI's chat
 #: limit; SGLang has none, but each one costs a detokenisation on SGLang's tokenizer manager).
 MAX_TOP_LOGPROBS = 20
+#: ``SamplingParams.stop``: at most this many stop strings (SGLang's schema gate, 0.5.23), each
+#: 1 to ``MAX_STOP_CHARS`` characters.
+MAX_STOPS = 32
+MAX_STOP_CHARS = 512
 
 
 class FinishReason(str, enum.Enum):
@@ -185,6 +189,13 @@ def _stop_token_ids(value: object) -> tuple[int, ...]:
     return _token_ids("sampling.stop_token_ids", value)
 
 
+def _str_tuple(value: Iterable[str]) -> tuple[str, ...]:
+    # A bare string is kept as is, for ``__attrs_post_init__`` to refuse it (not one stop per character).
+    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+        return value  # type: ignore[return-value]
+    return tuple(value)
+
+
 def _int_tuple(value: Iterable[int]) -> tuple[int, ...]:
     # A non-sequence is kept as is, for ``__attrs_post_init__`` to reject it naming the field.
     if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
@@ -216,8 +227,26 @@ class SamplingParams:
     #: (``Generation.top_logprobs``), from the same distribution as ``Generation.logprobs``.
     #: ``0`` (none) to ``MAX_TOP_LOGPROBS``; needs ``Capabilities.top_logprobs``.
     top_logprobs: int = 0
+    #: Stop strings (SGLang's semantics): the generation ends with ``FinishReason.STOP`` and
+    #: ``matched_stop`` the string once the decoded output contains one; the token completing it
+    #: is kept in ``output_ids`` (never trimmed); ``ignore_eos`` does not disable them. At most
+    #: ``MAX_STOPS`` (32), each 1..512 characters; needs ``Capabilities.stop_strings``.
+    stop: tuple[str, ...] = attrs.field(default=(), converter=_str_tuple)
+    #: ``Generation.text`` keeps the matched stop string (SGLang's ``no_stop_trim``); text only.
+    no_stop_trim: bool = False
 
     def __attrs_post_init__(self) -> None:
+        if not isinstance(self.stop, tuple):
+            raise _fail("sampling.stop", f"must be a sequence of strings, got {type(self.stop).__name__}")
+        if len(self.stop) > MAX_STOPS:
+            raise _fail("sampling.stop", f"has {len(self.stop)} stop strings (at most {MAX_STOPS})")
+        for i, st in enumerate(self.stop):
+            if not isinstance(st, str):
+                raise _fail(f"sampling.stop[{i}]", f"must be a string, got {type(st).__name__}")
+            if not 1 <= len(st) <= MAX_STOP_CHARS:
+                raise _fail(f"sampling.stop[{i}]", f"must be 1..{MAX_STOP_CHARS} characters, got {len(st)}")
+        if not isinstance(self.no_stop_trim, bool):
+            raise _fail("sampling.no_stop_trim", "must be a bool")
         tk = _check_int("sampling.top_logprobs", self.top_logprobs)
         if not 0 <= tk <= MAX_TOP_LOGPROBS:
             raise _fail("sampling.top_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}], got {tk}")
@@ -370,8 +399,8 @@ class Generation:
     cached_tokens: int = 0
     worker: str | None = None
     latency_s: float = 0.0
-    #: The stop/EOS token that ended the generation, when ``finish_reason`` is STOP.
-    matched_stop: int | None = None
+    #: The stop/EOS token, or the stop string, that ended the generation, when ``finish_reason`` is STOP.
+    matched_stop: int | str | None = None
     #: With ``SamplingParams.top_logprobs = k``: for each output token, the ``k`` most likely
     #: ``(token_id, logprob)`` pairs, most likely first (``None`` when not asked for).
     top_logprobs: tuple[tuple[tuple[int, float], ...], ...] | None = None
@@ -388,6 +417,9 @@ class Generation:
     #: end), adjacent runs of different versions; ``()`` for no tokens. A request in flight across
     #: an update has two runs or more. ``None``: not known (``Capabilities.version_spans``).
     version_spans: tuple[tuple[int, str], ...] | None = None
+    #: The output as text, where the backend decodes (SGLang's ``text``: cut before a matched stop
+    #: string unless ``no_stop_trim``, then after it); ``None`` where it does not.
+    text: str | None = None
 
     def __attrs_post_init__(self) -> None:
         # An answer that cannot be one Generation is the engine's (or adapter's) breach of the
@@ -610,6 +642,8 @@ class Capabilities:
     #: updates, token by token); ``STAMPED``, the fleet, only where exact (a generation that no
     #: load or relabel of its worker overlapped: one run), else ``None``; ``NONE``: never known.
     version_spans: VersionSource = VersionSource.NONE
+    #: ``SamplingParams.stop`` (stop strings) is honoured, with ``Generation.text``.
+    stop_strings: bool = False
     #: Greedy outputs do not depend on what else is batched (SGLang: deterministic inference).
     #: Without it, concurrent traffic can flip near-tied tokens (measured on the H200: 1 of 200).
     batch_invariant: bool = False

@@ -174,6 +174,9 @@ class ParseRules:
     allow_stream: bool = False
     #: ``max_new_tokens: 0`` (prefill only) is accepted; the result's ``prefill_only`` says so.
     allow_prefill_only: bool = False
+    #: ``sampling_params.stop`` (stop strings) is accepted: the server has a tokenizer and matches
+    #: them (SGLang refuses them under ``--skip-tokenizer-init``).
+    stop_strings: bool = False
     #: JSON nesting depth of the whole body (SGLang's deepest field is 4 levels down).
     max_depth: int = 16
     #: Longest prompt when no context is known.
@@ -254,8 +257,10 @@ def sampling_params_body(s: SamplingParams) -> dict[str, Any]:
         "frequency_penalty": s.frequency_penalty,
         "presence_penalty": s.presence_penalty,
         "skip_special_tokens": False,
-        "no_stop_trim": True,
+        "no_stop_trim": s.no_stop_trim,
     }
+    if s.stop:
+        body["stop"] = list(s.stop)
     if s.stop_token_ids:
         body["stop_token_ids"] = list(s.stop_token_ids)
     if s.min_new_tokens:
@@ -375,7 +380,7 @@ def _unset(v: object) -> bool:
 
 #: Sampling keys whose meaning is not part of the protocol: refused while set.
 _SAMPLING_REFUSED = {
-    "stop": "stop strings are not part of the protocol; use stop_token_ids",
+    "stop": "stop strings need a tokenizer, which this server has not: use stop_token_ids",
     "stop_regex": "stop regexes are not part of the protocol; use stop_token_ids",
     "logit_bias": "logit_bias is not part of the protocol",
     "json_schema": "constrained decoding is not part of the protocol",
@@ -465,6 +470,16 @@ def _parse_sampling(
             _int(f, v, low=1)  # shapes streamed chunks only: nothing to honour in one answer
         elif key in _TEXT_KEYS:
             text[key] = _bool(f, v)
+            if key == "no_stop_trim":
+                ours["no_stop_trim"] = text[key]
+        elif key == "stop" and rules.stop_strings:
+            # SGLang takes one string or a list of them; SamplingParams checks each.
+            if type(v) is str:
+                ours["stop"] = (v,)
+            elif type(v) is list:
+                ours["stop"] = tuple(v)
+            else:
+                raise InvalidRequest(f, f"must be a string or a list of strings, got {_type_name(v)}")
         elif not _unset(v):
             raise InvalidRequest(f, _SAMPLING_REFUSED[key])
     ctx = rules.max_context
@@ -757,6 +772,8 @@ def answer_body(
     """SGLang's ``/generate`` answer for one request; ``text`` is left out without a tokenizer
     (as ``--skip-tokenizer-init`` does). ``input_ids`` are needed with ``gen.prompt_logprobs``."""
     body: dict[str, Any] = {}
+    if text is None:
+        text = gen.text
     if text is not None:
         body["text"] = text
     body["output_ids"] = list(gen.output_ids)
@@ -772,6 +789,14 @@ def decode_text(tokenizer: Any, gen: Generation, opts: TextOptions) -> str:
     if tokenizer is None:
         return ""
     ids = list(gen.output_ids)
+    if isinstance(gen.matched_stop, str) and gen.finish_reason is FinishReason.STOP:
+        # SGLang's detokenizer (trim_matched_stop): cut at the string's first occurrence in the
+        # whole output's text, keeping it with no_stop_trim; what follows it is dropped either way.
+        full = _decode(tokenizer, ids, opts)
+        pos = full.find(gen.matched_stop)
+        if pos == -1:
+            return full
+        return full[: pos + len(gen.matched_stop)] if opts.no_stop_trim else full[:pos]
     if (
         not opts.no_stop_trim
         and gen.finish_reason is FinishReason.STOP
@@ -780,6 +805,10 @@ def decode_text(tokenizer: Any, gen: Generation, opts: TextOptions) -> str:
         and ids[-1] == gen.matched_stop
     ):
         ids = ids[:-1]
+    return _decode(tokenizer, ids, opts)
+
+
+def _decode(tokenizer: Any, ids: list[int], opts: TextOptions) -> str:
     try:
         text = tokenizer.decode(
             ids,
@@ -876,7 +905,7 @@ def _prompt_logprobs(entries: object, scored: Sequence[int], worker: str | None)
     return tuple(out)
 
 
-def _finish(meta: Mapping[str, Any], worker: str | None) -> tuple[FinishReason, int | None]:
+def _finish(meta: Mapping[str, Any], worker: str | None) -> tuple[FinishReason, int | str | None]:
     fr = meta.get("finish_reason")
     if fr is None:
         raise ContractViolation("meta_info.finish_reason is missing", worker=worker)
@@ -885,7 +914,7 @@ def _finish(meta: Mapping[str, Any], worker: str | None) -> tuple[FinishReason, 
     if reason is None:
         raise ContractViolation(f"unknown finish reason {fr!r}", worker=worker)
     matched = fr.get("matched") if isinstance(fr, dict) else None
-    return reason, matched if type(matched) is int else None
+    return reason, matched if type(matched) is int or type(matched) is str else None
 
 
 def _count(meta: Mapping[str, Any], key: str, default: int, worker: str | None) -> int:
@@ -946,6 +975,7 @@ def parse_answer(request: GenerateRequest, data: object, latency_s: float, *, wo
         matched_stop=matched if reason is FinishReason.STOP else None,
         top_logprobs=top,
         prompt_logprobs=prompt_lps,
+        text=data["text"] if type(data.get("text")) is str else None,
     )
 
 

@@ -37,6 +37,8 @@ def sampling_params(draw: st.DrawFn) -> rb.SamplingParams:
         frequency_penalty=draw(st.floats(-2.0, 2.0)),
         presence_penalty=draw(st.floats(-2.0, 2.0)),
         top_logprobs=draw(st.integers(0, 20)),
+        stop=draw(st.lists(st.text(min_size=1, max_size=8), max_size=3)),
+        no_stop_trim=draw(st.booleans()),
     )
 
 
@@ -57,6 +59,10 @@ def requests(draw: st.DrawFn, *, rescoring: bool = False) -> rb.GenerateRequest:
     )
 
 
+#: A server with a tokenizer: stop strings accepted.
+STOPS = sn.ParseRules(stop_strings=True)
+
+
 def _wire(body: dict[str, Any]) -> Any:
     """What the other side reads: the body through JSON."""
     return json.loads(json.dumps(body))
@@ -65,11 +71,16 @@ def _wire(body: dict[str, Any]) -> Any:
 @SETTINGS
 @given(requests())
 def test_request_round_trips(request: rb.GenerateRequest) -> None:
-    parsed = sn.parse_request(_wire(sn.request_body(request)))
+    parsed = sn.parse_request(_wire(sn.request_body(request)), rules=STOPS)
     assert parsed.request == request
     assert not parsed.prefill_only and not parsed.stream and not parsed.return_prompt_token_ids
     # The body asks for raw ids in the text too (what an RL client wants).
-    assert parsed.text_options == sn.TextOptions(skip_special_tokens=False, no_stop_trim=True)
+    trim = request.sampling.no_stop_trim
+    assert parsed.text_options == sn.TextOptions(skip_special_tokens=False, no_stop_trim=trim)
+    if request.sampling.stop:  # a server without a tokenizer refuses them, as SGLang does
+        with pytest.raises(rb.InvalidRequest) as e:
+            sn.parse_request(_wire(sn.request_body(request)))
+        assert e.value.field == "sampling_params.stop"
 
 
 @SETTINGS
@@ -79,9 +90,9 @@ def test_rescoring_request_round_trips_where_prefill_is_allowed(request: rb.Gene
     assert body["sampling_params"]["max_new_tokens"] == 0
     assert body["logprob_start_len"] == request.prompt_logprobs_start
     with pytest.raises(rb.InvalidRequest) as e:
-        sn.parse_request(body)
+        sn.parse_request(body, rules=STOPS)
     assert e.value.field == "sampling_params.max_new_tokens"
-    parsed = sn.parse_request(body, rules=sn.ParseRules(allow_prefill_only=True))
+    parsed = sn.parse_request(body, rules=sn.ParseRules(allow_prefill_only=True, stop_strings=True))
     assert parsed.prefill_only and parsed.request == request
 
 
@@ -92,7 +103,8 @@ def test_streamed_request_round_trips_where_streaming_is_allowed(request: rb.Gen
     with pytest.raises(rb.InvalidRequest) as e:
         sn.parse_request(body)
     assert e.value.field == "stream"
-    parsed = sn.parse_request(body, rules=sn.ParseRules(allow_stream=True), routing_key=key, worker="w1")
+    rules = sn.ParseRules(allow_stream=True, stop_strings=True)
+    parsed = sn.parse_request(body, rules=rules, routing_key=key, worker="w1")
     assert parsed.stream and parsed.request == attrs.evolve(request, routing_key=key, worker="w1")
 
 
@@ -102,7 +114,11 @@ def generations(draw: st.DrawFn) -> tuple[rb.GenerateRequest, rb.Generation]:
     want_lp = draw(st.booleans())
     reason = draw(st.sampled_from(list(rb.FinishReason)))
     lps = tuple(draw(st.lists(st.floats(-1e6, 0.0), min_size=len(out), max_size=len(out)))) if want_lp else None
-    matched = draw(st.one_of(st.none(), st.integers(0, 2**63 - 1))) if reason is rb.FinishReason.STOP else None
+    matched = (
+        draw(st.one_of(st.none(), st.integers(0, 2**63 - 1), st.text(min_size=1, max_size=5)))
+        if reason is rb.FinishReason.STOP
+        else None
+    )
     k = draw(st.integers(0, 20)) if want_lp else 0
     tops = None
     if k:
@@ -132,6 +148,7 @@ def generations(draw: st.DrawFn) -> tuple[rb.GenerateRequest, rb.Generation]:
         matched_stop=matched,
         top_logprobs=tops,
         prompt_logprobs=prompt_lps,
+        text=draw(st.one_of(st.none(), st.text(max_size=20))),
     )
     return request, gen
 
@@ -145,9 +162,9 @@ def test_generation_round_trips(pair: tuple[rb.GenerateRequest, rb.Generation], 
             gen, return_logprob=request.return_logprobs, text=text, worker="ignored-name", input_ids=request.input_ids
         )
     )
-    assert ("text" in body) == (text is not None)
+    assert ("text" in body) == (text is not None or gen.text is not None)
     back = sn.parse_answer(request, body, gen.latency_s, worker=gen.worker)
-    assert back == gen
+    assert back == attrs.evolve(gen, text=text if text is not None else gen.text)
 
 
 def test_one_abort_shape() -> None:
@@ -181,6 +198,8 @@ def test_any_request_with_a_bad_value_is_refused_naming_it(
     body = with_value(_wire(sn.request_body(request)), where, value)
     if where == ("sampling_params", "min_new_tokens"):
         body["sampling_params"]["max_new_tokens"] = 4
+    if where != ("sampling_params", "stop") and type(body.get("sampling_params")) is dict:
+        body["sampling_params"].pop("stop", None)  # this server has no tokenizer: stops are refused too
     with pytest.raises(rb.InvalidRequest) as e:
         sn.parse_request(body)
     assert e.value.field == field
@@ -369,3 +388,33 @@ def test_control_bodies_name_the_bad_key(parse: Any, body: Any, field: str) -> N
     with pytest.raises(rb.InvalidRequest) as info:
         parse(body)
     assert info.value.field == field
+
+
+@pytest.mark.parametrize(
+    ("stop", "field"),
+    [
+        ([""], "sampling_params.stop[0]"),
+        (["ok", 5], "sampling_params.stop[1]"),
+        (["x" * 513], "sampling_params.stop[0]"),
+        ([f"s{i}" for i in range(33)], "sampling_params.stop"),
+        (5, "sampling_params.stop"),
+        ({"a": 1}, "sampling_params.stop"),
+    ],
+)
+def test_bad_stop_strings_name_their_field(stop: Any, field: str) -> None:
+    with pytest.raises(rb.InvalidRequest) as e:
+        sn.parse_request(with_value(_base_body(), ("sampling_params", "stop"), stop), rules=STOPS)
+    assert e.value.field == field, e.value
+    one = sn.parse_request(with_value(_base_body(), ("sampling_params", "stop"), "</s>"), rules=STOPS)
+    assert one.request.sampling.stop == ("</s>",)  # SGLang takes one string too
+
+
+def test_stop_strings_in_python() -> None:
+    for bad, field in [("ab", "sampling.stop"), (["a", 1], "sampling.stop[1]"), ([""], "sampling.stop[0]")]:
+        with pytest.raises(rb.InvalidRequest) as e:
+            rb.SamplingParams(stop=bad)
+        assert e.value.field == field
+    with pytest.raises(rb.InvalidRequest) as e:
+        rb.SamplingParams(no_stop_trim=1)  # type: ignore[arg-type]
+    assert e.value.field == "sampling.no_stop_trim"
+    assert rb.SamplingParams(stop=["a", "b"]).stop == ("a", "b")

@@ -261,6 +261,8 @@ def completion_body(request: GenerateRequest, model: str, *, logprobs: bool, ins
         body["min_tokens"] = s.min_new_tokens
     if s.stop_token_ids:
         body["stop_token_ids"] = list(s.stop_token_ids)
+    if s.stop:
+        body["stop"] = list(s.stop)  # matched by the frontend on the decoded text
     if s.seed is not None:
         body["seed"] = s.seed
     if logprobs:
@@ -496,6 +498,7 @@ class DynamoWire:
             logprobs=routes.logprobs,
             top_logprobs=routes.top_logprobs,
             prompt_logprobs=routes.prompt_logprobs,
+            stop_strings=self.flavor is not DynamoFlavor.MOCKER,
             streaming=False,
             routing=_ROUTING.get(self.router_mode, RoutingKind.OTHER),
             abort=True,
@@ -524,6 +527,11 @@ class DynamoWire:
                 "sampling.top_logprobs",
                 f"{k} > {self.routes.top_logprobs}, the most this Dynamo fleet ({self.flavor.value} workers) returns",
             )
+        if request.sampling.stop and request.sampling.ignore_eos:
+            # SGLang keeps stop strings under ignore_eos; the 1.4.2 frontend drops them (measured).
+            raise InvalidRequest("sampling.stop", "Dynamo's frontend ignores stop strings with ignore_eos=True")
+        if request.sampling.stop and self.flavor is DynamoFlavor.MOCKER:
+            raise InvalidRequest("sampling.stop", "the mocker generates no text: stop strings cannot match")
         if request.prompt_logprobs_start is not None and not self.routes.prompt_logprobs:
             raise InvalidRequest(
                 "prompt_logprobs_start", f"this Dynamo fleet ({self.flavor.value} workers) returns no prompt logprobs"
@@ -693,6 +701,12 @@ class DynamoWire:
         if request.sampling.max_new_tokens == 0:  # re-scoring: the one token generated is not the caller's
             ids, top, reason, matched = [], None, FinishReason.LENGTH, None
             logprobs = () if logprobs is not None else None
+        text = None
+        if request.sampling.stop and isinstance(choice.get("text"), str):
+            # The frontend hides a matched stop string (SGLang's default trim); no_stop_trim keeps it.
+            text = choice["text"]
+            if request.sampling.no_stop_trim and isinstance(matched, str) and reason is FinishReason.STOP:
+                text += matched
         return Generation(
             request_id=request.request_id,
             output_ids=tuple(ids),
@@ -706,6 +720,7 @@ class DynamoWire:
             matched_stop=matched,
             top_logprobs=top,
             prompt_logprobs=prompt_lps,
+            text=text,
         )
 
     def _finish(
@@ -716,7 +731,7 @@ class DynamoWire:
         engine_data: Mapping[str, Any],
         ids: list[int],
         worker: str | None,
-    ) -> tuple[FinishReason, int | None]:
+    ) -> tuple[FinishReason, int | str | None]:
         raw = engine_data.get("finish_reason")
         if raw is None:
             raw = choice.get("finish_reason")
@@ -726,6 +741,10 @@ class DynamoWire:
             return FinishReason.LENGTH, None
         if raw in ("stop", "eos"):
             stop_reason = nvext.get("stop_reason")
+            if isinstance(stop_reason, str) and stop_reason in request.sampling.stop:
+                # The frontend matched a stop string (it does; the worker sees token ids): the token
+                # completing it is the last one, as in SGLang. Its engine_data never comes.
+                return FinishReason.STOP, stop_reason
             last = ids[-1] if ids else None
             matched = stop_reason if _is_int(stop_reason) else last
             if "finish_reason" not in engine_data:

@@ -153,6 +153,10 @@ def preprocessed_body(request: Mapping[str, Any]) -> dict[str, Any]:
         sp["max_new_tokens"] = stop["max_tokens"]
     if stop.get("min_tokens") is not None:
         sp["min_new_tokens"] = stop["min_tokens"]
+    if stop.get("stop"):
+        # Text stop sequences: the frontend matches them too, but the engine stops on the same token
+        # (SGLang's rule), so the stream ends with this worker's last chunk and its engine_data.
+        sp["stop"] = stop["stop"]
     for key in ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty"):
         v = samp.get(key)
         if v is not None:
@@ -375,7 +379,10 @@ class DynamoWorker:
             vocab = getattr(self.engine, "vocab_size", None)
             ctx = self.context_length or getattr(self.engine, "max_context", None)
             self._parse_rules = ParseRules(
-                vocab_size=int(vocab) if vocab is not None else None, max_context=int(ctx) if ctx is not None else None
+                vocab_size=int(vocab) if vocab is not None else None,
+                max_context=int(ctx) if ctx is not None else None,
+                # The engine matches stop strings itself (SGLang's rule) when it has a tokenizer.
+                stop_strings=bool(getattr(self.engine, "has_tokenizer", False)),
             )
         return self._parse_rules
 
@@ -404,8 +411,8 @@ class DynamoWorker:
         self._add_text(chunks, request or {})
         last = chunks[-1]
         last["finish_reason"] = _FINISH[gen.finish_reason]
-        if gen.finish_reason is FinishReason.STOP and gen.matched_stop is not None:
-            last["stop_reason"] = int(gen.matched_stop)
+        if gen.finish_reason is FinishReason.STOP and isinstance(gen.matched_stop, int):
+            last["stop_reason"] = gen.matched_stop
         usage: dict[str, Any] = {
             "prompt_tokens": gen.prompt_tokens,
             "completion_tokens": len(ids),

@@ -241,6 +241,7 @@ class ReferenceBackend(Fleet):
             logprobs=True,
             top_logprobs=20,  # SamplingParams' limit
             prompt_logprobs=True,
+            stop_strings=all(e.has_tokenizer for e in engines),
             streaming=False,
             routing=RoutingKind.ROUND_ROBIN if len(engines) > 1 else RoutingKind.SINGLE,
             abort=True,

@@ -123,6 +123,8 @@ class _Req:
     top_logprobs: list[tuple[tuple[int, float], ...]] = attrs.field(factory=list)
     #: ``input_ids[prompt_logprobs_start:]``'s logprobs, from the first prefill (kept over a RETRACT).
     prompt_logprobs: tuple[float | None, ...] | None = None
+    #: SGLang's tail window for stop strings: the longest stop's token count + 1 (0: no stops).
+    stop_window: int = 0
     cache: Any = None  #: KV cache; None = not computed yet, or dropped by a RETRACT pause
     generator: Any = None
     counts: Any = None  #: output-token counts (only when a penalty needs them)
@@ -173,6 +175,8 @@ class ReferenceEngine:
         self._vocab_size = int(self._config.vocab_size)
         self._max_context = int(self._config.max_position_embeddings)
         self._eos = self._read_eos_ids()
+        #: For stop strings (SGLang matches them on decoded text): the model's tokenizer.json, if any.
+        self._tokenizer = self._read_tokenizer()
         # The dtype the weights are *stored* in (what a bf16 engine keeps); compute is float32.
         stored = getattr(self._config, "dtype", None) or getattr(self._config, "torch_dtype", None)
         self._store_dtype = torch_dtype(str(stored)) if stored is not None else torch.float32
@@ -227,6 +231,11 @@ class ReferenceEngine:
         return self._max_context
 
     @property
+    def has_tokenizer(self) -> bool:
+        """The model has a ``tokenizer.json``: stop strings are matched and ``Generation.text`` set."""
+        return self._tokenizer is not None
+
+    @property
     def eos_token_ids(self) -> tuple[int, ...]:
         return self._eos
 
@@ -269,6 +278,18 @@ class ReferenceEngine:
         model.eval()
         model.requires_grad_(False)
         return model
+
+    def _read_tokenizer(self) -> Any:
+        path = self._path / "tokenizer.json"
+        if not path.is_file():
+            return None
+        from tokenizers import Tokenizer
+
+        return Tokenizer.from_file(str(path))
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        # HF's decode default (what SGLang's stop check calls): special tokens kept.
+        return str(self._tokenizer.decode(list(ids), skip_special_tokens=False))
 
     def _read_eos_ids(self) -> tuple[int, ...]:
         ids: list[int] = []
@@ -343,6 +364,8 @@ class ReferenceEngine:
                 )
         if request.request_id in self._reqs:
             raise InvalidRequest("request_id", f"{request.request_id!r} is already in flight on {self._worker_id}")
+        if request.sampling.stop and self._tokenizer is None:
+            raise InvalidRequest("sampling.stop", f"stop strings need a tokenizer; {self._path} has no tokenizer.json")
 
     async def generate(self, request: GenerateRequest) -> Generation:
         """Generate for one request. Waits (does not fail) while the engine is paused.
@@ -362,6 +385,9 @@ class ReferenceEngine:
             admitted=self._paused is None,
             version_at_start=self._version,
         )
+        if sp.stop:
+            longest = max(len(self._tokenizer.encode(st, add_special_tokens=False).ids) for st in sp.stop)
+            req.stop_window = longest + 1
         if not sp.greedy:
             seed = sp.seed if sp.seed is not None else self._seed_rng.randrange(2**63)
             req.generator = torch.Generator().manual_seed(seed)
@@ -524,15 +550,42 @@ class ReferenceEngine:
         if req.counts is not None:
             req.counts[token] += 1
         n = len(req.output_ids)
-        # SGLang checks the length limit before stop tokens.
+        # SGLang checks the length limit before stop strings, and stop strings before stop tokens
+        # (schedule_batch.py update_finish_state, 0.5.16).
+        matched_str = self._matched_stop_string(req) if req.stop_window else None
         if n >= sp.max_new_tokens or len(req.request.input_ids) + n >= self._max_context:
             self._finish(req, FinishReason.LENGTH)
+        elif matched_str is not None:
+            self._finish(req, FinishReason.STOP, matched=matched_str)
         elif not sp.ignore_eos and n >= sp.min_new_tokens and (token in self._eos or token in sp.stop_token_ids):
             self._finish(req, FinishReason.STOP, matched=token)
         else:
             self._queue.append(req)
 
-    def _finish(self, req: _Req, reason: FinishReason, matched: int | None = None) -> None:
+    def _matched_stop_string(self, req: _Req) -> str | None:
+        """SGLang 0.5.16's ``_check_str_based_finish``: the last ``stop_window`` output tokens decoded
+        on their own; the first stop string (in the request's order) they contain."""
+        tail = self._decode(req.output_ids[-req.stop_window :])
+        for st in req.sampling.stop:
+            if st in tail:
+                return st
+        return None
+
+    def _text(self, req: _Req, matched: int | str | None) -> str | None:
+        """SGLang's ``text`` for a request with stop strings (our client's options: special tokens
+        kept): cut before the matched string's first occurrence, after it with ``no_stop_trim``."""
+        if not req.sampling.stop or self._tokenizer is None:
+            return None
+        full = self._decode(req.output_ids)
+        if isinstance(matched, str):
+            pos = full.find(matched)
+            if pos != -1:
+                return full[: pos + len(matched)] if req.sampling.no_stop_trim else full[:pos]
+        elif isinstance(matched, int) and not req.sampling.no_stop_trim and req.output_ids:
+            return self._decode(req.output_ids[:-1])  # a stop token: trimmed from the text
+        return full
+
+    def _finish(self, req: _Req, reason: FinishReason, matched: int | str | None = None) -> None:
         if req.finished:
             return
         req.finished = True
@@ -559,6 +612,7 @@ class ReferenceEngine:
             prompt_logprobs=req.prompt_logprobs if req.request.return_logprobs else None,
             version_at_start=req.version_at_start,
             version_spans=tuple(req.spans),
+            text=self._text(req, matched) if reason is not FinishReason.ABORT else None,
         )
         if not req.future.done():
             req.future.set_result(gen)

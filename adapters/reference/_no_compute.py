@@ -55,6 +55,7 @@ class NoComputeEngine:
         self.worker_id = worker_id
         self.vocab_size = vocab_size
         self.max_context = max_context
+        self.has_tokenizer = False  # stop strings are refused by the server
         self._version = weight_version
         # The answer is built once; each request slices it (no per-request Python loop).
         self._ids = tuple((1000 + 7 * i) % vocab_size for i in range(output_tokens))

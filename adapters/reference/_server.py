@@ -291,6 +291,7 @@ class ReferenceServer:
             vocab_size=int(self.engine.vocab_size),
             max_context=int(self.engine.max_context),
             allow_prefill_only=True,
+            stop_strings=self.tokenizer is not None and bool(self.engine.has_tokenizer),
         )
 
     def _encode(self, text: str) -> list[int]:

@@ -162,6 +162,8 @@ async def connect(
         has_ready_route="/ready" in paths,
         memory_saver=bool(info.get("enable_memory_saver")) if isinstance(info, dict) else False,
         deterministic=bool(info.get("enable_deterministic_inference")) if isinstance(info, dict) else False,
+        # SGLang refuses stop strings under --skip-tokenizer-init (/server_info says which).
+        stop_strings=isinstance(info, dict) and info.get("skip_tokenizer_init") is False,
         max_context=ctx,
         vocab_size=vocab_size,
         url_workers={u.rstrip("/"): worker_id_of(u) for u in worker_urls},

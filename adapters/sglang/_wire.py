@@ -140,6 +140,8 @@ class SGLangWire:
     has_begin_end: bool = False
     has_ready_route: bool = False
     memory_saver: bool = False
+    #: The servers have a tokenizer (not ``--skip-tokenizer-init``): stop strings and ``text``.
+    stop_strings: bool = False
     deterministic: bool = False
     max_context: int | None = None
     vocab_size: int | None = None
@@ -155,6 +157,7 @@ class SGLangWire:
             logprobs=True,
             top_logprobs=20,  # SGLang's top_logprobs_num has no limit; SamplingParams' is 20
             prompt_logprobs=True,  # logprob_start_len, and max_new_tokens=0
+            stop_strings=self.stop_strings,
             streaming=False,
             routing=self.routing,
             abort=True,

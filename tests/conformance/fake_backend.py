@@ -83,6 +83,7 @@ BUGS = frozenset(
         "generation_value_error",  # the adapter's own parsing raises a plain ValueError (not typed)
         "prompt_logprobs_shifted",  # a prompt token's logprob is conditioned on itself too (one late)
         "version_constraints_ignored",  # min_version / exact_version declared, and routed as if absent
+        "stop_string_late",  # a stop string ends the generation one token after the one completing it
     }
 )
 
@@ -128,6 +129,11 @@ class BuggyDriver(FakeDriver):
         if "concurrency_noise" in self.bugs and len(self.running) > 1:
             logprob -= 0.01
         return abs(logprob) + 0.5 if "positive_logprob" in self.bugs else logprob
+
+    def _stop_string(self, out: Sequence[int], sampling: rb.SamplingParams) -> str | None:
+        if "stop_string_late" in self.bugs:
+            return super()._stop_string(out[:-1], sampling) if len(out) > 1 else None
+        return super()._stop_string(out, sampling)
 
     def _scored_prefix(self, prompt: tuple[int, ...], position: int) -> tuple[int, ...]:
         late = 1 if "prompt_logprobs_shifted" in self.bugs else 0

@@ -136,6 +136,7 @@ BUG_TO_CHECK = {
     "generation_value_error": "greedy_shapes",
     "prompt_logprobs_shifted": "prompt_logprobs_rescore",
     "version_constraints_ignored": "min_version_after_partial_update",
+    "stop_string_late": "stop_strings",
 }
 
 

@@ -576,3 +576,21 @@ def test_top_logprobs_by_token_id() -> None:
         _wire(flavor="sglang14").generate(req, None)
     # without top_logprobs the body is as before
     assert "return_tokens_as_token_ids" not in w.generate(attrs.evolve(req, sampling=SamplingParams()), None).json
+
+
+def test_stop_strings_matched_by_the_frontend() -> None:
+    """1.4.2 matches stop strings on its decoded text: finish "stop", nvext.stop_reason the string,
+    the text cut before it (measured); without ignore_eos only (it drops them with ignore_eos)."""
+    w = _wire()
+    req = GenerateRequest(input_ids=[1, 2], sampling=SamplingParams(max_new_tokens=8, stop=["e"]))
+    assert w.generate(req, None).json["stop"] == ["e"]
+    ans = _answer([272, 253, 339], [-0.1, -0.2, -0.3], "stop", stop_reason="e")
+    ans["choices"][0]["text"] = " an\ufffdor"
+    g = w.parse_generation(req, HttpResponse.from_json(ans), 0.1)
+    assert g.finish_reason is FinishReason.STOP and g.matched_stop == "e" and g.text == " an\ufffdor"
+    keep = attrs.evolve(req, sampling=req.sampling.replace(no_stop_trim=True))
+    assert w.parse_generation(keep, HttpResponse.from_json(ans), 0.1).text == " an\ufffdore"
+    with pytest.raises(InvalidRequest) as e:
+        w.generate(attrs.evolve(req, sampling=req.sampling.replace(ignore_eos=True)), None)
+    assert e.value.field == "sampling.stop"
+    assert w.capabilities().stop_strings and not _wire(flavor="mocker").capabilities().stop_strings

@@ -41,7 +41,7 @@ def test_miles_sampling_params_map_exactly() -> None:
     }
     sampling, opts = parse_sampling(miles)
     assert sampling == rb.SamplingParams(
-        max_new_tokens=64, temperature=0.7, top_p=0.9, top_k=20, stop_token_ids=(2,), seed=44
+        max_new_tokens=64, temperature=0.7, top_p=0.9, top_k=20, stop_token_ids=(2,), seed=44, no_stop_trim=True
     )
     assert opts == TextOptions(skip_special_tokens=False, spaces_between_special_tokens=False, no_stop_trim=True)
     default, _ = parse_sampling(None)

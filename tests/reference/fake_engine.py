@@ -23,6 +23,7 @@ class FakeEngine:
                  weight_version: str = "v0", step_s: float = 0.0) -> None:  # fmt: skip
         self.vocab_size = vocab_size
         self.max_context = max_context
+        self.has_tokenizer = False  # no stop strings
         self.worker_id = worker_id
         self._version = weight_version
         self.step_s = step_s

@@ -69,3 +69,32 @@ async def test_prompt_logprobs_and_zero_budget_rescoring(engine: ReferenceEngine
 
     assert close(both.prompt_logprobs, whole.prompt_logprobs[: len(PROMPT)])
     assert close(whole.prompt_logprobs[start:][1:], r.prompt_logprobs[1:])
+
+
+async def test_stop_strings_as_sglang(engine: ReferenceEngine) -> None:
+    """SGLang 0.5.16's rule: the tail window's text; the completing token kept; ignore_eos keeps them;
+    the text cut before the string (after it with no_stop_trim)."""
+    assert engine.has_tokenizer
+    never = SamplingParams(max_new_tokens=20, temperature=0.0, ignore_eos=True, stop=("\u2603" * 8,))
+    free = await engine.generate(GenerateRequest(input_ids=PROMPT, sampling=never))
+    assert free.text is not None and free.finish_reason.value == "length"
+    sub = next(free.text[i : i + 2] for i in range(2, len(free.text) - 1) if free.text[i : i + 2].isalpha())
+    pos = free.text.find(sub)
+    for keep in (False, True):
+        g = await engine.generate(
+            GenerateRequest(input_ids=PROMPT, sampling=never.replace(stop=(sub,), no_stop_trim=keep))
+        )
+        assert g.finish_reason.value == "stop" and g.matched_stop == sub
+        assert free.output_ids[: len(g.output_ids)] == g.output_ids
+        assert g.text == (free.text[: pos + len(sub)] if keep else free.text[:pos])
+    plain = await engine.generate(GenerateRequest(input_ids=PROMPT, sampling=never.replace(stop=())))
+    assert plain.output_ids == free.output_ids and plain.text is None  # text only with stop strings
+
+
+def test_stop_limits() -> None:
+    with pytest.raises(InvalidRequest) as e:
+        SamplingParams(stop=[f"s{i}" for i in range(33)])
+    assert e.value.field == "sampling.stop"
+    with pytest.raises(InvalidRequest) as e:
+        SamplingParams(stop=["x" * 513])
+    assert e.value.field == "sampling.stop[0]"
