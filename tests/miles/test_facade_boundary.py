@@ -229,3 +229,10 @@ def test_control_bodies_are_typed(
     r = httpx.post(f"{url}{route}", json=body, timeout=10)
     assert r.status_code == 400, r.text
     assert field in r.text and len(backend.calls) == before
+
+
+def test_a_bad_query_value_is_a_400_not_a_500(facade: tuple[str, ScriptedBackend]) -> None:
+    url, _ = facade
+    for q in ("soon", "-1", "nan"):
+        r = httpx.get(f"{url}/health_generate", params={"timeout": q}, timeout=10)
+        assert r.status_code == 400 and "timeout" in r.text, (q, r.status_code, r.text)

@@ -571,7 +571,13 @@ class MilesFacade:
 
     async def health_generate(self, request: web.Request, workers: tuple[str, ...] | None) -> web.StreamResponse:
         """A 1-token greedy generation (on the worker, when pinning is possible), like SGLang's."""
-        timeout = float(request.query.get("timeout", self.health_timeout_s))
+        raw = request.query.get("timeout")
+        try:
+            timeout = self.health_timeout_s if raw is None else float(raw)
+        except ValueError:
+            raise InvalidRequest("timeout", f"must be a number of seconds, got {raw!r}") from None
+        if not 0 < timeout < float("inf"):
+            raise InvalidRequest("timeout", f"must be a positive number of seconds, got {raw!r}")
         caps = self.backend.capabilities
         if workers is not None and not caps.worker_pinning:
             report = await asyncio.wait_for(self.backend.health(probe=True), timeout)
