@@ -434,6 +434,19 @@ class Fleet:
             raise refuse("not every worker serves an accepted version, and this fleet cannot pin a request")
         return attrs.evolve(request, worker=ok[next(self._version_pick) % len(ok)])
 
+    async def _learn_labels(self) -> None:
+        """Record the version each unlabelled worker reports (a fleet connected to servers it did not
+        start knows no labels until it sets one): asked once per worker, until it answers."""
+        unknown = [w for w, v in self._versions.view.items() if v is None]
+        if not unknown:
+            return
+        served = await asyncio.gather(*(self._drivers[w].served_version() for w in unknown), return_exceptions=True)
+        for w, v in zip(unknown, served, strict=True):
+            if isinstance(v, str) and v and self._versions.label(w) is None:
+                self._versions.record(v, [w])
+            elif isinstance(v, BaseException) and not isinstance(v, RolloutBackendError):
+                raise v
+
     async def generate(self, request: GenerateRequest) -> Generation:
         """Generate on the pinned worker, else through the entry. Drivers may resend where nothing
         can have been generated (HTTP: ``RetryPolicy.generate_resends``); a generation cut off by
@@ -443,6 +456,8 @@ class Fleet:
         self._require_open("generate")
         self._check_request(request)
         constrained = request.min_version is not None or request.exact_version is not None
+        if constrained and self.capabilities.version_source is VersionSource.RESPONSE:
+            await self._learn_labels()
         policy = self.worker_loss
         if request.worker is not None or not policy.resends_lost:
             return await self._generate_once(self._route_by_version(request) if constrained else request)

@@ -9,13 +9,15 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import attrs
 import pytest
 
 import rollout_backends as rb
 from rollout_backends.adapters.reference import ReferenceBackend, make_tiny_model
-from rollout_backends.kit import Fleet
+from rollout_backends.adapters.sglang import SGLangWire
+from rollout_backends.kit import Fleet, HttpClient, HttpFleetBackend, HttpRequest, HttpResponse, MockTransport, Worker
 
 GREEDY = rb.SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True)
 
@@ -135,3 +137,42 @@ async def test_a_request_spanning_an_update_reports_both_versions(fleet: Referen
     assert (gen.version_at_start, gen.version_at_end) == ("default", "v2")
     quiet = await fleet.generate(req(worker="ref-0"))
     assert quiet.version_at_start == quiet.weight_version == "v2"
+
+
+async def test_an_http_fleet_learns_the_labels_its_servers_report() -> None:
+    """Connected to SGLang servers it did not start, a fleet knows no labels: a constrained request
+    first asks each unlabelled worker's reported version (``/model_info``), then routes by it."""
+    served = {"http://w0:1": "v1", "http://w1:2": "v2"}
+    asked: list[str] = []
+
+    def handle(http: HttpRequest) -> HttpResponse:
+        parts = urlsplit(http.url)
+        base = f"{parts.scheme}://{parts.netloc}"
+        if parts.path == "/model_info":
+            asked.append(base)
+            return HttpResponse.from_json({"weight_version": served[base]})
+        meta = {
+            "id": "r",
+            "finish_reason": {"type": "length", "length": 1},
+            "prompt_tokens": 3,
+            "cached_tokens": 0,
+            "weight_version": served[base],
+            "output_token_logprobs": [[-0.5, 7, None]],
+        }
+        return HttpResponse.from_json({"output_ids": [7], "meta_info": meta})
+
+    workers = [Worker(id=f"w{i}", control_url=u, generate_url=u) for i, u in enumerate(served)]
+    fleet = HttpFleetBackend(SGLangWire(entry_url="http://w0:1"), workers, client=HttpClient(MockTransport(handle)))
+    async with fleet:
+        one = rb.SamplingParams(max_new_tokens=1)
+        gen = await fleet.generate(rb.GenerateRequest(input_ids=[1, 2, 3], sampling=one, min_version="v1"))
+        assert gen.weight_version in ("v1", "v2") and sorted(asked) == sorted(served)
+        # "v1" and "v2" entered the history in worker order: min_version="v2" is w1 only.
+        gens = [
+            await fleet.generate(rb.GenerateRequest(input_ids=[1, 2, 3], sampling=one, min_version="v2"))
+            for _ in range(3)
+        ]
+        assert {(g.worker, g.weight_version, g.version_at_start) for g in gens} == {("w1", "v2", "v2")}
+        assert len(asked) == 2  # learnt once
+        with pytest.raises(rb.NoCompatibleVersion):
+            await fleet.generate(rb.GenerateRequest(input_ids=[1, 2, 3], sampling=one, exact_version="v3"))
