@@ -138,10 +138,16 @@ async def test_every_non_200_answer_is_a_typed_error(
 
 
 async def test_503_is_overloaded_and_not_retried_for_generate() -> None:
+    """The transport never resends a 503; the fleet's worker-loss policy does, whole and backed off."""
     backend, t = _backend(lambda r: HttpResponse(503, b"busy"))
+    backend.worker_loss = rb.WorkerLossPolicy(action=rb.WorkerLoss.FAIL)
     with pytest.raises(rb.Overloaded):
         await backend.generate(rb.GenerateRequest(input_ids=[1]))
     assert len(t.requests) == 1
+    backend.worker_loss = rb.WorkerLossPolicy(resends=2, backoff_s=0.0)
+    with pytest.raises(rb.Overloaded):
+        await backend.generate(rb.GenerateRequest(input_ids=[1]))
+    assert len(t.requests) == 1 + 3
 
 
 async def test_client_side_vocab_and_context_checks() -> None:
