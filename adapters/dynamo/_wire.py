@@ -140,6 +140,11 @@ class FlavorRoutes:
     top_logprobs: int = 0
     #: Prompt logprobs and zero-budget re-scoring (our worker: ``engine_data.prompt_logprobs``).
     prompt_logprobs: bool = False
+    #: ``SamplingParams.stop``. The frontend matches stop strings on its own text and ends the
+    #: stream there; our worker stops on the same token, so its last chunk (served version, worker)
+    #: still arrives. Behind dynamo.sglang workers it does not: on the H200 tier (2026-12-02, 1.4.2,
+    #: shim) a stop-string answer came back without a weight version. Not declared there.
+    stop_strings: bool = False
     #: dynamo.sglang 1.4.x awaits the synchronous ``TokenizerManager.abort_request``: the abort is
     #: dispatched, then the route fails with "object NoneType can't be used in 'await' expression".
     abort_all_await_bug: bool = False
@@ -154,6 +159,7 @@ ROUTES: Mapping[DynamoFlavor, FlavorRoutes] = {
         deterministic=True,
         top_logprobs=5,
         prompt_logprobs=True,
+        stop_strings=True,
     ),
     DynamoFlavor.SGLANG14: FlavorRoutes(sglang=True, abort_all_await_bug=True),
     DynamoFlavor.SGLANG14_SHIM: FlavorRoutes(sglang=True, rollout_routes=True, abort_all_await_bug=True),
@@ -498,7 +504,7 @@ class DynamoWire:
             logprobs=routes.logprobs,
             top_logprobs=routes.top_logprobs,
             prompt_logprobs=routes.prompt_logprobs,
-            stop_strings=self.flavor is not DynamoFlavor.MOCKER,
+            stop_strings=routes.stop_strings,
             streaming=False,
             routing=_ROUTING.get(self.router_mode, RoutingKind.OTHER),
             abort=True,

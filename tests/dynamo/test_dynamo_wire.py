@@ -594,3 +594,5 @@ def test_stop_strings_matched_by_the_frontend() -> None:
         w.generate(attrs.evolve(req, sampling=req.sampling.replace(ignore_eos=True)), None)
     assert e.value.field == "sampling.stop"
     assert w.capabilities().stop_strings and not _wire(flavor="mocker").capabilities().stop_strings
+    # Behind dynamo.sglang the frontend's stop cuts the worker's last chunk (version, worker): not declared.
+    assert not any(_wire(flavor=f).capabilities().stop_strings for f in ("sglang14", "sglang14-shim", "sglang16"))
