@@ -87,7 +87,8 @@ def _expect(call: Any, prefix: str | tuple[str, ...]) -> Any:
 def test_sampling_params(kwargs: dict[str, Any]) -> None:
     sp = _expect(lambda: SamplingParams(**kwargs), "sampling.")
     if sp is not None:  # what was accepted is sane
-        assert isinstance(sp.max_new_tokens, int) and sp.max_new_tokens >= 1
+        # 0 is a zero-budget re-scoring budget: GenerateRequest refuses it without prompt_logprobs_start.
+        assert isinstance(sp.max_new_tokens, int) and sp.max_new_tokens >= 0
         assert all(isinstance(t, int) and t >= 0 for t in sp.stop_token_ids)
         assert math.isfinite(sp.temperature) and sp.temperature >= 0
 
