@@ -141,8 +141,7 @@ async def sglang_part(model: str, out: Path, deadline: float) -> None:
 
 async def dynamo_part(model: str, out: Path, deadline: float) -> None:
     from rollout_backends import GenerateRequest, SamplingParams
-    from rollout_backends.adapters.dynamo import DynamoFleetConfig, launch_dynamo_fleet
-    from rollout_backends.adapters.dynamo._wire import completion_body
+    from rollout_backends.adapters.dynamo import DynamoFleetConfig, completion_body, launch_dynamo_fleet
 
     config = DynamoFleetConfig(
         model_path=model,
