@@ -279,6 +279,12 @@ class Fleet:
         self._resending: dict[str, int] = {}
         self._abort_asked: set[str] = set()
         self._resends_done = 0
+        # Request ids whose generate() is running in this fleet. An engine refuses a duplicate only
+        # among its own requests (SGLang: "Duplicate request ID detected"); behind an entry that
+        # spreads requests two calls with one id land on different workers, and abort(id) then
+        # ends both (seen through Dynamo 1.4.2 on CPU, 2026-12-02). Refused here, before anything
+        # is sent; a resend after a lost worker keeps its claim.
+        self._claimed: set[str] = set()
 
     # -- bookkeeping --------------------------------------------------------------------------
 
@@ -455,6 +461,18 @@ class Fleet:
         only to a worker whose label satisfies it (``_route_by_version``, again for each resend)."""
         self._require_open("generate")
         self._check_request(request)
+        rid = request.request_id
+        if rid in self._claimed:
+            raise InvalidRequest(
+                "request_id", f"Duplicate request ID detected: {rid!r} is already in flight in this fleet"
+            )
+        self._claimed.add(rid)
+        try:
+            return await self._generate_claimed(request)
+        finally:
+            self._claimed.discard(rid)
+
+    async def _generate_claimed(self, request: GenerateRequest) -> Generation:
         constrained = request.min_version is not None or request.exact_version is not None
         if constrained and self.capabilities.version_source is VersionSource.RESPONSE:
             await self._learn_labels()
