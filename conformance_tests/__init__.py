@@ -86,6 +86,7 @@ from ._parity import (
     hf_logprobs,
     pair_parity,
 )
+from ._streaming import check_stream_early_exit_aborts, check_stream_matches_generate
 from ._versions import (
     check_min_version_after_partial_update,
     check_unknown_exact_version_is_retryable,
@@ -156,6 +157,8 @@ __all__ = [
     "check_set_version_keeps_inflight",
     "check_stale_prefix_after_update",
     "check_stop_strings",
+    "check_stream_early_exit_aborts",
+    "check_stream_matches_generate",
     "check_staleness_visible",
     "check_tensor_update_matches_fresh",
     "check_top_logprobs",

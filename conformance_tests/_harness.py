@@ -6,7 +6,7 @@ a reason naming the hook, never failed.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Collection, Sequence
 from contextlib import AbstractAsyncContextManager
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
@@ -79,6 +79,8 @@ class Harness:
       next weight load on ``worker`` fails.
     * ``hf_model_path``: a Hugging Face model directory with the weights the backend serves, for
       the transformers logprob parity check.
+    * ``held_requests(backend)``: the request ids the backend's engines hold now (admitted or
+      queued), seen on the engines themselves; the streaming checks use it where given.
     * ``load_weights(path)``: reads ``(name, tensor)`` pairs of a checkpoint for the tensor and
       distributed updates (default: every ``*.safetensors`` file).
 
@@ -93,6 +95,7 @@ class Harness:
     make_sender: Callable[[int], tuple[WeightGroup, WeightSender]] | None = None
     inject_failure: Callable[[RolloutBackend, str], AbstractAsyncContextManager[Any]] | None = None
     hf_model_path: str | None = None
+    held_requests: Callable[[RolloutBackend], Awaitable[Collection[str]]] | None = None
     load_weights: Callable[[str], Sequence[tuple[str, Any]]] = load_safetensors_dir
 
     #: Requests sent at once in ``check_concurrent_equals_sequential`` (the issue's default: 200).

@@ -75,7 +75,11 @@ def reference_harness(url: str, *, alt_seed: int | None = None, **changes: Any) 
                 with contextlib.suppress(AttributeError):
                     delattr(engine, name)
 
+    async def held_requests(backend: RolloutBackend) -> set[str]:
+        return {rid for engine in backend.engines for rid in engine.request_ids}  # type: ignore[attr-defined]
+
     harness = Harness(
+        held_requests=held_requests,
         alt_weights_path=str(alt),
         fresh_factory_on=fresh_factory_on,
         make_sender=make_sender,

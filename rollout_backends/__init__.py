@@ -32,6 +32,7 @@ from rollout_backends._errors import (
 from rollout_backends._protocol import RolloutBackend
 from rollout_backends._registry import available_schemes, open_backend, register_scheme
 from rollout_backends._streams import Completions, as_completed, generate_group_as_completed
+from rollout_backends._token_stream import TokenStream
 from rollout_backends._transaction import (
     WeightUpdateTransaction,
     generate_group,
@@ -50,6 +51,7 @@ from rollout_backends._types import (
     RoutingKind,
     SamplingParams,
     TensorSpec,
+    TokenChunk,
     VersionSource,
     WeightBucket,
     WeightGroup,
@@ -86,6 +88,8 @@ __all__ = [
     "SamplingParams",
     "StaleWeights",
     "TensorSpec",
+    "TokenChunk",
+    "TokenStream",
     "TransientError",
     "BackendClosed",
     "Unsupported",

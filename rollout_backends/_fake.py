@@ -18,7 +18,7 @@ import asyncio
 import json
 import math
 import random
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +56,7 @@ from rollout_backends._types import (
     Generation,
     PauseMode,
     SamplingParams,
+    TokenChunk,
     WeightTransport,
 )
 
@@ -88,6 +89,7 @@ FAKE_CAPABILITIES = Capabilities(
     prompt_logprobs=True,
     version_constraints=True,  # the Fleet's routing by label, as for every engine
     stop_strings=True,
+    streaming=True,
     vocab_size=VOCAB_SIZE,
     max_context=MAX_CONTEXT,
 )
@@ -141,6 +143,8 @@ class _Running:
     tops: list[tuple[tuple[int, float], ...]] = attrs.field(factory=list)
     prompt_lps: tuple[float | None, ...] | None = None
     matched: str | None = None
+    finish: FinishReason = FinishReason.LENGTH
+    cached: int = 0
 
 
 class FakeDriver:
@@ -211,17 +215,64 @@ class FakeDriver:
     # -- generation ---------------------------------------------------------------------------
 
     async def generate(self, request: GenerateRequest) -> Generation:
+        r = self._admit(request)
+        try:
+            return await self._run(r)
+        finally:
+            self._release(r)
+
+    async def stream(self, request: GenerateRequest) -> AsyncGenerator[TokenChunk, None]:
+        """``generate`` chunk by chunk: each token as soon as it is drawn, the last one with the
+        ``Generation``. Closed early, the request is dropped (as SGLang aborts a request whose
+        client went away)."""
+        r = self._admit(request)
+        steps = self._steps(r)
+        sent = 0
+        try:
+            async for _ in steps:
+                chunk = self._chunk(r, sent)
+                sent = chunk.end
+                yield chunk
+            yield TokenChunk.closing(self._final(r), sent)
+        finally:
+            await self._end_stream(r, steps)
+
+    def _admit(self, request: GenerateRequest) -> _Running:
         self.requests.append(request)
         if self.closed or not self.live:
             raise BackendUnavailable(f"{self._id}: down", worker=self._id)
         self._check(request)
+        if request.request_id in self._running:  # SGLang's tokenizer manager refuses it so
+            raise InvalidRequest("request_id", f"Duplicate request ID detected: {request.request_id!r}")
         r = _Running(request)
         self._running[request.request_id] = r
-        try:
-            return await self._run(r)
-        finally:
-            if self._running.get(request.request_id) is r:
-                del self._running[request.request_id]
+        return r
+
+    def _release(self, r: _Running) -> None:
+        if self._running.get(r.request.request_id) is r:
+            del self._running[r.request.request_id]
+
+    def _chunk(self, r: _Running, sent: int) -> TokenChunk:
+        """The tokens drawn since ``sent`` (a stream hook)."""
+        logprobs = tuple(r.lps[sent:]) if r.request.return_logprobs else None
+        tops = tuple(r.tops[sent:]) if r.request.return_logprobs and r.request.sampling.top_logprobs else None
+        return TokenChunk(
+            request_id=r.request.request_id,
+            index=sent,
+            output_ids=tuple(r.out[sent:]),
+            logprobs=logprobs,
+            top_logprobs=tops,
+        )
+
+    def _final(self, r: _Running) -> Generation:
+        """The Generation a stream ends with (a stream hook)."""
+        return self._answer(r, r.finish, r.cached)
+
+    async def _end_stream(self, r: _Running, steps: AsyncGenerator[None, None]) -> None:
+        """A stream ended or was left: the request is dropped here (a stream hook)."""
+        r.aborted = True
+        await steps.aclose()
+        self._release(r)
 
     def _check(self, request: GenerateRequest) -> None:
         for i, t in enumerate(request.input_ids):
@@ -231,11 +282,18 @@ class FakeDriver:
             raise InvalidRequest("input_ids", f"longer than the context ({MAX_CONTEXT})")
 
     async def _run(self, r: _Running) -> Generation:
+        async for _ in self._steps(r):
+            pass
+        return self._answer(r, r.finish, r.cached)
+
+    async def _steps(self, r: _Running) -> AsyncGenerator[None, None]:
+        """Generate ``r``, yielding each time a token was drawn and more are to come (the last one
+        is the answer's); ``r.finish`` and ``r.cached`` say how it ended."""
         sp = r.request.sampling
         prompt = r.request.input_ids
         await self._wait_resumed(r)
         cached = max((len(p) for p in self.cache if prompt[: len(p)] == p and len(p) < len(prompt)), default=0)
-        prompt_seed, cached = self._prefix(prompt, cached)
+        prompt_seed, r.cached = self._prefix(prompt, cached)
         for k in range(1, len(prompt) + 1):
             self.cache.setdefault(prompt[:k], self.seed)
         rng = self._rng(sp)
@@ -248,12 +306,14 @@ class FakeDriver:
                 None,
                 *(_logprobs(self.seed, prompt_seed, self._scored_prefix(prompt, j))[prompt[j]] for j in scored),
             )
-        finish = FinishReason.LENGTH
+        r.finish = FinishReason.LENGTH
         while len(r.out) < limit:
+            if r.out:
+                yield  # the token drawn last is out: a stream delivers it now
             await asyncio.sleep(self.token_delay)
             await self._wait_resumed(r)
             if r.aborted:
-                finish = FinishReason.ABORT
+                r.finish = FinishReason.ABORT
                 break
             lps = _logprobs(self.seed, prompt_seed, prompt + tuple(r.out))
             if sp.temperature == 0.0:
@@ -269,12 +329,11 @@ class FakeDriver:
                 break
             r.matched = self._stop_string(r.out, sp)
             if r.matched is not None:
-                finish = FinishReason.STOP
+                r.finish = FinishReason.STOP
                 break
             if self._stops(tok, sp):
-                finish = FinishReason.STOP
+                r.finish = FinishReason.STOP
                 break
-        return self._answer(r, finish, cached)
 
     def _stop_string(self, out: Sequence[int], sampling: SamplingParams) -> str | None:
         """SGLang's check: the last (longest stop + 1) tokens' text; the first stop it contains."""

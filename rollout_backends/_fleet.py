@@ -23,7 +23,7 @@ import asyncio
 import inspect
 import itertools
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
 from types import TracebackType
 from typing import Any, Protocol, TypeVar
@@ -67,6 +67,7 @@ from rollout_backends._ops import (
     UpdateFromDistributed,
     UpdateFromTensors,
 )
+from rollout_backends._token_stream import TokenStream
 from rollout_backends._transaction import WeightUpdateTransaction, wait_ready, weight_update
 from rollout_backends._types import (
     Capabilities,
@@ -76,6 +77,7 @@ from rollout_backends._types import (
     HealthReport,
     MemoryTag,
     PauseMode,
+    TokenChunk,
     VersionSource,
     WeightBucket,
     WeightGroup,
@@ -126,6 +128,13 @@ class Driver(Protocol):
         """Generate on this worker (a pinned request, or one an ``Entry`` routed here)."""
         ...
 
+    def stream(self, request: GenerateRequest) -> AsyncGenerator[TokenChunk, None]:
+        """Generate on this worker, chunk by chunk (``TokenChunk``: the new tokens, contiguous; the
+        last one carries the ``Generation``). Closing the generator before its end (``aclose``)
+        aborts the request on the engine before it returns. Only called where the fleet declares
+        ``Capabilities.streaming``; a driver that cannot stream raises ``Unsupported("streaming")``."""
+        ...
+
     async def control(self, op: Command) -> None:
         """Carry out one command (``rollout_backends.kit`` operation values, dispatched with ``match``)."""
         ...
@@ -149,6 +158,10 @@ class Entry(Protocol):
 
     async def generate(self, request: GenerateRequest) -> Generation: ...
 
+    def stream(self, request: GenerateRequest) -> AsyncGenerator[TokenChunk, None]:
+        """``Driver.stream`` for an unpinned request, on the worker the entry picks."""
+        ...
+
     async def live(self) -> bool | None:
         """Whether the entry answers (``HealthReport.router_live``); ``None``: there is no router."""
         ...
@@ -166,6 +179,9 @@ class RoundRobin:
 
     async def generate(self, request: GenerateRequest) -> Generation:
         return await self._next().generate(request)
+
+    def stream(self, request: GenerateRequest) -> AsyncGenerator[TokenChunk, None]:
+        return self._next().stream(request)
 
     async def live(self) -> bool | None:
         return None
@@ -210,6 +226,12 @@ async def fan_out(
     if failures:
         raise ControlFailed(operation, failures)
     return out
+
+
+async def not_streamed(worker: str) -> AsyncGenerator[TokenChunk, None]:
+    """``Driver.stream`` of a driver that cannot stream: ``Unsupported("streaming")`` when advanced."""
+    raise Unsupported("streaming", f"{worker} does not stream")
+    yield  # an async generator, as every driver's stream is
 
 
 def _cancelling() -> bool:
@@ -501,19 +523,104 @@ class Fleet:
                 self._resending.pop(rid, None)
                 self._abort_asked.discard(rid)
 
+    def stream(self, request: GenerateRequest) -> TokenStream:
+        """``generate``, its tokens delivered as they come (``RolloutBackend.stream``).
+
+        Refused as ``generate`` refuses (here: ``InvalidRequest``, ``Unsupported``; on entering the
+        block: a request id in flight in this fleet, a version no worker satisfies). A stream is not
+        resent after a lost worker (its tokens are delivered already): the error ends it. The
+        fleet checks what the driver streams (contiguous chunks that add up to the final
+        ``Generation``: ``ContractViolation`` otherwise) and stamps the final ``Generation`` with
+        the versions exactly as ``generate`` does (``_stamped``)."""
+        self._require_open("stream")
+        if not self.capabilities.streaming:
+            raise Unsupported("streaming")
+        self._check_request(request)
+        return TokenStream(request.request_id, self._relay(request))
+
+    async def _relay(self, request: GenerateRequest) -> AsyncGenerator[TokenChunk | None, None]:
+        """``stream``'s source: open (claim, route; then ``None``), then relay and check the chunks.
+        Closed early, it closes the driver's generator, which aborts the request on the engine."""
+        rid = request.request_id
+        if rid in self._claimed:
+            raise InvalidRequest(
+                "request_id", f"Duplicate request ID detected: {rid!r} is already in flight in this fleet"
+            )
+        self._claimed.add(rid)
+        try:
+            self._require_open("stream")
+            constrained = request.min_version is not None or request.exact_version is not None
+            if constrained and self.capabilities.version_source is VersionSource.RESPONSE:
+                await self._learn_labels()
+            routed = self._route_by_version(request) if constrained else request
+            target, known = self._target(routed)
+            labels, epochs = self._versions.view, self._epochs  # what was installed when it started
+            yield None  # open: what could be refused before any token was
+            chunks = target.stream(routed)
+            try:
+                ids: list[int] = []
+                lps: list[float] | None = [] if request.return_logprobs else None
+                async for chunk in chunks:
+                    self._check_chunk(chunk, rid, len(ids), known)
+                    ids.extend(chunk.output_ids)
+                    if lps is not None and chunk.logprobs is not None:
+                        lps.extend(chunk.logprobs)
+                    if chunk.final is None:
+                        yield chunk
+                        continue
+                    final = chunk.final
+                    if (lps is not None and final.logprobs is not None and tuple(lps) != final.logprobs) or tuple(
+                        ids
+                    ) != final.output_ids:
+                        raise ContractViolation(
+                            f"the chunks of {rid!r} do not add up to its final Generation", worker=final.worker or known
+                        )
+                    yield attrs.evolve(chunk, final=self._stamped(final, known, labels, epochs))
+                    return
+                raise ContractViolation(f"the stream of {rid!r} ended without its final chunk", worker=known)
+            finally:
+                await chunks.aclose()
+        finally:
+            self._claimed.discard(rid)
+
+    @staticmethod
+    def _check_chunk(chunk: object, rid: str, sent: int, known: str | None) -> None:
+        if not isinstance(chunk, TokenChunk):
+            raise ContractViolation(
+                f"the stream of {rid!r} yielded {type(chunk).__name__}, not a TokenChunk", worker=known
+            )
+        if chunk.request_id != rid:
+            raise ContractViolation(f"the stream of {rid!r} yielded a chunk of {chunk.request_id!r}", worker=known)
+        if chunk.index != sent:
+            what = "repeats" if chunk.index < sent else "skips"
+            raise ContractViolation(
+                f"the stream of {rid!r} {what} tokens: a chunk at index {chunk.index} after {sent} tokens", worker=known
+            )
+
     async def _generate_once(self, request: GenerateRequest) -> Generation:
-        if request.worker is not None:
-            target: Driver | Entry = self.driver(request.worker)
-            if not self.capabilities.worker_pinning:
-                raise Unsupported("worker_pinning")
-            known: str | None = request.worker
-        else:
-            target, known = self._entry, self._sole_worker
+        target, known = self._target(request)
         labels, epochs = self._versions.view, self._epochs  # what was installed when it started
         if self._abort_by_id:  # the hot path: no extra task per request
             gen = await target.generate(request)
         else:
             gen = await self._generate_cancellable(target, request, known)
+        return self._stamped(gen, known, labels, epochs)
+
+    def _target(self, request: GenerateRequest) -> tuple[Driver | Entry, str | None]:
+        """Where a request goes (its pinned worker, else the entry) and the worker known to serve it."""
+        if request.worker is not None:
+            target = self.driver(request.worker)
+            if not self.capabilities.worker_pinning:
+                raise Unsupported("worker_pinning")
+            return target, request.worker
+        return self._entry, self._sole_worker
+
+    def _stamped(
+        self, gen: Generation, known: str | None, labels: Mapping[str, str | None], epochs: Mapping[str, int]
+    ) -> Generation:
+        """A driver's answer with the fleet's view filled in: the worker, the version at the end (the
+        label where versions are STAMPED), the version at the start and the spans, given the labels
+        and epochs snapshot when the call started (``generate`` and ``stream`` alike)."""
         worker = gen.worker if gen.worker is not None else known
         if gen.logprobs is not None and len(gen.logprobs) != len(gen.output_ids):
             raise ContractViolation("logprobs and output ids differ in length", worker=worker)

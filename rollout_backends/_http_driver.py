@@ -11,16 +11,16 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from typing import Any, Protocol
 
 import attrs
 
 from rollout_backends._errors import ControlFailed, RolloutBackendError, TransientError, WorkerFailure
-from rollout_backends._fleet import Fleet
+from rollout_backends._fleet import Fleet, not_streamed
 from rollout_backends._http import HttpClient, HttpRequest, HttpResponse
 from rollout_backends._ops import Command, GetVersion, Operation, Probe
-from rollout_backends._types import Capabilities, GenerateRequest, Generation
+from rollout_backends._types import Capabilities, GenerateRequest, Generation, TokenChunk
 
 __all__ = ["HttpDriver", "HttpEntry", "HttpFleetBackend", "HttpLink", "Wire", "Worker"]
 
@@ -150,6 +150,9 @@ class HttpDriver:
     async def generate(self, request: GenerateRequest) -> Generation:
         return await _generate(self.link, request, self.worker, self.worker.id)
 
+    def stream(self, request: GenerateRequest) -> AsyncGenerator[TokenChunk, None]:
+        return not_streamed(self.worker.id)
+
     async def _send(self, op: Operation) -> HttpResponse | None:
         req = self.link.wire.control(op, self.worker)
         if req is None:
@@ -193,6 +196,9 @@ class HttpEntry:
 
     async def generate(self, request: GenerateRequest) -> Generation:
         return await _generate(self.link, request, None, self._sole)
+
+    def stream(self, request: GenerateRequest) -> AsyncGenerator[TokenChunk, None]:
+        return not_streamed("the entry")
 
     async def live(self) -> bool | None:
         http = self.link.wire.router_health()

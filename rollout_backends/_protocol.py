@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
 from typing import Any, Protocol, runtime_checkable
 
+from rollout_backends._token_stream import TokenStream
 from rollout_backends._types import (
     Capabilities,
     GenerateRequest,
@@ -59,6 +60,18 @@ class RolloutBackend(Protocol):
         Raises ``InvalidRequest`` (bad input: out-of-vocabulary id, prompt longer than the
         context, ...), ``TransientError`` (only if no token can have been produced),
         ``BackendUnavailable``, ``ContractViolation``.
+        """
+        ...
+
+    def stream(self, request: GenerateRequest) -> TokenStream:
+        """Generate for one request, its tokens delivered as they come (``Capabilities.streaming``).
+
+        ``async with backend.stream(request) as chunks: async for chunk in chunks: ...``: each
+        ``TokenChunk`` holds the new tokens only (indices contiguous from 0); the last one's
+        ``final`` is the ``Generation`` ``generate`` would have returned (versions stamped the same
+        way). Leaving the block early aborts the request on the engine; its id is free again when
+        the block is left. Refused like ``generate`` (``InvalidRequest``, a request id already in
+        flight included), and with ``Unsupported("streaming")`` where the capability is undeclared.
         """
         ...
 

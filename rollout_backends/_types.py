@@ -28,6 +28,7 @@ __all__ = [
     "RoutingKind",
     "SamplingParams",
     "TensorSpec",
+    "TokenChunk",
     "VersionSource",
     "WeightBucket",
     "WeightGroup",
@@ -446,6 +447,66 @@ class Generation:
     def version_at_end(self) -> str | None:
         """The version that served the end of the request: ``weight_version``."""
         return self.weight_version
+
+
+@attrs.frozen(slots=True, kw_only=True)
+class TokenChunk:
+    """The tokens a stream delivers at once (``RolloutBackend.stream``).
+
+    ``output_ids`` are the *new* tokens only, at output positions ``index``, ``index + 1``, ...:
+    a stream's chunks, in order, have contiguous indices from 0, so put together they are the
+    generation's ``output_ids`` with none repeated or missing. ``logprobs`` / ``top_logprobs``
+    are those tokens' (``None`` as in ``Generation``). The last chunk, and only it, carries
+    ``final``: the whole ``Generation``, as ``generate`` would have returned it (its tokens end
+    with this chunk's, which may be none: an engine can say it finished after its last token).
+    """
+
+    request_id: str
+    index: int
+    output_ids: tuple[int, ...]
+    logprobs: tuple[float, ...] | None = None
+    top_logprobs: tuple[tuple[tuple[int, float], ...], ...] | None = None
+    final: Generation | None = None
+
+    def __attrs_post_init__(self) -> None:
+        # Like Generation: a chunk that cannot be one is the engine's (or adapter's) breach.
+        if isinstance(self.index, bool) or not isinstance(self.index, int) or self.index < 0:
+            raise ContractViolation(f"chunk index {self.index!r} is not an int >= 0")
+        n = len(self.output_ids)
+        if self.logprobs is not None and len(self.logprobs) != n:
+            raise ContractViolation(f"chunk logprobs ({len(self.logprobs)}) and output_ids ({n}) differ in length")
+        if self.top_logprobs is not None and len(self.top_logprobs) != n:
+            raise ContractViolation(
+                f"chunk top_logprobs ({len(self.top_logprobs)}) and output_ids ({n}) differ in length"
+            )
+        f = self.final
+        if f is not None and (
+            f.request_id != self.request_id
+            or len(f.output_ids) != self.index + n
+            or f.output_ids[self.index :] != self.output_ids
+        ):
+            raise ContractViolation(
+                f"the final chunk of {self.request_id!r} (tokens {self.index}..{self.index + n}) does not end "
+                f"the Generation of {f.request_id!r} ({len(f.output_ids)} tokens)"
+            )
+
+    @classmethod
+    def closing(cls, final: Generation, index: int) -> TokenChunk:
+        """The last chunk of a stream that delivered ``final.output_ids[:index]`` already."""
+        lps, tops = final.logprobs, final.top_logprobs
+        return cls(
+            request_id=final.request_id,
+            index=index,
+            output_ids=final.output_ids[index:],
+            logprobs=lps[index:] if lps is not None else None,
+            top_logprobs=tops[index:] if tops is not None else None,
+            final=final,
+        )
+
+    @property
+    def end(self) -> int:
+        """The output position after this chunk's tokens (the next chunk's ``index``)."""
+        return self.index + len(self.output_ids)
 
 
 def _dtype_name(value: object) -> str:

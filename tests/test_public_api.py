@@ -13,7 +13,7 @@ EXPECTED_TOP = {
     "Completions", "ContractViolation", "ControlFailed", "FinishReason", "GenerateRequest", "Generation",
     "HealthReport", "InvalidRequest", "MemoryTag", "NoCompatibleVersion", "Overloaded", "PauseMode", "RolloutBackend",
     "RolloutBackendError", "RoutingKind", "SamplingParams", "StaleWeights", "TensorSpec",
-    "TransientError", "Unsupported", "VersionSource", "WeightBucket", "WeightGroup",
+    "TokenChunk", "TokenStream", "TransientError", "Unsupported", "VersionSource", "WeightBucket", "WeightGroup",
     "WeightTransport", "WeightUpdateFailed", "WeightUpdateTransaction", "WorkerFailure",
     "WorkerHealth", "WorkerLoss", "WorkerLossPolicy", "__version__", "as_completed", "available_schemes",
     "generate_group",

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import Sequence
+from collections.abc import AsyncGenerator, Sequence
 from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, unquote, urlparse
@@ -25,6 +25,7 @@ from rollout_backends import (
     PauseMode,
     RoutingKind,
     SamplingParams,
+    TokenChunk,
     VersionSource,
     WeightTransport,
 )
@@ -123,6 +124,16 @@ class ReferenceDriver:
             return await self.engine.generate(request)
         except EngineError as exc:
             raise BackendUnavailable(str(exc), worker=self.id) from exc
+
+    async def stream(self, request: GenerateRequest) -> AsyncGenerator[TokenChunk, None]:
+        chunks = self.engine.stream(request)
+        try:
+            async for chunk in chunks:
+                yield chunk
+        except EngineError as exc:
+            raise BackendUnavailable(str(exc), worker=self.id) from exc
+        finally:
+            await chunks.aclose()  # closed early: the engine aborts the request before we return
 
     async def control(self, op: Command) -> None:
         e = self.engine
@@ -242,7 +253,7 @@ class ReferenceBackend(Fleet):
             top_logprobs=20,  # SamplingParams' limit
             prompt_logprobs=True,
             stop_strings=all(e.has_tokenizer for e in engines),
-            streaming=False,
+            streaming=True,  # the scheduler's steps (ReferenceEngine.stream)
             routing=RoutingKind.ROUND_ROBIN if len(engines) > 1 else RoutingKind.SINGLE,
             abort=True,
             seeded_sampling=True,

@@ -30,7 +30,7 @@ import math
 import random
 import time
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import AsyncGenerator, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +44,7 @@ from rollout_backends import (
     MemoryTag,
     PauseMode,
     SamplingParams,
+    TokenChunk,
 )
 
 from ._dist import GlooGroup, open_gloo_group, torch_dtype
@@ -134,6 +135,8 @@ class _Req:
     version_at_start: str = ""
     #: Runs of ``(first output index, version)``: the label installed when each token's forward ran.
     spans: list[tuple[int, str]] = attrs.field(factory=list)
+    #: Set after each step that delivered a token and when the request ends (streams only).
+    progress: asyncio.Event | None = None
 
     @property
     def sampling(self) -> SamplingParams:
@@ -246,6 +249,11 @@ class ReferenceEngine:
     @property
     def paused(self) -> PauseMode | None:
         return self._paused
+
+    @property
+    def request_ids(self) -> tuple[str, ...]:
+        """The requests this engine holds (admitted, parked or waiting), by id."""
+        return tuple(self._reqs)
 
     @property
     def num_running(self) -> int:
@@ -373,6 +381,44 @@ class ReferenceEngine:
         An aborted request is *returned* with ``FinishReason.ABORT`` and its partial output.
         Cancelling the calling task aborts the request.
         """
+        req = self._submit(request)
+        try:
+            return await asyncio.shield(req.future)
+        except asyncio.CancelledError:
+            self._abort_req(req)
+            raise
+
+    async def stream(self, request: GenerateRequest) -> AsyncGenerator[TokenChunk, None]:
+        """``generate``, step by step: a chunk with the tokens the scheduler delivered since the
+        last one (one per turn), the last chunk with the ``Generation``. Closing the generator, or
+        cancelling the task iterating it, aborts the request (a token in a step then running is
+        dropped, as for ``abort``)."""
+        req = self._submit(request, streamed=True)
+        assert req.progress is not None
+        sent = 0
+        try:
+            while not req.future.done():
+                await req.progress.wait()
+                req.progress.clear()
+                n = len(req.output_ids)
+                if n > sent and not req.future.done():
+                    lps = tuple(req.logprobs[sent:n]) if request.return_logprobs else None
+                    want_top = request.return_logprobs and request.sampling.top_logprobs
+                    yield TokenChunk(
+                        request_id=request.request_id,
+                        index=sent,
+                        output_ids=tuple(req.output_ids[sent:n]),
+                        logprobs=lps,
+                        top_logprobs=tuple(req.top_logprobs[sent:n]) if want_top else None,
+                    )
+                    sent = n
+            yield TokenChunk.closing(req.future.result(), sent)
+        finally:
+            if not req.finished:
+                self._abort_req(req)
+
+    def _submit(self, request: GenerateRequest, *, streamed: bool = False) -> _Req:
+        """Admit a request (or park it while paused) and wake the scheduler."""
         import torch
 
         loop = self._bind()
@@ -384,6 +430,7 @@ class ReferenceEngine:
             t0=time.monotonic(),
             admitted=self._paused is None,
             version_at_start=self._version,
+            progress=asyncio.Event() if streamed else None,
         )
         if sp.stop:
             longest = max(len(self._tokenizer.encode(st, add_special_tokens=False).ids) for st in sp.stop)
@@ -397,11 +444,7 @@ class ReferenceEngine:
         if req.admitted:
             self._queue.append(req)
         self._kick()
-        try:
-            return await asyncio.shield(req.future)
-        except asyncio.CancelledError:
-            self._abort_req(req)
-            raise
+        return req
 
     def _runnable(self) -> bool:
         return self._paused is None and not (self._released & {MemoryTag.WEIGHTS, MemoryTag.KV_CACHE})
@@ -549,6 +592,8 @@ class ReferenceEngine:
         self._token_count += 1
         if req.counts is not None:
             req.counts[token] += 1
+        if req.progress is not None:
+            req.progress.set()
         n = len(req.output_ids)
         # SGLang checks the length limit before stop strings, and stop strings before stop tokens
         # (schedule_batch.py update_finish_state, 0.5.16).
@@ -616,6 +661,8 @@ class ReferenceEngine:
         )
         if not req.future.done():
             req.future.set_result(gen)
+        if req.progress is not None:
+            req.progress.set()
 
     def _fail(self, req: _Req, exc: BaseException) -> None:
         req.finished = True
@@ -623,6 +670,8 @@ class ReferenceEngine:
         self._reqs.pop(req.request.request_id, None)
         if not req.future.done():
             req.future.set_exception(exc)
+        if req.progress is not None:
+            req.progress.set()
 
     def _abort_req(self, req: _Req) -> None:
         # Finish now, even mid-step: the step's token is then discarded by ``_apply``.

@@ -9,9 +9,10 @@ Capabilities())`` declares nothing, to show the skips.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import random
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Collection, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -84,6 +85,9 @@ BUGS = frozenset(
         "prompt_logprobs_shifted",  # a prompt token's logprob is conditioned on itself too (one late)
         "version_constraints_ignored",  # min_version / exact_version declared, and routed as if absent
         "stop_string_late",  # a stop string ends the generation one token after the one completing it
+        "stream_repeats_token",  # each chunk after the first starts one token early (repeats the last one)
+        "stream_unversioned",  # a stream's final Generation carries no weight version
+        "stream_no_abort",  # a stream left early goes on generating on the engine
     }
 )
 
@@ -102,6 +106,7 @@ class BuggyDriver(FakeDriver):
         super().__init__(worker_id, **kwargs)
         self.bugs = bugs
         self.loaded_version = self.version  #: what a "version_lag" engine keeps stamping
+        self.left_running: list[asyncio.Future[None]] = []  #: "stream_no_abort": what runs on
 
     def _check(self, request: rb.GenerateRequest) -> None:
         if "accept_oov" not in self.bugs:
@@ -148,6 +153,29 @@ class BuggyDriver(FakeDriver):
         if "ignore_stop" in self.bugs:
             return not sampling.ignore_eos and token == EOS
         return super()._stops(token, sampling)
+
+    def _chunk(self, r: Any, sent: int) -> rb.TokenChunk:
+        if "stream_repeats_token" in self.bugs and sent:
+            return super()._chunk(r, sent - 1)
+        return super()._chunk(r, sent)
+
+    def _final(self, r: Any) -> rb.Generation:
+        gen = super()._final(r)
+        return attrs.evolve(gen, weight_version=None) if "stream_unversioned" in self.bugs else gen
+
+    async def _end_stream(self, r: Any, steps: AsyncGenerator[None, None]) -> None:
+        if "stream_no_abort" not in self.bugs:
+            return await super()._end_stream(r, steps)
+
+        async def run_on() -> None:  # the bug: the engine ignores the client going away
+            try:
+                async for _ in steps:
+                    pass
+            finally:
+                self._release(r)
+
+        self.left_running.append(asyncio.ensure_future(run_on()))
+        return None
 
     def _answer(self, r: Any, finish: rb.FinishReason, cached: int) -> rb.Generation:
         gen = super()._answer(r, finish, cached)
@@ -272,6 +300,11 @@ def fake_factory(seed: int = 1, **kwargs: Any) -> BackendFactory:
     return make
 
 
+async def held_requests(backend: Any) -> Collection[str]:
+    """The request ids the fake engines hold (``Harness.held_requests``)."""
+    return {rid for fake in backend.fakes for rid in fake.running}
+
+
 def fake_harness(tmp: Path, **changes: Any) -> Harness:
     alt = write_checkpoint(tmp / "alt", 2)
     base = write_checkpoint(tmp / "base", 1)
@@ -290,6 +323,7 @@ def fake_harness(tmp: Path, **changes: Any) -> Harness:
         fresh_factory_on=fresh_on,
         inject_failure=inject,
         load_weights=load_fake_weights,
+        held_requests=held_requests,
         concurrency=40,
         long_max_new_tokens=200,
         pause_max_new_tokens=120,
