@@ -301,7 +301,7 @@ class Fleet:
         self._resending: dict[str, int] = {}
         self._abort_asked: set[str] = set()
         self._resends_done = 0
-        # Request ids whose generate() is running in this fleet. An engine refuses a duplicate only
+        # Request ids whose generate() or stream() is running in this fleet. An engine refuses a duplicate only
         # among its own requests (SGLang: "Duplicate request ID detected"); behind an entry that
         # spreads requests two calls with one id land on different workers, and abort(id) then
         # ends both (seen through Dynamo 1.4.2 on CPU, 2026-12-02). Refused here, before anything
@@ -483,16 +483,22 @@ class Fleet:
         only to a worker whose label satisfies it (``_route_by_version``, again for each resend)."""
         self._require_open("generate")
         self._check_request(request)
+        rid = self._claim(request)
+        try:
+            return await self._generate_claimed(request)
+        finally:
+            self._claimed.discard(rid)
+
+    def _claim(self, request: GenerateRequest) -> str:
+        """Claim a request id for a ``generate`` or ``stream`` in flight (``_claimed``); the caller
+        discards it when the call ends."""
         rid = request.request_id
         if rid in self._claimed:
             raise InvalidRequest(
                 "request_id", f"Duplicate request ID detected: {rid!r} is already in flight in this fleet"
             )
         self._claimed.add(rid)
-        try:
-            return await self._generate_claimed(request)
-        finally:
-            self._claimed.discard(rid)
+        return rid
 
     async def _generate_claimed(self, request: GenerateRequest) -> Generation:
         constrained = request.min_version is not None or request.exact_version is not None
@@ -541,12 +547,7 @@ class Fleet:
     async def _relay(self, request: GenerateRequest) -> AsyncGenerator[TokenChunk | None, None]:
         """``stream``'s source: open (claim, route; then ``None``), then relay and check the chunks.
         Closed early, it closes the driver's generator, which aborts the request on the engine."""
-        rid = request.request_id
-        if rid in self._claimed:
-            raise InvalidRequest(
-                "request_id", f"Duplicate request ID detected: {rid!r} is already in flight in this fleet"
-            )
-        self._claimed.add(rid)
+        rid = self._claim(request)
         try:
             self._require_open("stream")
             constrained = request.min_version is not None or request.exact_version is not None

@@ -81,6 +81,8 @@ async def test_an_id_in_flight_is_refused_and_free_again_once_the_block_is_left(
             async with fleet.stream(request("dup")):
                 pass
         assert info.value.field == "request_id" and "Duplicate request ID" in str(info.value)
+        with pytest.raises(rb.InvalidRequest, match="Duplicate request ID"):
+            await fleet.generate(request("dup"))  # one claim for generate and stream alike
         async for _ in first:
             break
     got, _ = await collect(fleet, request("dup"))
