@@ -50,23 +50,50 @@ class PairParity:
     #: Largest |Δlogprob| over the positions where both produced the same ids so far.
     max_abs_dlogprob: float
     tolerance: float
+    #: Alternatives per token compared (``Generation.top_logprobs``; 0: one side has none).
+    top_logprobs_compared: int = 0
+    #: ``(case, token index)`` where the top alternatives differ beyond a tie at the cut-off.
+    top_mismatch: tuple[int, int] | None = None
+    #: Largest |Δlogprob| over the alternatives both list (and the prompt's, where compared).
+    max_abs_dtop_logprob: float = 0.0
+    #: Whether both sides returned prompt logprobs (``Generation.prompt_logprobs``) to compare.
+    prompt_logprobs_compared: bool = False
+    max_abs_dprompt_logprob: float = 0.0
 
     @property
     def ok(self) -> bool:
-        return self.ids_equal and self.max_abs_dlogprob <= self.tolerance
+        return (
+            self.ids_equal
+            and self.top_mismatch is None
+            and max(self.max_abs_dlogprob, self.max_abs_dtop_logprob, self.max_abs_dprompt_logprob) <= self.tolerance
+        )
 
     def result(self) -> CheckResult:
         if self.ok:
             msg = ""
         elif self.first_mismatch is not None:
             msg = f"greedy ids differ at case {self.first_mismatch[0]}, token {self.first_mismatch[1]}"
-        else:
+        elif self.top_mismatch is not None:
+            case, token = self.top_mismatch
+            msg = f"top-{self.top_logprobs_compared} alternatives differ at case {case}, token {token}"
+        elif self.max_abs_dlogprob > self.tolerance:
             msg = f"max |Δlogprob| {self.max_abs_dlogprob:.3g} > tolerance {self.tolerance:.3g}"
+        elif self.max_abs_dtop_logprob > self.tolerance:
+            msg = f"max |Δ top logprob| {self.max_abs_dtop_logprob:.3g} > tolerance {self.tolerance:.3g}"
+        else:
+            msg = f"max |Δ prompt logprob| {self.max_abs_dprompt_logprob:.3g} > tolerance {self.tolerance:.3g}"
+        measurements: dict[str, Any] = {"max_abs_dlogprob": self.max_abs_dlogprob, "tolerance": self.tolerance}
+        measurements["top_logprobs_compared"] = self.top_logprobs_compared
+        if self.top_logprobs_compared:
+            measurements["max_abs_dtop_logprob"] = self.max_abs_dtop_logprob
+        measurements["prompt_logprobs_compared"] = self.prompt_logprobs_compared
+        if self.prompt_logprobs_compared:
+            measurements["max_abs_dprompt_logprob"] = self.max_abs_dprompt_logprob
         return CheckResult(
             name=f"parity[{self.a}~{self.b}]",
             outcome=Outcome.PASS if self.ok else Outcome.FAIL,
             message=msg,
-            measurements={"max_abs_dlogprob": self.max_abs_dlogprob, "tolerance": self.tolerance},
+            measurements=measurements,
         )
 
 
@@ -181,13 +208,49 @@ async def hf_parity(
     )
 
 
+#: Alternatives per token that parity asks for where a backend declares them (``_parity_sampling``).
+PARITY_TOP_LOGPROBS = 3
+
+
+def _top_differs(
+    x: Sequence[tuple[int, float]], y: Sequence[tuple[int, float]], k: int, tol: float
+) -> tuple[bool, float]:
+    """Whether two top-``k`` lists (most likely first) differ beyond a tie at the cut-off, and the
+    largest |Δlogprob| over the ids both list. An id only one side lists is a tie when its logprob
+    is within ``tol`` of the other side's k-th (two engines may cut a tie differently)."""
+    xs, ys = dict(x[:k]), dict(y[:k])
+    worst = max((abs(xs[t] - ys[t]) for t in xs.keys() & ys.keys()), default=0.0)
+    for mine, other in ((xs, ys), (ys, xs)):
+        floor = min(other.values(), default=float("-inf"))
+        if any(abs(lp - floor) > tol for t, lp in mine.items() if t not in other):
+            return True, worst
+    return len(xs) != len(ys), worst
+
+
 def pair_parity(a: str, b: str, ga: Sequence[Generation], gb: Sequence[Generation], tol: float) -> PairParity:
     """Two runs of the same cases compared: ``ga[i]`` with ``gb[i]`` (ids equal, |Δlogprob| <= ``tol``
-    over the ids they share before the first difference). ``check_parity`` uses it across backends,
-    the GPU tier (``bench/rb_bench/gpu_tier.py``) for one backend's cold and warm runs."""
-    worst = 0.0
+    over the ids they share before the first difference; where both carry them, the top
+    alternatives of those positions and the prompt's logprobs too). ``check_parity`` uses it across
+    backends, the GPU tier (``bench/rb_bench/gpu_tier.py``) for one backend's cold and warm runs."""
+    worst = worst_top = worst_prompt = 0.0
     mismatch: tuple[int, int] | None = None
+    top_mismatch: tuple[int, int] | None = None
+    top_k: int | None = None
+    prompt_compared = bool(ga) and all(
+        x.prompt_logprobs is not None and y.prompt_logprobs is not None for x, y in zip(ga, gb, strict=True)
+    )
     for case, (x, y) in enumerate(zip(ga, gb, strict=True)):
+        if x.top_logprobs is not None and y.top_logprobs is not None:
+            widths = [len(t) for t in (*x.top_logprobs, *y.top_logprobs)]
+            k = min(widths, default=top_k or 0)
+            top_k = k if top_k is None else min(top_k, k)
+        else:
+            top_k = 0
+        if prompt_compared:
+            assert x.prompt_logprobs is not None and y.prompt_logprobs is not None
+            for p, q in zip(x.prompt_logprobs, y.prompt_logprobs, strict=False):
+                if p is not None and q is not None:
+                    worst_prompt = max(worst_prompt, abs(p - q))
         n = min(len(x.output_ids), len(y.output_ids))
         j = next((k for k in range(n) if x.output_ids[k] != y.output_ids[k]), None)
         if j is None and len(x.output_ids) != len(y.output_ids):
@@ -198,15 +261,32 @@ def pair_parity(a: str, b: str, ga: Sequence[Generation], gb: Sequence[Generatio
         if x.logprobs is not None and y.logprobs is not None:
             for k in range(upto):
                 worst = max(worst, abs(x.logprobs[k] - y.logprobs[k]))
+        if x.top_logprobs is not None and y.top_logprobs is not None and top_k:
+            for k in range(min(upto, len(x.top_logprobs), len(y.top_logprobs))):
+                differs, d = _top_differs(x.top_logprobs[k], y.top_logprobs[k], top_k, tol)
+                worst_top = max(worst_top, d)
+                if differs and top_mismatch is None:
+                    top_mismatch = (case, k)
     return PairParity(
-        a=a, b=b, ids_equal=mismatch is None, first_mismatch=mismatch, max_abs_dlogprob=worst, tolerance=tol
+        a=a,
+        b=b,
+        ids_equal=mismatch is None,
+        first_mismatch=mismatch,
+        max_abs_dlogprob=worst,
+        tolerance=tol,
+        top_logprobs_compared=top_k or 0,
+        top_mismatch=top_mismatch,
+        max_abs_dtop_logprob=worst_top,
+        prompt_logprobs_compared=prompt_compared,
+        max_abs_dprompt_logprob=worst_prompt,
     )
 
 
 async def parity_outputs(
     backend: RolloutBackend, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 16
 ) -> tuple[Generation, ...]:
-    """Greedy generations of ``prompts`` on cold caches (what each backend gives ``check_parity``)."""
+    """Greedy generations of ``prompts`` on cold caches (what each backend gives ``check_parity``),
+    with top alternatives and the prompt's logprobs where the backend declares them."""
     sampling = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens)
     return tuple(await _run_cold(backend, prompts, sampling))
 
@@ -214,13 +294,20 @@ async def parity_outputs(
 async def _run_cold(
     backend: RolloutBackend, prompts: Sequence[Sequence[int]], sampling: SamplingParams
 ) -> list[Generation]:
+    caps = backend.capabilities
+    top = min(PARITY_TOP_LOGPROBS, caps.top_logprobs) if caps.logprobs else 0
+    if top:
+        sampling = attrs.evolve(sampling, top_logprobs=top)
     out = []
     for i, p in enumerate(prompts):
         await backend.flush_cache()
         out.append(
             await backend.generate(
                 GenerateRequest(
-                    input_ids=tuple(p), sampling=sampling, request_id=f"conf-parity-{i}-{time.monotonic_ns()}"
+                    input_ids=tuple(p),
+                    sampling=sampling,
+                    request_id=f"conf-parity-{i}-{time.monotonic_ns()}",
+                    prompt_logprobs_start=0 if caps.prompt_logprobs and caps.logprobs else None,
                 )
             )
         )

@@ -30,7 +30,15 @@
    ``{"abort_all": true}``: aborts one request by *our* id (``nvext.annotations`` ``rid:<id>``,
    mapped to SGLang's id from its first chunk) inside SGLang, so the request still returns its
    partial tokens with finish ``abort`` (cancelling the HTTP call loses them).
-6. **Control results:** ``call_tokenizer_manager`` results that are msgspec structs (SGLang 0.5.16's
+6. **Top-k and prompt logprobs.** 1.4.2 refuses ``logprobs >= 1`` unless
+   ``DYN_SGL_ALLOW_TOP_LOGPROBS=1`` (``dynamo/common/backend/logprobs.py``: SGLang's tokenizer
+   manager detokenizes each alternative serially, sgl-project/sglang#24447). The shim sets it
+   (``allow_top_logprobs``): the cost falls only on requests that ask for alternatives, and the
+   adapter names them by id (``return_tokens_as_token_ids``). 1.4.2 asks SGLang for prompt logprobs
+   (``output_options.prompt_logprobs`` -> ``logprob_start_len=0``) but never returns them: the shim
+   puts SGLang's ``meta_info.input_token_logprobs`` on the final chunk as
+   ``engine_data.prompt_logprobs`` (the whole prompt's, the first ``None``), as our worker does.
+7. **Control results:** ``call_tokenizer_manager`` results that are msgspec structs (SGLang 0.5.16's
    ``FlushCacheReqOutput``, ...) come back as their fields instead of ``{"result": str(struct)}``,
    so ``success: false`` (a refused flush) is visible.
 
@@ -44,6 +52,7 @@ import dataclasses
 import inspect
 import json
 import logging
+import os
 import runpy
 import sys
 import time
@@ -56,6 +65,8 @@ from ._wire import rid_from_annotations
 logger = logging.getLogger("rollout_backends.dynamo_sglang_shim")
 
 _PATCHED = "_rollout_backends_patched"
+#: ai-dynamo 1.4.2's gate on top logprobs (``dynamo.common.backend.logprobs``).
+TOP_LOGPROBS_ENV = "DYN_SGL_ALLOW_TOP_LOGPROBS"
 #: An abort that arrives before its request: kept this long for the request to show up.
 _PENDING_ABORT_S = 60.0
 #: SGLang ``meta_info`` arrays aligned with ``output_ids``.
@@ -231,6 +242,11 @@ def patch_token_stream(handler_cls: Any = None) -> bool:
                         req.abort_in_engine(req.sglang_rid)
                 if meta.get("weight_version") is not None:
                     seen["weight_version"] = meta["weight_version"]
+                prompt_lps = meta.get("input_token_logprobs")
+                if "prompt_logprobs" not in seen and isinstance(prompt_lps, list) and prompt_lps:
+                    # [logprob, id, text] per prompt position from 0, the first logprob None; the
+                    # adapter checks the count against the prompt.
+                    seen["prompt_logprobs"] = [e[0] if isinstance(e, (list, tuple)) and e else None for e in prompt_lps]
                 fr = meta.get("finish_reason")
                 if isinstance(fr, dict) and fr.get("type"):
                     seen["finish_reason"] = fr["type"]
@@ -246,6 +262,8 @@ def patch_token_stream(handler_cls: Any = None) -> bool:
                 ed = dict(out.get("engine_data") or {})
                 ed.setdefault("weight_version", seen.get("weight_version"))
                 ed.setdefault("finish_reason", seen.get("finish_reason"))
+                if "prompt_logprobs" in seen:
+                    ed.setdefault("prompt_logprobs", seen["prompt_logprobs"])
                 out["engine_data"] = ed
             yield out
 
@@ -334,7 +352,13 @@ def patch_control_results(mixin_cls: Any = None) -> bool:
     return True
 
 
+def allow_top_logprobs() -> None:
+    """Let 1.4.2 pass ``logprobs >= 1`` to SGLang (patch 6); an explicit setting is kept."""
+    os.environ.setdefault(TOP_LOGPROBS_ENV, "1")
+
+
 def main() -> None:
+    allow_top_logprobs()
     patch_logprobs()
     patch_token_stream()
     for patch in (patch_routes, patch_control_results):

@@ -162,7 +162,10 @@ ROUTES: Mapping[DynamoFlavor, FlavorRoutes] = {
         stop_strings=True,
     ),
     DynamoFlavor.SGLANG14: FlavorRoutes(sglang=True, abort_all_await_bug=True),
-    DynamoFlavor.SGLANG14_SHIM: FlavorRoutes(sglang=True, rollout_routes=True, abort_all_await_bug=True),
+    # The shim lets 1.4.2 pass top logprobs and returns prompt logprobs (_sglang_shim patch 6).
+    DynamoFlavor.SGLANG14_SHIM: FlavorRoutes(
+        sglang=True, rollout_routes=True, abort_all_await_bug=True, top_logprobs=5, prompt_logprobs=True
+    ),
     DynamoFlavor.SGLANG16: FlavorRoutes(sglang=True, native=True),
     DynamoFlavor.MOCKER: FlavorRoutes(sglang=False, logprobs=False),
     DynamoFlavor.NONE: FlavorRoutes(sglang=False),

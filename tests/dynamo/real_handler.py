@@ -96,6 +96,13 @@ class Engine:
         # TokenizerManager._handle_abort_req answers with the last token again and the
         # cumulative logprobs, completion_tokens unchanged.
         waiting = input_ids[0] == 7
+        top_k = int(kwargs.get("top_logprobs_num") or 0)
+        # logprob_start_len=0: SGLang scores the prompt from position 0 (the first logprob None).
+        prompt_lps = (
+            [(None if k == 0 else -0.5 * k, t, None) for k, t in enumerate(input_ids)]
+            if kwargs.get("logprob_start_len") == 0
+            else None
+        )
 
         async def stream_() -> AsyncIterator[dict[str, Any]]:
             done = 0
@@ -117,6 +124,16 @@ class Engine:
                     "completion_tokens": done, "cached_tokens": 0, "weight_version": tm.server_args.weight_version,
                     "output_token_logprobs": [(-0.01 * (done - len(ids) + k + 1), t, None) for k, t in enumerate(ids)],
                 }  # fmt: skip
+                if top_k:  # per chunk under incremental streaming output, [logprob, id, text] each
+                    meta["output_top_logprobs"] = [
+                        [
+                            (-0.01 * (done - len(ids) + k + 1), t, None),
+                            *((-9.0 - j, 900 + j, None) for j in range(top_k - 1)),
+                        ]
+                        for k, t in enumerate(ids)
+                    ]
+                if prompt_lps is not None and done == len(ids):
+                    meta["input_token_logprobs"] = prompt_lps
                 yield {"output_ids": ids, "meta_info": meta, "index": 0}
                 if last:
                     return
@@ -175,6 +192,9 @@ async def _run(model_path: str) -> dict[str, Any]:
 
     out: dict[str, Any] = {"patched": patched}
     out["plain"] = await collect(_request([5, 1], "r-plain"), "c1")
+    shim.allow_top_logprobs()
+    scored = {"logprobs": 2, "prompt_logprobs": 0, "return_tokens_as_token_ids": True}
+    out["top_and_prompt"] = await collect(_request([5, 1, 3], "r-top", output_options=scored), "c1b")
     out["text"] = await collect(_request([387, 370, 121, 139], "r-text"), "c2")
     out["text_stop_strings"] = await collect(
         _request([387, 370, 121, 139], "r-stop", stop_conditions={"max_tokens": 8, "stop": ["zz"]}), "c3"

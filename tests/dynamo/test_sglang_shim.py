@@ -300,6 +300,15 @@ def test_patches_on_the_real_1_4_2_handler(tiny_model: Any) -> None:
     assert ids(plain) == [11, 12, 13, 14] and aligned(plain)
     assert [lp for c in plain for lp in c["log_probs"]] == [-0.01, -0.02, -0.03, -0.04]
     assert plain[-1]["engine_data"] == {"weight_version": "v7", "finish_reason": "length"}
+    # Top-k alternatives (1.4.2 refuses them without the shim's env) named by id, per token, and
+    # the prompt's logprobs from SGLang's first chunk on the final chunk's engine_data.
+    top = r["top_and_prompt"]
+    assert ids(top) == [11, 12, 13, 14] and aligned(top)
+    alternatives = [[(e["token"], e["logprob"]) for e in pos] for c in top for pos in c["top_logprobs"]]
+    want = [[(f"token_id:{t}", -0.01 * (k + 1)), ("token_id:900", -9.0)] for k, t in enumerate([11, 12, 13, 14])]
+    assert alternatives == want
+    assert top[-1]["engine_data"]["prompt_logprobs"] == [None, -0.5, -1.0]
+    assert "prompt_logprobs" not in plain[-1]["engine_data"]
     # Worker text on the sequence the frontend's decoder panics on; none with text stop strings.
     decode = load_text_decoder(str(tiny_model))
     assert decode is not None
