@@ -14,9 +14,9 @@ import pytest
 import rollout_backends as rb
 from rollout_backends import FinishReason, GenerateRequest, SamplingParams
 from rollout_backends._fleet import Fleet
-from rollout_backends._ops import AbortRequest, Command, Probe
-from rollout_backends._types import Capabilities, Generation
 from rollout_backends.testing import FakeFleet, fake_fleet
+
+from .test_worker_loss import LosingDriver, _lost
 
 LONG = SamplingParams(max_new_tokens=40, temperature=0.0, ignore_eos=True)
 
@@ -70,68 +70,20 @@ async def test_distinct_ids_run_concurrently() -> None:
         assert sorted(g.request_id for g in gens) == [f"r{i}" for i in range(8)]
 
 
-class _GatedLosingDriver:
-    """Fails its first generation as a lost worker does, then waits on ``gate`` and answers."""
-
-    def __init__(self) -> None:
-        self.id = "w0"
-        self.attempts: list[str] = []
-        self.gate = asyncio.Event()
-
-    @property
-    def capabilities(self) -> Capabilities:
-        return Capabilities()
-
-    @property
-    def aborts_by_id(self) -> bool:
-        return True
-
-    @property
-    def ranks(self) -> int:
-        return 1
-
-    async def generate(self, request: GenerateRequest) -> Generation:
-        self.attempts.append(request.request_id)
-        if len(self.attempts) == 1:
-            raise rb.BackendUnavailable("stream ended: connection lost", worker=self.id)
-        await self.gate.wait()
-        return Generation(
-            request_id=request.request_id,
-            output_ids=(7,),
-            logprobs=(-0.1,),
-            finish_reason=FinishReason.LENGTH,
-            weight_version="v1",
-            prompt_tokens=len(request.input_ids),
-            worker=self.id,
-        )
-
-    async def control(self, op: Command) -> None:
-        assert isinstance(op, AbortRequest)
-
-    async def probe(self, op: Probe) -> bool | None:
-        return True
-
-    async def served_version(self) -> str | None:
-        return "v1"
-
-    async def aclose(self) -> None:
-        return None
-
-
 async def test_resend_after_worker_loss_keeps_the_claim() -> None:
-    driver = _GatedLosingDriver()
+    driver = LosingDriver("w0", fail=1, error=_lost)
     fleet = Fleet([driver])
-    fleet.worker_loss = rb.WorkerLossPolicy(backoff_s=0.0)
+    # The resend waits out the backoff: the id stays claimed in between.
+    fleet.worker_loss = rb.WorkerLossPolicy(backoff_s=0.3, max_backoff_s=0.3)
     first = asyncio.ensure_future(fleet.generate(_req("r")))
     for _ in range(500):
-        if len(driver.attempts) == 2:
+        if driver.attempts:
             break
         await asyncio.sleep(0.002)
-    assert driver.attempts == ["r", "r"]  # resent under the same id
     with pytest.raises(rb.InvalidRequest) as ei:
         await fleet.generate(_req("r"))
     assert ei.value.field == "request_id"
-    driver.gate.set()
     gen = await first
-    assert gen.output_ids == (7,) and driver.attempts == ["r", "r"]
+    assert gen.output_ids == (7, 8, 9) and driver.attempts == ["r", "r"]  # resent under the same id
+    assert fleet.resends_after_worker_loss == 1
     await fleet.aclose()
