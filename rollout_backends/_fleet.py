@@ -500,10 +500,17 @@ class Fleet:
         self._claimed.add(rid)
         return rid
 
-    async def _generate_claimed(self, request: GenerateRequest) -> Generation:
+    async def _prepare_constraints(self, request: GenerateRequest) -> bool:
+        """Whether the request names versions (``min_version`` / ``exact_version``); if so, the labels
+        of workers not yet known are asked first where engines report them (``_route_by_version``
+        then picks among them)."""
         constrained = request.min_version is not None or request.exact_version is not None
         if constrained and self.capabilities.version_source is VersionSource.RESPONSE:
             await self._learn_labels()
+        return constrained
+
+    async def _generate_claimed(self, request: GenerateRequest) -> Generation:
+        constrained = await self._prepare_constraints(request)
         policy = self.worker_loss
         if request.worker is not None or not policy.resends_lost:
             return await self._generate_once(self._route_by_version(request) if constrained else request)
@@ -550,9 +557,7 @@ class Fleet:
         rid = self._claim(request)
         try:
             self._require_open("stream")
-            constrained = request.min_version is not None or request.exact_version is not None
-            if constrained and self.capabilities.version_source is VersionSource.RESPONSE:
-                await self._learn_labels()
+            constrained = await self._prepare_constraints(request)
             routed = self._route_by_version(request) if constrained else request
             target, known = self._target(routed)
             labels, epochs = self._versions.view, self._epochs  # what was installed when it started
