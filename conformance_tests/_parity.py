@@ -286,7 +286,7 @@ async def parity_outputs(
     backend: RolloutBackend, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 16
 ) -> tuple[Generation, ...]:
     """Greedy generations of ``prompts`` on cold caches (what each backend gives ``check_parity``),
-    with top alternatives where the backend declares them."""
+    with top alternatives and the prompt's logprobs where the backend declares them."""
     sampling = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens)
     return tuple(await _run_cold(backend, prompts, sampling))
 
@@ -295,10 +295,6 @@ async def _run_cold(
     backend: RolloutBackend, prompts: Sequence[Sequence[int]], sampling: SamplingParams
 ) -> list[Generation]:
     caps = backend.capabilities
-    # Prompt logprobs are not asked for here: on the H200 (2026-12-03 09:03, SGLang 0.5.16) a
-    # parity prompt scored from 0 came back with meta_info.input_token_logprobs[8] naming another
-    # id than the prompt's, which the adapter refuses (ContractViolation); not yet understood.
-    # pair_parity still compares them where both generations carry them.
     top = min(PARITY_TOP_LOGPROBS, caps.top_logprobs) if caps.logprobs else 0
     if top:
         sampling = attrs.evolve(sampling, top_logprobs=top)
@@ -311,6 +307,7 @@ async def _run_cold(
                     input_ids=tuple(p),
                     sampling=sampling,
                     request_id=f"conf-parity-{i}-{time.monotonic_ns()}",
+                    prompt_logprobs_start=0 if caps.prompt_logprobs and caps.logprobs else None,
                 )
             )
         )

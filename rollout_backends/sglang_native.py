@@ -891,9 +891,14 @@ def _prompt_logprobs(entries: object, scored: Sequence[int], worker: str | None)
         raise ContractViolation(
             f"meta_info.input_token_logprobs has {got} entries for {len(scored)} prompt tokens", worker=worker
         )
+    # SGLang 0.5.16 names id 0 for a prompt id >= vocab_size - 1 (its scheduler clips "the padded
+    # hash values from image tokens" with an off-by-one, so the vocabulary's last id is clipped
+    # too; the logprob is still that id's: H200 2026-12-03, bench/probes/prompt_logprobs.py). A
+    # valid prompt id is < vocab_size, so only the largest id of the prompt can be clipped.
+    clipped = max(scored, default=0)
     out: list[float | None] = []
     for i, (e, tid) in enumerate(zip(entries, scored, strict=True)):
-        if type(e) is not list or len(e) < 2 or e[1] != tid:
+        if type(e) is not list or len(e) < 2 or (e[1] != tid and not (e[1] == 0 and tid == clipped)):
             raise ContractViolation(f"meta_info.input_token_logprobs[{i}] is not [logprob, {tid}, ...]", worker=worker)
         lp = e[0]
         if lp is None and i == 0:

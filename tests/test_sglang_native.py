@@ -418,3 +418,41 @@ def test_stop_strings_in_python() -> None:
         rb.SamplingParams(no_stop_trim=1)  # type: ignore[arg-type]
     assert e.value.field == "sampling.no_stop_trim"
     assert rb.SamplingParams(stop=["a", "b"]).stop == ("a", "b")
+
+
+# The answer SGLang 0.5.16 gave on the H200 (2026-12-03, bench/probes/prompt_logprobs.py, the
+# tier's tiny model: 512 ids) for the 8th parity prompt scored from 0: the prompt's id 511 (the
+# vocabulary's last) is named 0, its logprob is 511's (transformers: -12.2546).
+_CLIPPED_PROMPT = (156, 485, 105, 160, 392, 51, 188, 352, 511, 370, 500, 470)
+_CLIPPED_LPS = (None, -14.0086, -9.6193, -11.0842, -6.6172, -5.7678, -14.5193, -15.2859, -12.2735, -13.7558,
+                -12.6407, -14.7027)  # fmt: skip
+
+
+def _scored_answer(named: tuple[int, ...]) -> dict[str, Any]:
+    return {
+        "output_ids": [409],
+        "meta_info": {
+            "id": "r",
+            "finish_reason": {"type": "length", "length": 1},
+            "prompt_tokens": len(named),
+            "completion_tokens": 1,
+            "cached_tokens": 0,
+            "weight_version": "default",
+            "output_token_logprobs": [[-0.5, 409, None]],
+            "input_token_logprobs": [[lp, t, None] for lp, t in zip(_CLIPPED_LPS, named, strict=True)],
+        },
+    }
+
+
+def test_prompt_logprobs_of_sglangs_clipped_last_id() -> None:
+    request = rb.GenerateRequest(input_ids=_CLIPPED_PROMPT, sampling=rb.SamplingParams(max_new_tokens=1),
+                                 prompt_logprobs_start=0)  # fmt: skip
+    named = tuple(0 if t == 511 else t for t in _CLIPPED_PROMPT)
+    gen = sn.parse_answer(request, _scored_answer(named), 0.1, worker="w")
+    assert gen.prompt_logprobs == _CLIPPED_LPS
+    # Still refused: the prompt shifted by one (a misaligned answer), and 0 named for an id that
+    # is not the prompt's largest (SGLang clips only ids >= vocab_size - 1).
+    shifted = (*_CLIPPED_PROMPT[1:], 7)
+    for bad in (shifted, tuple(0 if t == 500 else t for t in _CLIPPED_PROMPT)):
+        with pytest.raises(rb.ContractViolation, match="input_token_logprobs"):
+            sn.parse_answer(request, _scored_answer(bad), 0.1, worker="w")

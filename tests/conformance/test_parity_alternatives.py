@@ -64,12 +64,13 @@ def test_nothing_to_compare_on_one_side_is_reported_not_failed() -> None:
     assert p.ok and p.top_logprobs_compared == 0 and not p.prompt_logprobs_compared
 
 
-async def test_check_parity_asks_fakes_for_alternatives() -> None:
+async def test_check_parity_asks_fakes_for_alternatives_and_prompt_logprobs() -> None:
     report = await check_parity({"x": fake_factory(), "y": fake_factory()}, max_new_tokens=4)
     gens = report.outputs["x"]
     assert all(g.top_logprobs is not None and len(g.top_logprobs[0]) >= 1 for g in gens)
+    assert all(g.prompt_logprobs is not None for g in gens)
     (pair,) = report.pairs
-    assert pair.ok and pair.top_logprobs_compared >= 1
+    assert pair.ok and pair.top_logprobs_compared >= 1 and pair.prompt_logprobs_compared
     # A different engine's alternatives are seen: evolve one side's top logprobs.
     moved = [
         attrs.evolve(g, top_logprobs=tuple(((t[0][0], t[0][1] - 0.5),) for t in g.top_logprobs or ())) for g in gens
