@@ -228,12 +228,6 @@ async def fan_out(
     return out
 
 
-async def not_streamed(worker: str) -> AsyncGenerator[TokenChunk, None]:
-    """``Driver.stream`` of a driver that cannot stream: ``Unsupported("streaming")`` when advanced."""
-    raise Unsupported("streaming", f"{worker} does not stream")
-    yield  # an async generator, as every driver's stream is
-
-
 def _cancelling() -> bool:
     """Whether the current task itself is being cancelled (3.11+; on 3.10 assume not)."""
     task = asyncio.current_task()

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import json as _json
 import random
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any, Protocol, runtime_checkable
 
 import attrs
@@ -60,6 +60,8 @@ __all__ = [
     "HttpResponse",
     "MockTransport",
     "RetryPolicy",
+    "SseDecoder",
+    "StreamItem",
     "Transport",
     "get_json",
     "json_loads",
@@ -128,11 +130,56 @@ class HttpResponse:
         return cls(status, _dumps(data), {"Content-Type": "application/json"})
 
 
+#: What a streamed call yields: first the head (an ``HttpResponse``: status and headers, the body
+#: empty where the status is 2xx, else the whole body and nothing after it), then each server-sent
+#: event's data (``bytes``, its ``data:`` lines joined).
+StreamItem = HttpResponse | bytes
+
+
+class SseDecoder:
+    """Server-sent events from a byte stream, incrementally: ``feed`` the bytes as they come, get
+    each complete event's data (its ``data:`` lines joined by newlines; events without data, and
+    comments, are skipped). Lines end in LF or CRLF (the WHATWG rules, less the lone CR)."""
+
+    __slots__ = ("_buf", "_data")
+
+    def __init__(self) -> None:
+        self._buf = b""
+        self._data: list[bytes] = []
+
+    def feed(self, chunk: bytes) -> list[bytes]:
+        self._buf += chunk
+        *lines, self._buf = self._buf.split(b"\n")
+        events: list[bytes] = []
+        for line in lines:
+            if line.endswith(b"\r"):
+                line = line[:-1]
+            if not line:
+                if self._data:
+                    events.append(b"\n".join(self._data))
+                    self._data = []
+            elif line.startswith(b"data:"):
+                value = line[5:]
+                self._data.append(value[1:] if value.startswith(b" ") else value)
+        return events
+
+    def close(self) -> list[bytes]:
+        """What is left when the stream ends (an event not followed by a blank line still counts)."""
+        events = self.feed(b"\n\n") if self._buf or self._data else []
+        return events
+
+
 @runtime_checkable
 class Transport(Protocol):
     """Sends one request. Raises ``ConnectionFailed`` or ``BackendTimeout``, never library-specific errors."""
 
     async def send(self, request: HttpRequest, timeout: float) -> HttpResponse: ...
+
+    def stream(self, request: HttpRequest, timeout: float, idle_timeout: float) -> AsyncGenerator[StreamItem, None]:
+        """Send one request whose answer is server-sent events: the head (``StreamItem``) within
+        ``timeout``, then each event, each within ``idle_timeout`` of the bytes before it.
+        Closing the generator early closes the connection (a server sees the client go away)."""
+        ...
 
     async def aclose(self) -> None: ...
 
@@ -202,6 +249,55 @@ class AiohttpTransport:
         except (aiohttp.ClientError, ConnectionError, OSError) as exc:
             raise ConnectionFailed(f"{request.method} {_safe_url(request.url)}: {type(exc).__name__}: {exc}") from exc
 
+    async def stream(
+        self, request: HttpRequest, timeout: float, idle_timeout: float
+    ) -> AsyncGenerator[StreamItem, None]:
+        aiohttp = self._aiohttp
+        where = f"{request.method} {_safe_url(request.url)}"
+        data = None
+        if request.json is not None:
+            data = aiohttp.BytesPayload(_dumps(request.json), content_type="application/json")
+        session = self._session if self._session is not None and not self._session.closed else self._ensure()
+        try:
+            resp = await asyncio.wait_for(
+                session.request(request.method, request.url, data=data, headers=request.headers or None), timeout
+            )
+        except (asyncio.TimeoutError, TimeoutError) as exc:
+            raise BackendTimeout(f"{where}: no answer in {timeout:.1f}s") from exc
+        except aiohttp.ClientConnectorError as exc:
+            raise ConnectionFailed(f"{where}: cannot connect ({exc.os_error})", nothing_generated=True) from exc
+        except (aiohttp.ClientError, ConnectionError, OSError) as exc:
+            raise ConnectionFailed(f"{where}: {type(exc).__name__}: {exc}") from exc
+        done = False
+        try:
+            if not 200 <= resp.status < 300:
+                body = await asyncio.wait_for(resp.read(), timeout)
+                done = True
+                yield HttpResponse(resp.status, body, resp.headers)
+                return
+            yield HttpResponse(resp.status, b"", resp.headers)
+            decoder = SseDecoder()
+            while True:
+                # Not readline(): aiohttp refuses a line past its buffer limit (128 KiB), and
+                # SGLang's cumulative events of a long output are longer.
+                chunk = await asyncio.wait_for(resp.content.readany(), idle_timeout)
+                if not chunk:
+                    break
+                for event in decoder.feed(chunk):
+                    yield event
+            for event in decoder.close():
+                yield event
+            done = True
+        except (asyncio.TimeoutError, TimeoutError) as exc:
+            raise BackendTimeout(f"{where}: no event in {idle_timeout:.1f}s") from exc
+        except (aiohttp.ClientError, ConnectionError, OSError) as exc:
+            raise ConnectionFailed(f"{where}: {type(exc).__name__}: {exc}") from exc
+        finally:
+            if done:
+                resp.release()  # read to the end: the connection goes back to the pool
+            else:
+                resp.close()  # left early: the connection is closed, which the server sees
+
     async def aclose(self) -> None:
         if self._session is not None:
             await self._session.close()
@@ -214,13 +310,16 @@ async def _exchange(session: Any, method: str, url: str, data: Any, headers: Map
         return HttpResponse(resp.status, await resp.read(), resp.headers)
 
 
-Handler = Callable[[HttpRequest], "HttpResponse | Awaitable[HttpResponse]"]
+Handler = Callable[[HttpRequest], "HttpResponse | Awaitable[HttpResponse] | AsyncIterator[bytes]"]
 
 
 class MockTransport:
     """A transport that calls ``handler(request)`` in process: tests need no network.
 
-    The handler may raise ``ConnectionFailed``/``BackendTimeout`` to simulate faults.
+    The handler may raise ``ConnectionFailed``/``BackendTimeout`` to simulate faults. For a streamed
+    call it may return an ``HttpResponse`` (its body is the whole event stream) or an async
+    iterator of body bytes (status 200): closing the stream early closes that iterator (``aclose``,
+    where it has one), as a server sees a client go away.
     """
 
     def __init__(self, handler: Handler) -> None:
@@ -232,10 +331,52 @@ class MockTransport:
         result = self.handler(request)
         if isinstance(result, HttpResponse):
             return result
+        if isinstance(result, AsyncIterator):
+            raise TypeError("the handler streamed an answer to a call that is not streamed")
         try:
             return await asyncio.wait_for(result, timeout)
         except asyncio.TimeoutError as exc:
             raise BackendTimeout(f"{request.method} {request.url}: no answer in {timeout:.1f}s") from exc
+
+    async def stream(
+        self, request: HttpRequest, timeout: float, idle_timeout: float
+    ) -> AsyncGenerator[StreamItem, None]:
+        self.requests.append(request)
+        result = self.handler(request)
+        where = f"{request.method} {request.url}"
+        if not isinstance(result, (HttpResponse, AsyncIterator)):
+            try:
+                result = await asyncio.wait_for(result, timeout)
+            except asyncio.TimeoutError as exc:
+                raise BackendTimeout(f"{where}: no answer in {timeout:.1f}s") from exc
+        if isinstance(result, HttpResponse):
+            if not result.ok:
+                yield result
+                return
+            yield HttpResponse(result.status, b"", result.headers)
+            decoder = SseDecoder()
+            for event in [*decoder.feed(result.body), *decoder.close()]:
+                yield event
+            return
+        body = result
+        yield HttpResponse(200, b"", {"Content-Type": "text/event-stream"})
+        decoder = SseDecoder()
+        try:
+            while True:
+                try:
+                    chunk = await asyncio.wait_for(body.__anext__(), idle_timeout)
+                except StopAsyncIteration:
+                    break
+                except asyncio.TimeoutError as exc:
+                    raise BackendTimeout(f"{where}: no event in {idle_timeout:.1f}s") from exc
+                for event in decoder.feed(chunk):
+                    yield event
+            for event in decoder.close():
+                yield event
+        finally:
+            close = getattr(body, "aclose", None)
+            if close is not None:
+                await close()
 
     async def aclose(self) -> None:
         return None
@@ -302,6 +443,7 @@ class HttpClient:
         retry: RetryPolicy | None = None,
         api_key: str | None = None,
         admin_api_key: str | None = None,
+        stream_idle_timeout: float = 600.0,
     ) -> None:
         self._auth = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._admin_auth = {"Authorization": f"Bearer {admin_api_key}"} if admin_api_key else {}
@@ -310,6 +452,9 @@ class HttpClient:
         self.transport: Transport = transport if transport is not None else AiohttpTransport(headers=self._auth)
         self.timeout = _seconds("timeout", timeout)
         self.control_timeout = _seconds("control_timeout", control_timeout)
+        #: A streamed answer's longest silence between events (a paused engine sends none: as long
+        #: as the whole-call ``timeout`` by default).
+        self.stream_idle_timeout = _seconds("stream_idle_timeout", stream_idle_timeout)
         self.retry = retry or RetryPolicy()
 
     def set_admin_api_key(self, admin_api_key: str | None) -> None:
@@ -348,6 +493,41 @@ class HttpClient:
                 if not safe or attempt >= self.retry.attempts:
                     raise
                 await asyncio.sleep(self.retry.delay(attempt))
+
+    async def stream(self, request: HttpRequest, *, worker: str | None = None) -> AsyncGenerator[StreamItem, None]:
+        """``send`` for an answer of server-sent events (``Transport.stream``): the head within the
+        call's timeout, then the events, each within ``stream_idle_timeout``. Resent only where the
+        connection was never made (nothing can have been generated). Closing it early closes the
+        connection."""
+        timeout = request.timeout if request.timeout is not None else self.timeout
+        if "Authorization" not in request.headers and self._auth and not self._auth_in_transport:
+            request = attrs.evolve(request, headers={**self._auth, **request.headers})
+        attempt = 0
+        while True:
+            events = self.transport.stream(request, timeout, self.stream_idle_timeout)
+            try:
+                head = await events.__anext__()
+                break
+            except TransientError as exc:
+                await events.aclose()
+                if exc.worker is None and worker is not None:
+                    exc.worker = worker
+                attempt += 1
+                if not exc.nothing_generated or attempt >= self.retry.attempts:
+                    raise
+                await asyncio.sleep(self.retry.delay(attempt))
+            except StopAsyncIteration:
+                raise ContractViolation(f"{request.method} {_safe_url(request.url)}: a stream with no answer") from None
+        try:
+            yield head
+            async for item in events:
+                yield item
+        except TransientError as exc:
+            if exc.worker is None and worker is not None:
+                exc.worker = worker
+            raise
+        finally:
+            await events.aclose()
 
     async def aclose(self) -> None:
         await self.transport.aclose()

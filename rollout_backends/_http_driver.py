@@ -10,19 +10,26 @@ transaction) is the ``Fleet``'s, once for every engine.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncGenerator, Callable, Sequence
 from typing import Any, Protocol
 
 import attrs
 
-from rollout_backends._errors import ControlFailed, RolloutBackendError, TransientError, WorkerFailure
-from rollout_backends._fleet import Fleet, not_streamed
+from rollout_backends._errors import (
+    ContractViolation,
+    ControlFailed,
+    RolloutBackendError,
+    TransientError,
+    WorkerFailure,
+)
+from rollout_backends._fleet import Fleet
 from rollout_backends._http import HttpClient, HttpRequest, HttpResponse
-from rollout_backends._ops import Command, GetVersion, Operation, Probe
+from rollout_backends._ops import AbortRequest, Command, GetVersion, Operation, Probe
 from rollout_backends._types import Capabilities, GenerateRequest, Generation, TokenChunk
 
-__all__ = ["HttpDriver", "HttpEntry", "HttpFleetBackend", "HttpLink", "Wire", "Worker"]
+__all__ = ["HttpDriver", "HttpEntry", "HttpFleetBackend", "HttpLink", "StreamParser", "Wire", "Worker"]
 
 
 @attrs.frozen(slots=True, kw_only=True)
@@ -38,6 +45,21 @@ class Worker:
     instance_id: Any = None
     #: How many ranks this worker contributes to a weight-update group (its TP size).
     ranks: int = 1
+
+
+class StreamParser(Protocol):
+    """The events of one streamed answer -> its chunks. Pure (no I/O) but stateful: it knows what
+    it delivered so far (an engine may send each event cumulative or as a delta)."""
+
+    #: The worker serving the stream (from the fleet or the answer's head), where known.
+    worker: str | None
+
+    def event(self, data: bytes, latency_s: float) -> TokenChunk | None:
+        """One event's data -> the chunk of tokens it adds (contiguous with those before), the
+        last one carrying the ``Generation`` (the same as ``parse_generation`` gives for the
+        answer); ``None`` for an end-of-stream marker. An error event raises as
+        ``parse_generation`` does for a refused or failed call."""
+        ...
 
 
 class Wire(Protocol):
@@ -66,6 +88,17 @@ class Wire(Protocol):
         ``ContractViolation`` for a malformed answer. ``worker`` is the id of the worker the fleet
         knows served the call (pinned, or the only one), else ``None``; ``Generation.worker`` is
         the worker id if known."""
+        ...
+
+    def stream(self, request: GenerateRequest, worker: Worker | None) -> HttpRequest:
+        """Build a streamed generation call (an answer of server-sent events), as ``generate``.
+        Only called where ``capabilities().streaming``; else raise ``Unsupported("streaming")``."""
+        ...
+
+    def stream_parser(self, request: GenerateRequest, head: HttpResponse, *, worker: str | None) -> StreamParser:
+        """Check a streamed call's head (status and headers; the body where it is not 2xx): raise
+        as ``parse_generation`` does for a refused call; else the parser of this answer's events
+        (``worker``: the worker the fleet sent it to, where it knows)."""
         ...
 
     def control(self, op: Operation, worker: Worker) -> HttpRequest | None:
@@ -121,6 +154,58 @@ async def _generate(link: HttpLink, request: GenerateRequest, worker: Worker | N
             await asyncio.sleep(client.retry.delay(attempt))
 
 
+async def _stream(
+    link: HttpLink,
+    request: GenerateRequest,
+    worker: Worker | None,
+    known: str | None,
+    abort_at: Callable[[str | None], Sequence[Worker]],
+) -> AsyncGenerator[TokenChunk, None]:
+    """One streamed generation: the wire's chunks, in order, the final one after the stream's end
+    marker (the connection then goes back to the pool). Left early, the connection is closed (SGLang
+    aborts a request whose client went away) and, where the wire aborts by id, the serving worker
+    is told to abort it before this returns (``abort_at``: the workers to tell, given the serving
+    worker's id where known: behind a router that does not say, every worker; an abort of an id a
+    worker does not hold is a no-op on SGLang). The closed connection alone is not enough: SGLang
+    notices a client gone only when it next writes an event, and a paused engine writes none."""
+    wire, client = link.wire, link.client
+    http = wire.stream(request, worker)
+    t0 = time.perf_counter()
+    events = client.stream(http, worker=worker.id if worker is not None else None)
+    serving = known
+    final: TokenChunk | None = None
+    try:
+        head = await events.__anext__()
+        assert isinstance(head, HttpResponse)
+        parser = wire.stream_parser(request, head, worker=known)
+        serving = parser.worker
+        async for data in events:
+            assert isinstance(data, bytes)
+            chunk = parser.event(data, time.perf_counter() - t0)
+            if chunk is None:
+                break
+            if final is not None:
+                raise ContractViolation(f"{request.request_id!r}: an event after the last one", worker=serving)
+            if chunk.final is not None:
+                final = chunk  # delivered after the end marker
+            elif chunk.output_ids:  # an event may add no token (Dynamo's first chunk can be empty)
+                yield chunk
+        if final is None:
+            raise ContractViolation(
+                f"{request.request_id!r}: the stream ended before the generation did", worker=serving
+            )
+        yield final
+    finally:
+        await events.aclose()
+        if final is None:
+            targets = abort_at(serving) if wire.aborts_by_id else ()
+            calls = [c for c in (wire.control(AbortRequest(request.request_id), t) for t in targets) if c is not None]
+            with contextlib.suppress(RolloutBackendError):  # best effort: the closed connection asked already
+                await asyncio.gather(
+                    *(client.send(attrs.evolve(c, timeout=c.timeout or client.control_timeout)) for c in calls)
+                )
+
+
 class HttpDriver:
     """One worker over HTTP: its ``Worker`` addresses, the shared wire and client."""
 
@@ -151,7 +236,7 @@ class HttpDriver:
         return await _generate(self.link, request, self.worker, self.worker.id)
 
     def stream(self, request: GenerateRequest) -> AsyncGenerator[TokenChunk, None]:
-        return not_streamed(self.worker.id)
+        return _stream(self.link, request, self.worker, self.worker.id, lambda _: (self.worker,))
 
     async def _send(self, op: Operation) -> HttpResponse | None:
         req = self.link.wire.control(op, self.worker)
@@ -187,18 +272,23 @@ class HttpDriver:
 class HttpEntry:
     """Unpinned generation through the fleet's entry point; its liveness is the router's."""
 
-    __slots__ = ("_sole", "link")
+    __slots__ = ("_sole", "_workers", "link")
 
-    def __init__(self, link: HttpLink, sole_worker: str | None) -> None:
+    def __init__(self, link: HttpLink, sole_worker: str | None, workers: Sequence[Worker] = ()) -> None:
         self.link = link
         #: The one worker of a single-worker fleet: it served every unpinned call.
         self._sole = sole_worker
+        self._workers = {w.id: w for w in workers}
 
     async def generate(self, request: GenerateRequest) -> Generation:
         return await _generate(self.link, request, None, self._sole)
 
     def stream(self, request: GenerateRequest) -> AsyncGenerator[TokenChunk, None]:
-        return not_streamed("the entry")
+        return _stream(self.link, request, None, self._sole, self._abort_targets)
+
+    def _abort_targets(self, serving: str | None) -> Sequence[Worker]:
+        w = self._workers.get(serving) if serving is not None else None
+        return (w,) if w is not None else tuple(self._workers.values())
 
     async def live(self) -> bool | None:
         http = self.link.wire.router_health()
@@ -234,7 +324,7 @@ class HttpFleetBackend(Fleet):
         workers = tuple(workers)
         super().__init__(
             [HttpDriver(self._link, w, caps) for w in workers],
-            entry=HttpEntry(self._link, workers[0].id if len(workers) == 1 else None),
+            entry=HttpEntry(self._link, workers[0].id if len(workers) == 1 else None, workers),
             capabilities=caps,
             name=name,
             on_close=on_close,

@@ -26,7 +26,7 @@ from rollout_backends._http import (
     normalise_url,
     worker_id_of,
 )
-from rollout_backends._http_driver import HttpDriver, HttpEntry, HttpFleetBackend, Wire, Worker
+from rollout_backends._http_driver import HttpDriver, HttpEntry, HttpFleetBackend, StreamParser, Wire, Worker
 from rollout_backends._ops import (
     FLUSH_WAIT_S,
     AbortAll,
@@ -102,6 +102,7 @@ __all__ = [
     "UpdateFromDistributed",
     "UpdateFromTensors",
     "VersionBook",
+    "StreamParser",
     "Wire",
     "Worker",
     "deserialize_named_tensors",

@@ -58,6 +58,7 @@ from rollout_backends._types import (
     PauseMode,
     SamplingParams,
     TensorSpec,
+    TokenChunk,
     WeightBucket,
     WeightGroup,
 )
@@ -76,6 +77,7 @@ __all__ = [
     "parse_pause_body",
     "parse_set_version_body",
     "parse_tensors_body",
+    "parse_stream_event",
     "set_version_body",
     "tensors_body",
     "ABORT_MESSAGE",
@@ -768,9 +770,12 @@ def answer_body(
     prompt_token_ids: Sequence[int] | None = None,
     worker: str | None = None,
     input_ids: Sequence[int] | None = None,
+    finished: bool = True,
 ) -> dict[str, Any]:
     """SGLang's ``/generate`` answer for one request; ``text`` is left out without a tokenizer
-    (as ``--skip-tokenizer-init`` does). ``input_ids`` are needed with ``gen.prompt_logprobs``."""
+    (as ``--skip-tokenizer-init`` does). ``input_ids`` are needed with ``gen.prompt_logprobs``.
+    ``finished=False``: a streamed event before the last (SGLang 0.5.16 streams the answer so far,
+    cumulative, with ``meta_info.finish_reason`` null until the last one)."""
     body: dict[str, Any] = {}
     if text is None:
         text = gen.text
@@ -778,6 +783,8 @@ def answer_body(
         body["text"] = text
     body["output_ids"] = list(gen.output_ids)
     body["meta_info"] = meta_info(gen, return_logprob=return_logprob, worker=worker, input_ids=input_ids)
+    if not finished:
+        body["meta_info"]["finish_reason"] = None
     if prompt_token_ids is not None:
         body["prompt_token_ids"] = list(prompt_token_ids)
     return body
@@ -982,6 +989,55 @@ def parse_answer(request: GenerateRequest, data: object, latency_s: float, *, wo
         prompt_logprobs=prompt_lps,
         text=data["text"] if type(data.get("text")) is str else None,
     )
+
+
+def parse_stream_event(
+    request: GenerateRequest, data: object, sent: Sequence[int], latency_s: float, *, worker: str | None
+) -> TokenChunk:
+    """One event of SGLang's streamed ``/generate`` answer -> the chunk of tokens it adds.
+
+    SGLang 0.5.16 (without ``--incremental-streaming-output``) sends the answer so far in every
+    event: ``output_ids`` and ``meta_info.output_token_logprobs`` (and ``output_top_logprobs``) are
+    cumulative, ``meta_info.finish_reason`` is null until the last event (measured on the H200,
+    bench/probes/stream_capture.py). ``sent`` are the ids delivered so far: they must be the
+    event's prefix (else ``ContractViolation``: tokens are never repeated or dropped), and the chunk
+    holds what follows. The last event is parsed whole by ``parse_answer``: the final
+    ``Generation`` is the non-streamed answer's, parsed in one place.
+    """
+    if type(data) is not dict:
+        raise ContractViolation(f"a streamed /generate event is {_type_name(data)}, expected an object", worker=worker)
+    meta = data.get("meta_info")
+    out = data.get("output_ids")
+    if type(meta) is not dict or type(out) is not list:
+        raise ContractViolation("a streamed /generate event lacks output_ids or meta_info", worker=worker)
+    n = len(sent)
+    if len(out) < n or tuple(out[:n]) != tuple(sent):
+        raise ContractViolation(
+            f"a streamed event's {len(out)} output_ids do not extend the {n} already streamed "
+            "(SGLang streams them cumulative; --incremental-streaming-output is not supported)",
+            worker=worker,
+        )
+    if meta.get("finish_reason") is not None:
+        return TokenChunk.closing(parse_answer(request, data, latency_s, worker=worker), n)
+    new = out[n:]
+    if countOf(map(type, new), int) != len(new):
+        raise ContractViolation("output_ids are not all ints", worker=worker)
+    ids = tuple(new)
+    logprobs: tuple[float, ...] | None = None
+    top: tuple[tuple[tuple[int, float], ...], ...] | None = None
+    if request.return_logprobs:
+        entries = meta.get("output_token_logprobs")
+        if type(entries) is not list or len(entries) != len(out):
+            got = len(entries) if type(entries) is list else _type_name(entries)
+            raise ContractViolation(f"{got} streamed logprob entries for {len(out)} output tokens", worker=worker)
+        delta = entries[n:]
+        logprobs = (_fast_logprobs(delta, ids) if delta else ()) or _checked_logprobs(delta, ids, worker)
+        k = request.sampling.top_logprobs
+        if k:
+            tops = meta.get("output_top_logprobs")
+            tops = tops[n:] if type(tops) is list and len(tops) == len(out) else tops
+            top = _top_logprobs(tops, len(ids), k, "output_top_logprobs", worker)
+    return TokenChunk(request_id=request.request_id, index=n, output_ids=ids, logprobs=logprobs, top_logprobs=top)
 
 
 # -- errors --------------------------------------------------------------------------------------

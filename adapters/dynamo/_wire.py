@@ -46,6 +46,7 @@ from rollout_backends import (
     Overloaded,
     PauseMode,
     RoutingKind,
+    TokenChunk,
     VersionSource,
     WeightTransport,
     WorkerFailure,
@@ -72,6 +73,7 @@ from rollout_backends.kit import (
     Resume,
     ResumeMemory,
     SetVersion,
+    StreamParser,
     UpdateFromDisk,
     UpdateFromDistributed,
     UpdateFromTensors,
@@ -508,7 +510,7 @@ class DynamoWire:
             top_logprobs=routes.top_logprobs,
             prompt_logprobs=routes.prompt_logprobs,
             stop_strings=routes.stop_strings,
-            streaming=False,
+            streaming=True,  # /v1/completions SSE (_CompletionStream)
             routing=_ROUTING.get(self.router_mode, RoutingKind.OTHER),
             abort=True,
             seeded_sampling=routes.deterministic,
@@ -529,7 +531,8 @@ class DynamoWire:
 
     # -- generation -------------------------------------------------------------------------
 
-    def generate(self, request: GenerateRequest, worker: Worker | None) -> HttpRequest:
+    def _refuse_unservable(self, request: GenerateRequest) -> None:
+        """What this fleet cannot serve exactly, refused before anything is sent."""
         k = request.sampling.top_logprobs
         if k > self.routes.top_logprobs:
             raise InvalidRequest(
@@ -545,17 +548,36 @@ class DynamoWire:
             raise InvalidRequest(
                 "prompt_logprobs_start", f"this Dynamo fleet ({self.flavor.value} workers) returns no prompt logprobs"
             )
+
+    def generate(self, request: GenerateRequest, worker: Worker | None) -> HttpRequest:
+        self._refuse_unservable(request)
         if self.native_generate and worker is None and request.prompt_logprobs_start is None:
             return HttpRequest("POST", f"{self.frontend_url}/generate", json=native_body(request))
+        return self._completion_request(request, worker, stream=False)
+
+    def _completion_request(self, request: GenerateRequest, worker: Worker | None, *, stream: bool) -> HttpRequest:
         body = completion_body(
             request,
             self.model,
             logprobs=request.return_logprobs and self.flavor != "mocker",
             instance_id=worker.instance_id if worker is not None else None,
         )
+        if stream:
+            body["stream"] = True
         # The request id travels in nvext.annotations (x-dynamo-request-id is deprecated on 1.4.2
         # and takes UUIDs only).
         return HttpRequest("POST", f"{self.frontend_url}/v1/completions", json=body)
+
+    def stream(self, request: GenerateRequest, worker: Worker | None) -> HttpRequest:
+        # Always /v1/completions: the native /generate route (1.6) is not used for streams.
+        self._refuse_unservable(request)
+        return self._completion_request(request, worker, stream=True)
+
+    def stream_parser(self, request: GenerateRequest, head: HttpResponse, *, worker: str | None) -> StreamParser:
+        if head.status != 200:
+            self.parse_generation(request, head, 0.0, worker=worker)  # raises for every refusal
+            raise ContractViolation(f"frontend answered HTTP {head.status} to a stream")  # pragma: no cover
+        return _CompletionStream(self, request, worker)
 
     def parse_generation(
         self, request: GenerateRequest, response: HttpResponse, latency_s: float, *, worker: str | None = None
@@ -905,3 +927,99 @@ class DynamoWire:
 
     def router_health(self) -> HttpRequest | None:
         return HttpRequest("GET", f"{self.frontend_url}/live", timeout=5.0, idempotent=True)
+
+
+class _CompletionStream:
+    """The frontend's ``/v1/completions`` SSE answer (1.4.2, measured on the H200: bench/probes/
+    stream_capture.py): each chunk holds its *new* tokens (``nvext.completion_token_ids``,
+    ``choices[0].logprobs``), the last one also ``finish_reason`` and ``nvext.engine_data``;
+    ``data: [DONE]`` at the end. The final ``Generation`` is the non-streamed answer's parse
+    (``parse_completion``) of the chunks put together."""
+
+    __slots__ = ("ids", "lps", "request", "text", "tokens", "tops", "wire", "worker")
+
+    def __init__(self, wire: DynamoWire, request: GenerateRequest, worker: str | None) -> None:
+        self.wire, self.request, self.worker = wire, request, worker
+        self.ids: list[int] = []
+        self.lps: list[object] = []
+        self.tokens: list[object] = []
+        self.tops: list[object] = []
+        self.text = ""
+
+    def event(self, data: bytes, latency_s: float) -> TokenChunk | None:
+        if data == b"[DONE]":
+            return None
+        try:
+            event = json_loads(data)
+        except ValueError as exc:
+            raise ContractViolation(f"a /v1/completions chunk is not JSON: {data[:200]!r}", worker=self.worker) from exc
+        if not isinstance(event, dict):
+            raise ContractViolation(f"a /v1/completions chunk is {type(event).__name__}, expected an object")
+        if "error" in event:
+            refused = _refused(event["error"]) if not self.ids else None
+            if refused is not None:
+                raise refused
+            raise BackendUnavailable(
+                f"frontend: the stream failed after {len(self.ids)} tokens: {event['error']!r}", worker=self.worker
+            )
+        choices = event.get("choices")
+        if not isinstance(choices, list) or len(choices) != 1 or not isinstance(choices[0], dict):
+            raise ContractViolation("a /v1/completions chunk has no single choice", worker=self.worker)
+        choice = choices[0]
+        nvext = event.get("nvext") if isinstance(event.get("nvext"), dict) else {}
+        assert isinstance(nvext, dict)
+        if self.worker is None:
+            self.worker = self.wire.worker_of(nvext)
+        ids = nvext.get("completion_token_ids", choice.get("token_ids", []))
+        if not _int_list(ids):
+            raise ContractViolation("a chunk's completion_token_ids are not integers", worker=self.worker)
+        lp_obj = choice.get("logprobs") if isinstance(choice.get("logprobs"), dict) else {}
+        assert isinstance(lp_obj, dict)
+        n = len(self.ids)
+        if choice.get("finish_reason") is not None or "engine_data" in nvext:
+            merged_lp = {
+                **lp_obj,
+                "tokens": [*self.tokens, *(lp_obj.get("tokens") or ())],
+                "token_logprobs": [*self.lps, *(lp_obj.get("token_logprobs") or ())],
+                "top_logprobs": [*self.tops, *(lp_obj.get("top_logprobs") or ())],
+            }
+            text = choice.get("text")
+            merged_choice = {**choice, "text": self.text + text if isinstance(text, str) else self.text}
+            if lp_obj or self.lps:
+                merged_choice["logprobs"] = merged_lp
+            merged = {
+                **event,
+                "choices": [merged_choice],
+                "nvext": {**nvext, "completion_token_ids": [*self.ids, *ids]},
+            }
+            gen = self.wire.parse_completion(self.request, merged, latency_s)
+            return TokenChunk.closing(gen, min(n, len(gen.output_ids)))
+        chunk = self._delta(ids, lp_obj, n)
+        self.ids.extend(ids)
+        if isinstance(choice.get("text"), str):
+            self.text += choice["text"]
+        return chunk
+
+    def _delta(self, ids: list[int], lp_obj: Mapping[str, Any], n: int) -> TokenChunk:
+        """A chunk before the last: its tokens (and logprobs, kept for the final parse)."""
+        request = self.request
+        logprobs = top = None
+        if request.return_logprobs and self.wire.flavor != "mocker":
+            lps = lp_obj.get("token_logprobs")
+            if not isinstance(lps, list) or len(lps) != len(ids):
+                got = len(lps) if isinstance(lps, list) else type(lps).__name__
+                raise ContractViolation(f"a chunk has {got} logprobs for {len(ids)} tokens", worker=self.worker)
+            for i, lp in enumerate(lps):
+                if not isinstance(lp, (int, float)) or isinstance(lp, bool) or math.isnan(lp):
+                    raise ContractViolation(f"token_logprobs[{n + i}] is not a number ({lp!r})", worker=self.worker)
+            logprobs = tuple(_f32(float(lp)) for lp in lps)
+            self.lps.extend(lps)
+            self.tokens.extend(lp_obj.get("tokens") or ())
+            if request.sampling.top_logprobs:
+                top = _completion_top_logprobs(lp_obj, len(ids), request.sampling.top_logprobs, self.worker)
+                self.tops.extend(lp_obj.get("top_logprobs") or ())
+        if request.sampling.max_new_tokens == 0:  # re-scoring: the one token generated is not the caller's
+            return TokenChunk(request_id=request.request_id, index=0, output_ids=())
+        return TokenChunk(
+            request_id=request.request_id, index=n, output_ids=tuple(ids), logprobs=logprobs, top_logprobs=top
+        )

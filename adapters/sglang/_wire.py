@@ -25,6 +25,7 @@ from rollout_backends import (
     PauseMode,
     RolloutBackendError,
     RoutingKind,
+    TokenChunk,
     VersionSource,
     WeightTransport,
     WorkerFailure,
@@ -51,10 +52,12 @@ from rollout_backends.kit import (
     Resume,
     ResumeMemory,
     SetVersion,
+    StreamParser,
     UpdateFromDisk,
     UpdateFromDistributed,
     UpdateFromTensors,
     Worker,
+    json_loads,
     unhandled,
 )
 from rollout_backends.sglang_native import (
@@ -66,6 +69,7 @@ from rollout_backends.sglang_native import (
     init_group_body,
     memory_body,
     parse_answer,
+    parse_stream_event,
     request_body,
     sampling_params_body,
     set_version_body,
@@ -128,6 +132,39 @@ def _generation_error(response: HttpResponse) -> RolloutBackendError:
     return ContractViolation(f"/generate answered HTTP {status}: {_error_message(response)}")
 
 
+class _CumulativeStream:
+    """SGLang's streamed ``/generate`` answer: every event the answer so far (``parse_stream_event``),
+    ``data: [DONE]`` at the end."""
+
+    __slots__ = ("request", "sent", "worker")
+
+    def __init__(self, request: GenerateRequest, worker: str | None) -> None:
+        self.request = request
+        self.worker = worker
+        self.sent: tuple[int, ...] = ()
+
+    def event(self, data: bytes, latency_s: float) -> TokenChunk | None:
+        if data == b"[DONE]":
+            return None
+        try:
+            event = json_loads(data)
+        except ValueError as exc:
+            raise ContractViolation(
+                f"a streamed /generate event is not JSON: {data[:200]!r}", worker=self.worker
+            ) from exc
+        if type(event) is dict and "error" in event:
+            # SGLang 0.5.16 answers a streamed request 200 at once and reports what its tokenizer
+            # manager refuses (bad input, a duplicate id in flight) as an event {"error": {...}}
+            # (http_server.py, stream_results).
+            msg = error_message(event, data.decode("utf-8", errors="replace"))
+            if not self.sent:
+                raise InvalidRequest(error_field(event, msg), msg)
+            raise BackendUnavailable(f"the stream failed after {len(self.sent)} tokens: {msg}", worker=self.worker)
+        chunk = parse_stream_event(self.request, event, self.sent, latency_s, worker=self.worker)
+        self.sent += chunk.output_ids
+        return chunk
+
+
 @attrs.frozen(slots=True, kw_only=True)
 class SGLangWire:
     """Configuration of one SGLang fleet's wire format.
@@ -158,7 +195,7 @@ class SGLangWire:
             top_logprobs=20,  # SGLang's top_logprobs_num has no limit; SamplingParams' is 20
             prompt_logprobs=True,  # logprob_start_len, and max_new_tokens=0
             stop_strings=self.stop_strings,
-            streaming=False,
+            streaming=True,  # "stream": true, cumulative events (parse_stream_event)
             routing=self.routing,
             abort=True,
             seeded_sampling=self.deterministic,
@@ -185,6 +222,11 @@ class SGLangWire:
     def parse_generation(
         self, request: GenerateRequest, response: HttpResponse, latency_s: float, *, worker: str | None = None
     ) -> Generation:
+        worker = self._answered_by(response, worker)
+        return parse_answer(request, response.json(), latency_s, worker=worker)
+
+    def _answered_by(self, response: HttpResponse, worker: str | None) -> str | None:
+        """Raise for a refused call; the worker that served it (where known)."""
         if response.status != 200:
             raise _generation_error(response)
         if worker is None and self.url_workers:
@@ -192,7 +234,15 @@ class SGLangWire:
             routed = response.headers.get(ROUTED_WORKER_HEADER)
             if routed is not None:
                 worker = self.url_workers.get(routed.rstrip("/"))
-        return parse_answer(request, response.json(), latency_s, worker=worker)
+        return worker
+
+    def stream(self, request: GenerateRequest, worker: Worker | None) -> HttpRequest:
+        base = (worker.generate_url or worker.control_url) if worker is not None else self.entry_url
+        headers = {ROUTING_KEY_HEADER: request.routing_key} if request.routing_key else {}
+        return HttpRequest("POST", f"{base}/generate", json=request_body(request, stream=True), headers=headers)
+
+    def stream_parser(self, request: GenerateRequest, head: HttpResponse, *, worker: str | None) -> StreamParser:
+        return _CumulativeStream(request, self._answered_by(head, worker))
 
     # -- control ----------------------------------------------------------------------------
 
