@@ -158,7 +158,7 @@ def _partial(ids: list[int], finished: bool = False) -> dict[str, Any]:
     ],
 )
 async def test_sglang_streams_that_go_wrong_raise_typed(body: bytes, error: type[Exception]) -> None:
-    fleet, transport = _sglang_fleet(lambda req: HttpResponse(200, body, SSE))
+    fleet, _ = _sglang_fleet(lambda req: HttpResponse(200, body, SSE))
     request = rb.GenerateRequest(
         input_ids=[1], sampling=rb.SamplingParams(max_new_tokens=2), request_id="r", return_logprobs=False
     )

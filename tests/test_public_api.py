@@ -45,7 +45,7 @@ EXPECTED_LAUNCH = {
 EXPECTED_SGLANG_NATIVE = {
     "disk_body", "distributed_body", "init_group_body", "memory_body", "set_version_body", "tensors_body",
     "parse_abort_body", "parse_destroy_group_body", "parse_disk_body", "parse_distributed_body",
-    "parse_init_group_body", "parse_memory_body", "parse_pause_body", "parse_set_version_body",
+    "parse_init_group_body", "parse_memory_body", "parse_pause_body", "parse_set_version_body", "parse_stream_event",
     "parse_tensors_body", "TensorsBody",
     "ABORT_MESSAGE", "ADMIN_ROUTES", "ROUTING_KEY_HEADER", "SAMPLING_PARAM_KEYS", "NativeRequest",
     "ParseRules", "TextOptions", "UnknownKeys", "answer_body", "check_depth", "decode_text", "error_body",

@@ -420,3 +420,29 @@ async def test_registry_url(fleet: tuple[RunningDynamoFleet, HttpFleetBackend]) 
             await rr.generate(GenerateRequest(input_ids=[1], worker=b.workers[0]))
     finally:
         await rr.aclose()
+
+
+async def test_stream_through_the_frontend_equals_in_process(
+    fleet: tuple[RunningDynamoFleet, HttpFleetBackend], local: ReferenceBackend
+) -> None:
+    """/v1/completions SSE through the real 1.4.2 frontend: the chunks add up to the in-process
+    generation, routed or pinned; leaving a stream early aborts it (the id is free again at once)."""
+    _, b = fleet
+    assert b.capabilities.streaming
+    want = await _expected(local, PROMPTS[1], SAMPLINGS[0])
+    for worker in (None, *b.workers):
+        req = GenerateRequest(input_ids=PROMPTS[1], sampling=SAMPLINGS[0], worker=worker)
+        async with b.stream(req) as chunks:
+            got = [c async for c in chunks]
+        final = got[-1].final
+        assert final is not None and (final.output_ids, final.logprobs, final.finish_reason) == want, worker
+        assert tuple(t for c in got for t in c.output_ids) == final.output_ids
+        assert final.worker in b.workers and (worker is None or final.worker == worker)
+        assert len(got) > 1  # streamed, not one answer
+    req = GenerateRequest(input_ids=PROMPTS[2], sampling=LONG, request_id="stream-left", worker=b.workers[0])
+    async with b.stream(req) as chunks:
+        async for first in chunks:
+            assert first.final is None and first.output_ids
+            break
+    again = await b.generate(attrs.evolve(req, sampling=SAMPLINGS[0]))
+    assert again.request_id == "stream-left" and len(again.output_ids) == 12
