@@ -73,19 +73,28 @@ class FakeSGLangFleet:
         elif path == "/generate":
             n = body["sampling_params"]["max_new_tokens"]
             out = list(range(1, n + 1))
-            return HttpResponse.from_json(
-                {
-                    "output_ids": out,
+
+            def answer(k: int, finished: bool) -> dict[str, Any]:
+                return {
+                    "output_ids": out[:k],
                     "meta_info": {
                         "id": body["rid"],
-                        "finish_reason": {"type": "length", "length": n},
+                        "finish_reason": {"type": "length", "length": n} if finished else None,
                         "prompt_tokens": len(body["input_ids"]),
+                        "completion_tokens": k,
                         "cached_tokens": 0,
                         "weight_version": w.version,
-                        "output_token_logprobs": [[-0.5, t, None] for t in out],
+                        "output_token_logprobs": [[-0.5, t, None] for t in out[:k]],
                     },
                 }
-            )
+
+            if body.get("stream"):
+                # SGLang 0.5.16's streamed answer: the answer so far in each event (one per token
+                # here), the last one the non-streamed answer, then [DONE].
+                events = [answer(k, False) for k in range(1, n)] + [answer(n, True)]
+                sse = "".join(f"data: {json.dumps(e)}\n\n" for e in events) + "data: [DONE]\n\n"
+                return HttpResponse(200, sse.encode(), {"Content-Type": "text/event-stream; charset=utf-8"})
+            return HttpResponse.from_json(answer(n, True))
         return HttpResponse.from_json({"success": True, "message": "ok"})
 
     def backend(self) -> HttpFleetBackend:

@@ -8,11 +8,21 @@ tokenizer-free mode (token ids only, no ``text`` key). Bodies are parsed by the 
 (``rollout_backends.sglang_native``) under its one strictness rule: every refusal is
 ``400 {"error": {"message", "type", "param"}}`` naming the field as the caller spelled it.
 
-What it cannot honour is refused (400), never ignored: streaming, batches, stop strings, ``n > 1``,
+What it cannot honour is refused (400), never ignored: batches, stop strings, ``n > 1``,
 constrained decoding, ``logit_bias``, LoRA, routed experts, hidden states,
 multimodal data, custom logit processors, sessions, disaggregation (the codec's list), and unknown
 keys (``unknown_keys=UnknownKeys.IGNORE`` keeps SGLang's ignore-unknown-keys rule). Like SGLang it
 refuses ``len(input_ids) + max_new_tokens >= context`` (it does not truncate).
+
+``"stream": true`` is answered as SGLang 0.5.16 streams (measured on the H200,
+bench/probes/stream_capture.py): 200, ``text/event-stream``, one ``data: {json}`` event per
+scheduler step, each the answer *so far* (cumulative ``output_ids``, logprobs and ``text``,
+``meta_info.finish_reason`` null), the last one the non-streamed answer, then ``data: [DONE]``.
+A refusal the codec makes stays a 400 JSON answer; what SGLang's tokenizer manager refuses once
+the stream has begun (a duplicate rid, the engine's own checks) is an event ``{"error":
+{"message"}}`` then ``[DONE]``. A client that goes away aborts its request in the engine.
+Partial events carry ``cached_tokens: 0`` and no ``input_token_logprobs`` (the engine's chunks do
+not carry them); the last event has both.
 
 Differences from SGLang that are deliberate: ``min_new_tokens > 0`` is honoured without a
 tokenizer; ``sampling_seed`` is always honoured (the engine is deterministic); a negative
@@ -25,7 +35,9 @@ is the command line.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
+import json
 import logging
 import os
 import time
@@ -41,6 +53,7 @@ from rollout_backends import (
     Generation,
     InvalidRequest,
     SamplingParams,
+    TokenChunk,
 )
 from rollout_backends.kit import AbortAll, AbortRequest, deserialize_named_tensors, json_loads, serialize_named_tensors
 from rollout_backends.sglang_native import (
@@ -291,6 +304,7 @@ class ReferenceServer:
             vocab_size=int(self.engine.vocab_size),
             max_context=int(self.engine.max_context),
             allow_prefill_only=True,
+            allow_stream=True,
             stop_strings=self.tokenizer is not None and bool(self.engine.has_tokenizer),
         )
 
@@ -321,20 +335,14 @@ class ReferenceServer:
             parsed = self.parse(body)
         except InvalidRequest as e:
             return _json(error_body(e), 400)
+        if parsed.stream:
+            return await self._stream(request, parsed)
         req = parsed.request
         if req.request_id in self._inflight:
             # SGLang's words; the first request keeps running (and is not aborted by this one).
             return _json(error_body(InvalidRequest("rid", f"Duplicate request ID detected: {req.request_id}")), 400)
         if parsed.prefill_only and req.prompt_logprobs_start is None:  # a bare prefill: nothing to compute
-            g = Generation(
-                request_id=req.request_id,
-                output_ids=(),
-                logprobs=(),
-                finish_reason=FinishReason.LENGTH,
-                weight_version=self.engine.weight_version,
-                prompt_tokens=len(req.input_ids),
-            )
-            return _json(self._answer(parsed, g))
+            return _json(self._answer(parsed, self._bare_prefill(req)))
         self._inflight.add(req.request_id)
         try:
             g = await self.engine.generate(req)
@@ -346,6 +354,96 @@ class ReferenceServer:
         finally:
             self._inflight.discard(req.request_id)
         return _json(self._answer(parsed, g))
+
+    def _bare_prefill(self, req: GenerateRequest) -> Generation:
+        return Generation(
+            request_id=req.request_id,
+            output_ids=(),
+            logprobs=(),
+            finish_reason=FinishReason.LENGTH,
+            weight_version=self.engine.weight_version,
+            prompt_tokens=len(req.input_ids),
+        )
+
+    def _partial(self, parsed: NativeRequest, so_far: Generation) -> dict[str, Any]:
+        """A streamed event before the last: the answer so far (``finish_reason`` null)."""
+        req = parsed.request
+        text = None if self.tokenizer is None else decode_text(self.tokenizer, so_far, parsed.text_options)
+        prompt = req.input_ids if parsed.return_prompt_token_ids else None
+        return answer_body(
+            so_far, return_logprob=req.return_logprobs, text=text, prompt_token_ids=prompt, finished=False
+        )
+
+    async def _stream(self, request: web.Request, parsed: NativeRequest) -> web.StreamResponse:
+        """``"stream": true``: SGLang 0.5.16's event stream (see the module docstring).
+
+        The engine's stream is closed on every way out (``aclosing``): a client gone away (a
+        write raises ``ConnectionResetError``, aiohttp's ``ClientConnectionResetError`` is one) or
+        a cancelled handler aborts the request in the engine."""
+        req = parsed.request
+        resp = web.StreamResponse(status=200)
+        resp.content_type = "text/event-stream"
+        resp.charset = "utf-8"  # SGLang's head: ``text/event-stream; charset=utf-8``
+        await resp.prepare(request)
+
+        async def send(event: object) -> None:
+            await resp.write(b"data: " + json.dumps(event, separators=(",", ":")).encode() + b"\n\n")
+
+        async def done() -> web.StreamResponse:
+            await resp.write(b"data: [DONE]\n\n")
+            await resp.write_eof()
+            return resp
+
+        if req.request_id in self._inflight:
+            # SGLang's tokenizer manager refuses a duplicate rid after the 200 (http_server.py
+            # stream_results: its ValueError becomes one error event); the first one keeps running.
+            await send({"error": {"message": f"Duplicate request ID detected: {req.request_id}"}})
+            return await done()
+        if parsed.prefill_only and req.prompt_logprobs_start is None:  # a bare prefill: one final event
+            await send(self._answer(parsed, self._bare_prefill(req)))
+            return await done()
+        self._inflight.add(req.request_id)
+        t0 = time.monotonic()
+        ids: list[int] = []
+        lps: list[float] = []
+        tops: list[tuple[tuple[int, float], ...]] = []
+        try:
+            async with contextlib.aclosing(self.engine.stream(req)) as chunks:
+                chunk: TokenChunk
+                async for chunk in chunks:
+                    if chunk.final is not None:
+                        await send(self._answer(parsed, chunk.final))
+                        break
+                    ids.extend(chunk.output_ids)
+                    if chunk.logprobs is not None:
+                        lps.extend(chunk.logprobs)
+                    if chunk.top_logprobs is not None:
+                        tops.extend(chunk.top_logprobs)
+                    so_far = Generation(
+                        request_id=req.request_id,
+                        output_ids=tuple(ids),
+                        logprobs=tuple(lps) if req.return_logprobs else None,
+                        # Nulled by ``finished=False``; LENGTH keeps decode_text from trimming a stop.
+                        finish_reason=FinishReason.LENGTH,
+                        weight_version=self.engine.weight_version,
+                        prompt_tokens=len(req.input_ids),
+                        latency_s=time.monotonic() - t0,
+                        top_logprobs=tuple(tops) if req.return_logprobs and req.sampling.top_logprobs else None,
+                    )
+                    await send(self._partial(parsed, so_far))
+        except ConnectionResetError:  # the client went away; ``aclosing`` aborted the request
+            log.info("stream %s: the client went away after %d tokens", req.request_id, len(ids))
+            return resp
+        except InvalidRequest as e:  # the engine's own checks: SGLang's ValueError event
+            await send({"error": {"message": str(InvalidRequest(native_field(e.field), e.reason))}})
+            return await done()
+        except Exception as e:
+            log.exception("stream %s failed", req.request_id)
+            await send({"error": {"message": f"{type(e).__name__}: {e}"}})
+            return await done()
+        finally:
+            self._inflight.discard(req.request_id)
+        return await done()
 
     # -- health and info ----------------------------------------------------------------------
 

@@ -148,7 +148,6 @@ async def test_ignore_unknown_keys_keeps_sglangs_rule(engine: FakeEngine) -> Non
         ({"input_ids": [[1, 2], [3]]}, "batch"),
         ({"input_ids": None, "text": "hi"}, "tokenizer"),
         ({"input_ids": None}, "input_ids"),
-        ({"stream": True}, "streaming"),
         ({"return_logprob": "yes"}, "return_logprob"),
         ({"logprob_start_len": 3}, "logprob_start_len"),
         ({"logprob_start_len": 0, "return_logprob": False}, "return_logprobs"),
