@@ -1005,6 +1005,8 @@ def _parity_json(p: ParityReport) -> dict[str, Any]:
                 "top_logprobs_compared": x.top_logprobs_compared,
                 "top_mismatch": list(x.top_mismatch) if x.top_mismatch else None,
                 "max_abs_dtop_logprob": x.max_abs_dtop_logprob,
+                "prompt_logprobs_compared": x.prompt_logprobs_compared,
+                "max_abs_dprompt_logprob": x.max_abs_dprompt_logprob,
                 "tolerance": x.tolerance,
                 "ok": x.ok,
             }
@@ -1202,15 +1204,16 @@ def result_markdown(res: TierResult) -> str:
             f"{p.cases} prompts of 1-57 tokens, {c.parity_max_new_tokens} new tokens each, {p.duration_s:.1f} s.",
             "",
             "| pair | greedy ids | first mismatch (case, token) | max \\|Δlogprob\\| | top-k compared "
-            "| max \\|Δ top logprob\\| | tolerance | ok |",
-            "| --- | --- | --- | --- | --- | --- | --- | --- |",
+            "| max \\|Δ top logprob\\| | max \\|Δ prompt logprob\\| | tolerance | ok |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
         ]
         for pp in p.pairs:
             mm = f"{pp.first_mismatch}" if pp.first_mismatch else "-"
             top = f"{pp.top_logprobs_compared}" + (f" (differ at {pp.top_mismatch})" if pp.top_mismatch else "")
+            prompt = f"{pp.max_abs_dprompt_logprob:.3g}" if pp.prompt_logprobs_compared else "not compared"
             lines.append(
                 f"| {pp.a} ~ {pp.b} | {'identical' if pp.ids_equal else '**differ**'} | {mm} | "
-                f"{pp.max_abs_dlogprob:.3g} | {top} | {pp.max_abs_dtop_logprob:.3g} | {pp.tolerance:g} | "
+                f"{pp.max_abs_dlogprob:.3g} | {top} | {pp.max_abs_dtop_logprob:.3g} | {prompt} | {pp.tolerance:g} | "
                 f"{'yes' if pp.ok else '**no**'} |"
             )
         lines += [

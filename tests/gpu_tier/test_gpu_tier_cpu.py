@@ -135,8 +135,11 @@ def test_gpu_tier_reference_end_to_end(tmp_path: Path) -> None:
     parity = data["parity"]
     assert parity["ok"] and len(parity["pairs"]) == 3 and all(p["ids_equal"] for p in parity["pairs"])
     assert all(h["tokens"] > 0 and h["max_abs_dlogprob"] < 2e-2 for h in parity["transformers"])
+    # The reference servers return prompt logprobs: parity compares them, and the table says so.
+    assert all(p["prompt_logprobs_compared"] and p["max_abs_dprompt_logprob"] == 0 for p in parity["pairs"])
 
     md = (out / RESULTS_MD).read_text()
+    assert "max \\|Δ prompt logprob\\|" in md and "not compared" not in md
     assert "# Conformance results: GPU tier" in md and "| injected_failure_rolls_back |" in md
     # every process is gone and the models and logs stayed in --work-dir
     assert not _leftovers(str(work)), _leftovers(str(work))
