@@ -65,6 +65,7 @@ __all__ = [
     "Transport",
     "get_json",
     "json_loads",
+    "sse_json",
     "normalise_url",
     "worker_id_of",
 ]
@@ -167,6 +168,21 @@ class SseDecoder:
         """What is left when the stream ends (an event not followed by a blank line still counts)."""
         events = self.feed(b"\n\n") if self._buf or self._data else []
         return events
+
+
+#: The data of the event that ends an SGLang or OpenAI-style stream.
+SSE_DONE = b"[DONE]"
+
+
+def sse_json(data: bytes, what: str, *, worker: str | None) -> object:
+    """One server-sent event's data as JSON (``what`` names the stream in the error); ``None`` for
+    the end marker ``data: [DONE]``."""
+    if data == SSE_DONE:
+        return None
+    try:
+        return json_loads(data)
+    except ValueError as exc:
+        raise ContractViolation(f"{what}: an event is not JSON: {data[:200]!r}", worker=worker) from exc
 
 
 @runtime_checkable

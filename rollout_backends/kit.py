@@ -24,6 +24,7 @@ from rollout_backends._http import (
     get_json,
     json_loads,
     normalise_url,
+    sse_json,
     worker_id_of,
 )
 from rollout_backends._http_driver import HttpDriver, HttpEntry, HttpFleetBackend, StreamParser, Wire, Worker
@@ -112,6 +113,7 @@ __all__ = [
     "json_loads",
     "normalise_url",
     "serialize_named_tensors",
+    "sse_json",
     "unhandled",
     "worker_id_of",
 ]

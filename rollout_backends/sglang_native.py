@@ -938,16 +938,22 @@ def _count(meta: Mapping[str, Any], key: str, default: int, worker: str | None) 
     return v
 
 
+def _answer_parts(data: object, what: str, worker: str | None) -> tuple[dict[str, Any], dict[str, Any], list[Any]]:
+    """An answer (or a streamed event), its ``meta_info`` and ``output_ids``, checked for shape."""
+    if type(data) is not dict:
+        raise ContractViolation(f"{what} is {_type_name(data)}, expected an object", worker=worker)
+    meta = data.get("meta_info")
+    out = data.get("output_ids")
+    if type(meta) is not dict or type(out) is not list:
+        raise ContractViolation(f"{what} lacks output_ids or meta_info", worker=worker)
+    return data, meta, out
+
+
 def parse_answer(request: GenerateRequest, data: object, latency_s: float, *, worker: str | None) -> Generation:
     """SGLang's ``/generate`` answer (an object, or a one-element list) -> ``Generation``."""
     if type(data) is list and len(data) == 1:
         data = data[0]
-    if type(data) is not dict:
-        raise ContractViolation(f"/generate answered {_type_name(data)}, expected an object", worker=worker)
-    meta = data.get("meta_info")
-    out = data.get("output_ids")
-    if type(meta) is not dict or type(out) is not list:
-        raise ContractViolation("/generate answer lacks output_ids or meta_info", worker=worker)
+    answer, meta, out = _answer_parts(data, "/generate answer", worker)
     if countOf(map(type, out), int) != len(out):
         raise ContractViolation("output_ids are not all ints", worker=worker)
     output_ids = tuple(out)
@@ -987,7 +993,7 @@ def parse_answer(request: GenerateRequest, data: object, latency_s: float, *, wo
         matched_stop=matched if reason is FinishReason.STOP else None,
         top_logprobs=top,
         prompt_logprobs=prompt_lps,
-        text=data["text"] if type(data.get("text")) is str else None,
+        text=answer["text"] if type(answer.get("text")) is str else None,
     )
 
 
@@ -1004,12 +1010,7 @@ def parse_stream_event(
     holds what follows. The last event is parsed whole by ``parse_answer``: the final
     ``Generation`` is the non-streamed answer's, parsed in one place.
     """
-    if type(data) is not dict:
-        raise ContractViolation(f"a streamed /generate event is {_type_name(data)}, expected an object", worker=worker)
-    meta = data.get("meta_info")
-    out = data.get("output_ids")
-    if type(meta) is not dict or type(out) is not list:
-        raise ContractViolation("a streamed /generate event lacks output_ids or meta_info", worker=worker)
+    _, meta, out = _answer_parts(data, "streamed /generate event", worker)
     n = len(sent)
     if len(out) < n or tuple(out[:n]) != tuple(sent):
         raise ContractViolation(

@@ -29,7 +29,7 @@ EXPECTED_KIT = {
     "FLUSH_WAIT_S", "FlushCache", "GetVersion", "InitWeightGroup", "Live", "NamedTensors", "Operation", "Pause",
     "Probe",
     "Progress", "Ready", "ReleaseMemory", "Resume", "ResumeMemory", "SetVersion", "UpdateFromDisk",
-    "UpdateFromDistributed", "UpdateFromTensors", "unhandled",
+    "UpdateFromDistributed", "UpdateFromTensors", "sse_json", "unhandled",
     "deserialize_named_tensors", "ensure_tags", "fan_out", "get_json", "json_loads",
     "normalise_url", "serialize_named_tensors", "worker_id_of",
 }  # fmt: skip

@@ -79,6 +79,7 @@ from rollout_backends.kit import (
     UpdateFromTensors,
     Worker,
     json_loads,
+    sse_json,
     unhandled,
 )
 from rollout_backends.sglang_native import (
@@ -947,12 +948,9 @@ class _CompletionStream:
         self.text = ""
 
     def event(self, data: bytes, latency_s: float) -> TokenChunk | None:
-        if data == b"[DONE]":
+        event = sse_json(data, "streamed /v1/completions", worker=self.worker)
+        if event is None:
             return None
-        try:
-            event = json_loads(data)
-        except ValueError as exc:
-            raise ContractViolation(f"a /v1/completions chunk is not JSON: {data[:200]!r}", worker=self.worker) from exc
         if not isinstance(event, dict):
             raise ContractViolation(f"a /v1/completions chunk is {type(event).__name__}, expected an object")
         if "error" in event:

@@ -57,7 +57,7 @@ from rollout_backends.kit import (
     UpdateFromDistributed,
     UpdateFromTensors,
     Worker,
-    json_loads,
+    sse_json,
     unhandled,
 )
 from rollout_backends.sglang_native import (
@@ -144,14 +144,9 @@ class _CumulativeStream:
         self.sent: tuple[int, ...] = ()
 
     def event(self, data: bytes, latency_s: float) -> TokenChunk | None:
-        if data == b"[DONE]":
+        event = sse_json(data, "streamed /generate", worker=self.worker)
+        if event is None:
             return None
-        try:
-            event = json_loads(data)
-        except ValueError as exc:
-            raise ContractViolation(
-                f"a streamed /generate event is not JSON: {data[:200]!r}", worker=self.worker
-            ) from exc
         if type(event) is dict and "error" in event:
             # SGLang 0.5.16 answers a streamed request 200 at once and reports what its tokenizer
             # manager refuses (bad input, a duplicate id in flight) as an event {"error": {...}}
