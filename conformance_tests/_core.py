@@ -531,7 +531,10 @@ class CheckContext:
         await asyncio.sleep(max(0.05, 1.5 * t) + self.harness.progress_wait_s)
 
     def start(self, request: GenerateRequest) -> asyncio.Task[Generation]:
-        task = asyncio.ensure_future(self.backend.generate(request))
+        return self.track(asyncio.ensure_future(self.backend.generate(request)))
+
+    def track(self, task: asyncio.Task[Generation]) -> asyncio.Task[Generation]:
+        """A task of this check's, cancelled at its end if it still runs."""
         self._started.append(task)
         return task
 

@@ -10,6 +10,7 @@ load) and put the labels back.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 from rollout_backends import (
     Capabilities,
@@ -39,6 +40,7 @@ from ._weights import _alt_loader, _restore, _update
 __all__ = [
     "check_min_version_after_partial_update",
     "check_unknown_exact_version_is_retryable",
+    "check_stream_version_spans_across_update",
     "check_version_spans_across_update",
     "check_version_spans_quiet",
 ]
@@ -176,6 +178,38 @@ async def check_version_spans_across_update(ctx: CheckContext) -> None:
     weights) holds tokens of both versions: its spans start with the old version and end with the
     new one, the old span equals the same request run before the update, and each new-version span
     equals a fresh engine on the new weights given the tokens before it."""
+    await _spans_across_update(ctx, ctx.start)
+
+
+def _stream_spans(c: Capabilities, h: Harness, b: RolloutBackend) -> str | None:
+    if c.streaming and c.stream_version_spans:
+        return None
+    return "capabilities streaming and stream_version_spans not declared"
+
+
+@check("versions")
+@requires(
+    pause_mode=PauseMode.RETRACT,
+    any_transport=(WeightTransport.DISK, WeightTransport.TENSOR),
+    hooks=("alt_weights_path", "fresh_factory_on"),
+)
+@_Requires([Requirement("stream_version_spans", _stream_spans)])
+async def check_stream_version_spans_across_update(ctx: CheckContext) -> None:
+    """``version_spans_across_update`` for a *streamed* request: the engine's per-chunk versions
+    put together give spans starting with the old version and ending with the new, each
+    new-version span equal to a fresh engine on the new weights given the tokens before it."""
+
+    async def streamed(request: GenerateRequest) -> Generation:
+        async with ctx.backend.stream(request) as chunks:
+            async for chunk in chunks:
+                if chunk.final is not None:
+                    return chunk.final
+        raise CheckFailed(f"{request.request_id}: the stream ended without its final chunk")
+
+    await _spans_across_update(ctx, lambda request: ctx.track(asyncio.ensure_future(streamed(request))))
+
+
+async def _spans_across_update(ctx: CheckContext, start: Callable[[GenerateRequest], asyncio.Task[Generation]]) -> None:
     prompt = ctx.prompts(1, min_len=6, max_len=12, seed=29)[0]
     req = ctx.long_request(prompt, ctx.harness.pause_max_new_tokens, tag="spans")
     n = req.sampling.max_new_tokens
@@ -184,7 +218,7 @@ async def check_version_spans_across_update(ctx: CheckContext) -> None:
     previous = dict(await ctx.backend.weight_versions())
     new = "conformance-spans"
     try:
-        task = ctx.start(req)
+        task = start(req)
         await ctx.let_run()
         if task.done():
             raise HarnessError(f"the {n}-token request finished before the update: raise Harness.pause_max_new_tokens")

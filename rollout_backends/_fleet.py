@@ -560,8 +560,17 @@ class Fleet:
             try:
                 ids: list[int] = []
                 lps: list[float] | None = [] if request.return_logprobs else None
+                # (first index, version) runs of the chunks' reported versions; None once a chunk
+                # with tokens reports none.
+                runs: list[tuple[int, str]] | None = [] if self.capabilities.stream_version_spans else None
                 async for chunk in chunks:
                     self._check_chunk(chunk, rid, len(ids), known)
+                    if runs is not None and chunk.output_ids:
+                        v = chunk.weight_version
+                        if v is None:
+                            runs = None
+                        elif not runs or runs[-1][1] != v:
+                            runs.append((chunk.index, v))
                     ids.extend(chunk.output_ids)
                     if lps is not None and chunk.logprobs is not None:
                         lps.extend(chunk.logprobs)
@@ -575,6 +584,9 @@ class Fleet:
                         raise ContractViolation(
                             f"the chunks of {rid!r} do not add up to its final Generation", worker=final.worker or known
                         )
+                    if runs and final.version_spans is None and runs[-1][1] == final.weight_version:
+                        # The engine's own per-event versions: where the tokens changed version.
+                        final = attrs.evolve(final, version_spans=tuple(runs), version_at_start=runs[0][1])
                     yield attrs.evolve(chunk, final=self._stamped(final, known, labels, epochs))
                     return
                 raise ContractViolation(f"the stream of {rid!r} ended without its final chunk", worker=known)

@@ -467,6 +467,9 @@ class TokenChunk:
     logprobs: tuple[float, ...] | None = None
     top_logprobs: tuple[tuple[tuple[int, float], ...], ...] | None = None
     final: Generation | None = None
+    #: The version the engine reported with these tokens, where it reports one per chunk
+    #: (``Capabilities.stream_version_spans``); ``None`` otherwise.
+    weight_version: str | None = None
 
     def __attrs_post_init__(self) -> None:
         # Like Generation: a chunk that cannot be one is the engine's (or adapter's) breach.
@@ -501,6 +504,7 @@ class TokenChunk:
             logprobs=lps[index:] if lps is not None else None,
             top_logprobs=tops[index:] if tops is not None else None,
             final=final,
+            weight_version=final.weight_version,
         )
 
     @property
@@ -703,6 +707,11 @@ class Capabilities:
     #: updates, token by token); ``STAMPED``, the fleet, only where exact (a generation that no
     #: load or relabel of its worker overlapped: one run), else ``None``; ``NONE``: never known.
     version_spans: VersionSource = VersionSource.NONE
+    #: A stream's chunks carry the version the engine reported with their tokens
+    #: (``TokenChunk.weight_version``; SGLang stamps every event with the version it holds when the
+    #: event is built), so a *streamed* generation's ``version_spans`` hold across an update even
+    #: where ``version_spans`` is only ``STAMPED``.
+    stream_version_spans: bool = False
     #: ``SamplingParams.stop`` (stop strings) is honoured, with ``Generation.text``.
     stop_strings: bool = False
     #: Greedy outputs do not depend on what else is batched (SGLang: deterministic inference).

@@ -1038,7 +1038,15 @@ def parse_stream_event(
             tops = meta.get("output_top_logprobs")
             tops = tops[n:] if type(tops) is list and len(tops) == len(out) else tops
             top = _top_logprobs(tops, len(ids), k, "output_top_logprobs", worker)
-    return TokenChunk(request_id=request.request_id, index=n, output_ids=ids, logprobs=logprobs, top_logprobs=top)
+    version = meta.get("weight_version")
+    return TokenChunk(
+        request_id=request.request_id,
+        index=n,
+        output_ids=ids,
+        logprobs=logprobs,
+        top_logprobs=top,
+        weight_version=None if version is None else str(version),
+    )
 
 
 # -- errors --------------------------------------------------------------------------------------

@@ -268,3 +268,36 @@ async def test_dynamo_stream_error_chunk_raises_typed() -> None:
     with pytest.raises(rb.BackendUnavailable, match="after 1 tokens"):
         await _collect(fleet, _dynamo_request(DATA["dynamo"]["plain-stream"]))
     await fleet.aclose()
+
+
+def _versioned(ids: list[int], version: str, finished: bool = False) -> dict[str, Any]:
+    answer = _partial(ids, finished)
+    answer["meta_info"]["weight_version"] = version
+    return answer
+
+
+async def test_sglang_stream_versions_per_event_become_the_spans() -> None:
+    # SGLang stamps every event with the version it holds when the event is built: tokens before an
+    # update come with the old one, those after with the new one.
+    body = _events(_versioned([5], "v0"), _versioned([5, 6], "v0"), _versioned([5, 6, 7], "v1"),
+                   _versioned([5, 6, 7, 8], "v1", finished=True))  # fmt: skip
+    last = _versioned([5, 6, 7, 8], "v1", finished=True)
+
+    def handler(req: HttpRequest) -> HttpResponse:
+        assert req.json is not None
+        return HttpResponse(200, body, SSE) if req.json.get("stream") else HttpResponse.from_json(last)
+
+    fleet, _ = _sglang_fleet(handler)
+    assert fleet.capabilities.stream_version_spans
+    request = rb.GenerateRequest(
+        input_ids=[1], sampling=rb.SamplingParams(max_new_tokens=4), request_id="r", return_logprobs=False
+    )
+    chunks = await _collect(fleet, request)
+    assert [c.weight_version for c in chunks] == ["v0", "v0", "v1", "v1"]
+    final = chunks[-1].final
+    assert final is not None and final.version_spans == ((0, "v0"), (2, "v1"))
+    assert final.version_at_start == "v0" and final.weight_version == "v1"
+    # Not generate: one answer holds one version (SGLang's at the finish), so no spans across it.
+    plain = await fleet.generate(attrs.evolve(request, request_id="r2"))
+    assert plain.version_spans == ((0, "v1"),) and plain.weight_version == "v1"
+    await fleet.aclose()

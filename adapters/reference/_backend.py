@@ -263,6 +263,7 @@ class ReferenceBackend(Fleet):
             worker_pinning=True,
             version_constraints=True,
             version_spans=VersionSource.RESPONSE,  # the engine records the version of every token
+            stream_version_spans=True,  # each streamed chunk carries the engine's version
             batch_invariant=True,  # every request runs alone through the model (no padded batches)
             max_context=first.max_context,
             vocab_size=first.vocab_size,

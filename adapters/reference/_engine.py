@@ -410,6 +410,7 @@ class ReferenceEngine:
                         output_ids=tuple(req.output_ids[sent:n]),
                         logprobs=lps,
                         top_logprobs=tuple(req.top_logprobs[sent:n]) if want_top else None,
+                        weight_version=self._version,  # as SGLang stamps an event: the version now
                     )
                     sent = n
             yield TokenChunk.closing(req.future.result(), sent)

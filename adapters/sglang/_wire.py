@@ -202,6 +202,7 @@ class SGLangWire:
             # SGLang 0.5.16 keeps no per-token versions (it stamps each chunk with the version then
             # served; docs/pause-modes.md): the fleet gives spans only where no update overlapped.
             version_spans=VersionSource.STAMPED,
+            stream_version_spans=True,  # every streamed event's meta_info.weight_version
             batch_invariant=self.deterministic,
             max_context=self.max_context,
             vocab_size=self.vocab_size,

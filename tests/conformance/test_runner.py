@@ -40,6 +40,7 @@ NEEDS_HOOK_OR_CAPABILITY = {
     "version_spans_across_update": (
         "capability version_spans=RESPONSE not declared (spans across an update come only from an engine)"
     ),
+    "stream_version_spans_across_update": "capabilities streaming and stream_version_spans not declared",
 }
 
 

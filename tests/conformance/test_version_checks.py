@@ -4,7 +4,8 @@ the finish, one that reports no spans."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
 
 import attrs
 import pytest
@@ -80,5 +81,53 @@ async def test_the_span_checks_pass_and_fail_on_wrong_spans(name: str, broken: t
     good = await c(factory(ReferenceBackend), harness)
     assert good.outcome is Outcome.PASS, good.line()
     bad = await c(factory(broken), harness)
+    assert bad.outcome is Outcome.FAIL, bad.line()
+    assert "span" in (bad.message or "")
+
+
+class ChunkVersionsOnly:
+    """An engine whose streamed generations carry no spans of their own, as SGLang's: the fleet
+    puts them together from the chunks' versions. ``at_finish``: every chunk reports the version at
+    the finish instead (one span, although the tokens span two versions)."""
+
+    def __init__(self, engine: ReferenceEngine, *, at_finish: bool) -> None:
+        self._engine, self._at_finish = engine, at_finish
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._engine, name)
+
+    async def stream(self, request: rb.GenerateRequest) -> AsyncIterator[rb.TokenChunk]:
+        chunks = self._engine.stream(request)
+        held: list[rb.TokenChunk] = []
+        try:
+            async for c in chunks:
+                if c.final is not None:
+                    c = attrs.evolve(c, final=attrs.evolve(c.final, version_spans=None))
+                if not self._at_finish:
+                    yield c
+                    continue
+                held.append(c)
+                if c.final is not None:
+                    for h in held:
+                        yield attrs.evolve(h, weight_version=c.final.weight_version)
+        finally:
+            await chunks.aclose()
+
+
+def chunk_versions_factory(*, at_finish: bool) -> BackendFactory:
+    async def make() -> rb.RolloutBackend:
+        engines = ReferenceBackend.create(workers=2, seed=0).engines
+        return ReferenceBackend([ChunkVersionsOnly(e, at_finish=at_finish) for e in engines])  # type: ignore[misc]
+
+    return make
+
+
+async def test_stream_spans_check_passes_on_chunk_versions_and_fails_on_versions_at_finish() -> None:
+    harness = reference_harness("reference://?workers=2&seed=0")
+    (c,) = select_checks(["stream_version_spans_across_update"])
+    good = await c(chunk_versions_factory(at_finish=False), harness)
+    assert good.outcome is Outcome.PASS, good.line()
+    assert "conformance-spans" in str(good.measurements["spans"]) and "," in str(good.measurements["spans"])
+    bad = await c(chunk_versions_factory(at_finish=True), harness)
     assert bad.outcome is Outcome.FAIL, bad.line()
     assert "span" in (bad.message or "")
