@@ -15,10 +15,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import rollout_backends as rb
-from rollout_backends._http import SseDecoder
 from rollout_backends.adapters.dynamo import DynamoWire
 from rollout_backends.adapters.sglang import SGLangWire
-from rollout_backends.kit import HttpClient, HttpFleetBackend, HttpRequest, HttpResponse, MockTransport, Worker
+from rollout_backends.kit import (
+    HttpClient,
+    HttpFleetBackend,
+    HttpRequest,
+    HttpResponse,
+    MockTransport,
+    SseDecoder,
+    Worker,
+)
 
 DATA = json.loads((Path(__file__).parent / "data" / "h200_answers_2026-12-03.json").read_text())
 SSE = {"Content-Type": "text/event-stream"}

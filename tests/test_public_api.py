@@ -24,7 +24,8 @@ EXPECTED_TOP = {
 EXPECTED_KIT = {
     "AiohttpTransport", "BackendBase", "Driver", "Entry", "Fleet", "HttpClient", "HttpDriver", "HttpEntry",
     "HttpFleetBackend", "HttpRequest", "RoundRobin",
-    "HttpResponse", "MockTransport", "RetryPolicy", "StreamParser", "Transport", "VersionBook", "Wire", "Worker",
+    "HttpResponse", "MockTransport", "RetryPolicy", "SseDecoder",
+    "StreamParser", "Transport", "VersionBook", "Wire", "Worker",
     "AbortAll", "AbortRequest", "BeginWeightUpdate", "Command", "DestroyWeightGroup", "EndWeightUpdate",
     "FLUSH_WAIT_S", "FlushCache", "GetVersion", "InitWeightGroup", "Live", "NamedTensors", "Operation", "Pause",
     "Probe",

@@ -73,12 +73,12 @@ from rollout_backends.kit import (
     Resume,
     ResumeMemory,
     SetVersion,
+    SseDecoder,
     StreamParser,
     UpdateFromDisk,
     UpdateFromDistributed,
     UpdateFromTensors,
     Worker,
-    json_loads,
     sse_json,
     unhandled,
 )
@@ -310,17 +310,13 @@ def is_sse(body: bytes) -> bool:
 
 def sse_events(body: bytes) -> list[Any]:
     """The JSON payloads of an SSE body's ``data:`` events, up to ``[DONE]``."""
+    decoder = SseDecoder()
     events: list[Any] = []
-    for line in body.split(b"\n"):
-        if not line.startswith(b"data:"):
-            continue  # blank separators, ": keep-alive" comments
-        data = line[5:].strip()
-        if data == b"[DONE]":
+    for data in [*decoder.feed(body), *decoder.close()]:
+        event = sse_json(data, "/generate", worker=None)
+        if event is None:
             break
-        try:
-            events.append(json_loads(data))
-        except ValueError as exc:
-            raise ContractViolation(f"/generate sent an event that is not JSON: {data[:200]!r}") from exc
+        events.append(event)
     return events
 
 
