@@ -202,7 +202,12 @@ class SGLangWire:
             # SGLang 0.5.16 keeps no per-token versions (it stamps each chunk with the version then
             # served; docs/pause-modes.md): the fleet gives spans only where no update overlapped.
             version_spans=VersionSource.STAMPED,
-            stream_version_spans=True,  # every streamed event's meta_info.weight_version
+            # Each streamed event's meta_info.weight_version reaches TokenChunk.weight_version, but
+            # spans built from them are not declared: the check that proves them needs a RETRACT
+            # update with the stream in flight, and SGLang 0.5.16 refuses the flush that update
+            # takes while retracted requests wait (H200 tier 2026-12-03 16:01; sglang#32153), so
+            # they stay unproven there. Streams keep the STAMPED rule of version_spans.
+            stream_version_spans=False,
             batch_invariant=self.deterministic,
             max_context=self.max_context,
             vocab_size=self.vocab_size,
