@@ -19,7 +19,11 @@
 3. **engine_data on the final chunk:** ``weight_version`` (SGLang's ``meta_info.weight_version``)
    and ``finish_reason`` (SGLang's raw finish type, e.g. ``"abort"``; the 1.4.2 frontend reports
    Dynamo's ``"cancelled"`` as ``"stop"``). The frontend forwards it as ``nvext.engine_data`` when
-   the client asks for ``extra_fields: ["engine_data"]``.
+   the client asks for ``extra_fields: ["engine_data"]``. Every chunk also carries
+   ``engine_data[CHUNK_VERSION_KEY]``: the ``meta_info.weight_version`` of the SGLang output it was
+   built from (the version SGLang's tokenizer manager holds when it builds that output, as in
+   SGLang's own streamed events), which the frontend forwards on non-final chunks too (measured,
+   1.4.2 and 1.6.1), so a stream's version spans hold across an update.
 4. **Worker-side text** (``_detok``): every chunk gets ``text`` and ``tokens`` from our char-safe
    incremental detokenizer, so the 1.4.2 frontend never runs its own decoder, which panics on some
    UTF-8 splits (HTTP 500). Not for requests with text stop sequences (only the frontend matches
@@ -60,7 +64,7 @@ from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
 from ._detok import IncrementalDetokenizer, TextDecoder, load_text_decoder, worker_text_enabled
-from ._wire import rid_from_annotations
+from ._wire import CHUNK_VERSION_KEY, rid_from_annotations
 
 logger = logging.getLogger("rollout_backends.dynamo_sglang_shim")
 
@@ -254,6 +258,11 @@ def patch_token_stream(handler_cls: Any = None) -> bool:
 
         detok = req.detok if req is not None else None
         async for out in orig_stream(self, tap(), *args, **kwargs):
+            # tap() records each SGLang output's version just before 1.4.2's loop builds this chunk
+            # from it (one chunk per output, built as it is pulled): the version of these tokens.
+            version = seen.get("weight_version")
+            if version is not None:
+                out["engine_data"] = {**(out.get("engine_data") or {}), CHUNK_VERSION_KEY: str(version)}
             if detok is not None:
                 # ``tokens`` is what the frontend builds logprobs.tokens from.
                 final = bool(out.get("finish_reason"))

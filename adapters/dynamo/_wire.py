@@ -96,6 +96,7 @@ from rollout_backends.sglang_native import (
 )
 
 __all__ = [
+    "CHUNK_VERSION_KEY",
     "FLAVORS",
     "ROUTES",
     "DynamoFlavor",
@@ -148,6 +149,14 @@ class FlavorRoutes:
     #: still arrives. Behind dynamo.sglang workers it does not: on the H200 tier (2026-12-02, 1.4.2,
     #: shim) a stop-string answer came back without a weight version. Not declared there.
     stop_strings: bool = False
+    #: Every chunk carries the version its tokens were generated under, as
+    #: ``engine_data[CHUNK_VERSION_KEY]`` (our worker; the shim, from each SGLang output's
+    #: ``meta_info.weight_version``), so a stream's ``version_spans`` hold across an update
+    #: (``Capabilities.stream_version_spans``). The frontend forwards a non-final chunk's
+    #: ``engine_data`` verbatim as that SSE chunk's ``nvext.engine_data`` (measured 2026-12-03 on CPU,
+    #: ai-dynamo 1.4.2 and 1.6.1: each of 4 chunks came back with its own engine_data); stock
+    #: dynamo.sglang puts ``engine_data`` on no chunk, so not declared there.
+    chunk_versions: bool = False
     #: dynamo.sglang 1.4.x awaits the synchronous ``TokenizerManager.abort_request``: the abort is
     #: dispatched, then the route fails with "object NoneType can't be used in 'await' expression".
     abort_all_await_bug: bool = False
@@ -163,11 +172,18 @@ ROUTES: Mapping[DynamoFlavor, FlavorRoutes] = {
         top_logprobs=5,
         prompt_logprobs=True,
         stop_strings=True,
+        chunk_versions=True,
     ),
     DynamoFlavor.SGLANG14: FlavorRoutes(sglang=True, abort_all_await_bug=True),
-    # The shim lets 1.4.2 pass top logprobs and returns prompt logprobs (_sglang_shim patch 6).
+    # The shim lets 1.4.2 pass top logprobs and returns prompt logprobs (_sglang_shim patch 6), and
+    # stamps every chunk with SGLang's version (patch 3).
     DynamoFlavor.SGLANG14_SHIM: FlavorRoutes(
-        sglang=True, rollout_routes=True, abort_all_await_bug=True, top_logprobs=5, prompt_logprobs=True
+        sglang=True,
+        rollout_routes=True,
+        abort_all_await_bug=True,
+        top_logprobs=5,
+        prompt_logprobs=True,
+        chunk_versions=True,
     ),
     DynamoFlavor.SGLANG16: FlavorRoutes(sglang=True, native=True),
     DynamoFlavor.MOCKER: FlavorRoutes(sglang=False, logprobs=False),
@@ -188,6 +204,9 @@ def to_flavor(value: DynamoFlavor | str) -> DynamoFlavor:
 PINNING_MODES = ("kv", "direct")
 EXTRA_FIELDS = ("completion_token_ids", "worker_id", "timing", "engine_data", "stop_reason")
 RID_ANNOTATION = "rid:"
+#: The ``engine_data`` key of the version a chunk's tokens were generated under (our worker, the
+#: shim). A chunk whose ``engine_data`` holds only this key is not the final one.
+CHUNK_VERSION_KEY = "chunk_weight_version"
 
 
 #: ``repr`` of a msgspec struct result: ``FlushCacheReqOutput(rid=None, ..., success=False, message='')``.
@@ -421,6 +440,17 @@ def _completion_top_logprobs(
     return tuple(out)
 
 
+def _chunk_version(engine_data: object, worker: str | None) -> str | None:
+    """A chunk's ``engine_data[CHUNK_VERSION_KEY]`` (the version its tokens were generated under),
+    ``None`` where the worker sent none; anything but a string is the worker's breach."""
+    if not isinstance(engine_data, dict) or engine_data.get(CHUNK_VERSION_KEY) is None:
+        return None
+    version = engine_data[CHUNK_VERSION_KEY]
+    if not isinstance(version, str):
+        raise ContractViolation(f"engine_data.{CHUNK_VERSION_KEY} is not a string ({version!r})", worker=worker)
+    return version
+
+
 def _is_int(v: object) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
@@ -517,8 +547,10 @@ class DynamoWire:
             worker_pinning=self.pinning,
             # The fleet routes by its labels; without pinning it refuses while the workers disagree.
             version_constraints=True,
-            # No engine reports per-token versions: the fleet gives spans where no update overlapped.
+            # No answer reports per-token versions: the fleet gives spans where no update overlapped.
             version_spans=VersionSource.NONE if self.version_source is VersionSource.NONE else VersionSource.STAMPED,
+            # A stream's chunks do, where the workers stamp each (FlavorRoutes.chunk_versions).
+            stream_version_spans=routes.chunk_versions,
             # The probe is a 1-token generation pinned to the worker: only where pinning works.
             progress_probe=self.pinning,
             batch_invariant=routes.deterministic,
@@ -931,7 +963,9 @@ class _CompletionStream:
     stream_capture.py): each chunk holds its *new* tokens (``nvext.completion_token_ids``,
     ``choices[0].logprobs``), the last one also ``finish_reason`` and ``nvext.engine_data``;
     ``data: [DONE]`` at the end. The final ``Generation`` is the non-streamed answer's parse
-    (``parse_completion``) of the chunks put together."""
+    (``parse_completion``) of the chunks put together. Where the workers stamp every chunk
+    (``FlavorRoutes.chunk_versions``), a chunk before the last has ``nvext.engine_data`` holding
+    only ``CHUNK_VERSION_KEY``: its tokens' version (``TokenChunk.weight_version``), not the end."""
 
     __slots__ = ("ids", "lps", "request", "text", "tokens", "tops", "wire", "worker")
 
@@ -970,7 +1004,10 @@ class _CompletionStream:
         lp_obj = choice.get("logprobs") if isinstance(choice.get("logprobs"), dict) else {}
         assert isinstance(lp_obj, dict)
         n = len(self.ids)
-        if choice.get("finish_reason") is not None or "engine_data" in nvext:
+        engine_data = nvext.get("engine_data")
+        version = _chunk_version(engine_data, self.worker)
+        version_only = isinstance(engine_data, dict) and set(engine_data) == {CHUNK_VERSION_KEY}
+        if choice.get("finish_reason") is not None or ("engine_data" in nvext and not version_only):
             merged_lp = {
                 **lp_obj,
                 "tokens": [*self.tokens, *(lp_obj.get("tokens") or ())],
@@ -987,14 +1024,16 @@ class _CompletionStream:
                 "nvext": {**nvext, "completion_token_ids": [*self.ids, *ids]},
             }
             gen = self.wire.parse_completion(self.request, merged, latency_s)
-            return TokenChunk.closing(gen, min(n, len(gen.output_ids)))
-        chunk = self._delta(ids, lp_obj, n)
+            closing = TokenChunk.closing(gen, min(n, len(gen.output_ids)))
+            # The last tokens' own version where the worker sent it (closing() takes the finish's).
+            return closing if version is None else attrs.evolve(closing, weight_version=version)
+        chunk = self._delta(ids, lp_obj, n, version)
         self.ids.extend(ids)
         if isinstance(choice.get("text"), str):
             self.text += choice["text"]
         return chunk
 
-    def _delta(self, ids: list[int], lp_obj: Mapping[str, Any], n: int) -> TokenChunk:
+    def _delta(self, ids: list[int], lp_obj: Mapping[str, Any], n: int, version: str | None) -> TokenChunk:
         """A chunk before the last: its tokens (and logprobs, kept for the final parse)."""
         request = self.request
         logprobs = top = None
@@ -1015,5 +1054,10 @@ class _CompletionStream:
         if request.sampling.max_new_tokens == 0:  # re-scoring: the one token generated is not the caller's
             return TokenChunk(request_id=request.request_id, index=0, output_ids=())
         return TokenChunk(
-            request_id=request.request_id, index=n, output_ids=tuple(ids), logprobs=logprobs, top_logprobs=top
+            request_id=request.request_id,
+            index=n,
+            output_ids=tuple(ids),
+            logprobs=logprobs,
+            top_logprobs=top,
+            weight_version=version,
         )

@@ -72,7 +72,7 @@ from rollout_backends.sglang_native import (
 )
 
 from ._detok import IncrementalDetokenizer, TextDecoder, load_text_decoder, worker_text_enabled
-from ._wire import rid_from_annotations
+from ._wire import CHUNK_VERSION_KEY, rid_from_annotations
 
 __all__ = [
     "DynamoWorker",
@@ -85,6 +85,7 @@ __all__ = [
     "refusal",
     "refusal_chunk",
     "run_worker",
+    "token_versions",
 ]
 
 logger = logging.getLogger("rollout_backends.dynamo_worker")
@@ -251,6 +252,18 @@ def refusal_chunk(exc: InvalidRequest, request: Mapping[str, Any], *, native: bo
     }
 
 
+def token_versions(gen: Generation) -> list[str | None]:
+    """The version each output token was generated under: from the engine's ``version_spans``
+    (the reference engine records the version at every step, so a generation that crossed an
+    update says which tokens are whose), else the version at the finish for all."""
+    versions: list[str | None] = [gen.weight_version] * len(gen.output_ids)
+    spans = gen.version_spans or ()
+    for k, (at, version) in enumerate(spans):
+        end = spans[k + 1][0] if k + 1 < len(spans) else len(versions)
+        versions[at:end] = [version] * (end - at)
+    return versions
+
+
 def refusal(exc: InvalidRequest) -> Exception:
     """The caller's mistake as Dynamo's ``HttpError(400)``, which the frontend answers as HTTP 400
     with its message (as ``dynamo.sglang`` does for out-of-vocabulary ids); the message names the
@@ -390,9 +403,16 @@ class DynamoWorker:
         ids = list(gen.output_ids)
         lps = list(gen.logprobs) if gen.logprobs is not None else None
         tops = gen.top_logprobs
+        versions = token_versions(gen)
         chunks: list[dict[str, Any]] = []
         for i, t in enumerate(ids):
             c: dict[str, Any] = {"token_ids": [t], "index": 0}
+            if versions[i] is not None:
+                # The version this token was generated under; the frontend forwards a non-final
+                # chunk's engine_data as that SSE chunk's nvext.engine_data (1.4.2 and 1.6.1,
+                # measured), and the wire reads a chunk whose engine_data holds only this key as
+                # not the last.
+                c["engine_data"] = {CHUNK_VERSION_KEY: versions[i]}
             if lps is not None:
                 c["log_probs"] = [float(lps[i])]
             if tops is not None:
@@ -425,6 +445,7 @@ class DynamoWorker:
         # client asks for extra_fields ["engine_data"]). It carries what the OpenAI shape loses: the
         # served weight version, and ABORT (the frontend reports "cancelled" as "stop").
         last["engine_data"] = {
+            **(last.get("engine_data") or {}),
             "weight_version": gen.weight_version,
             "finish_reason": gen.finish_reason.value,
             "worker": self.worker_name,

@@ -596,3 +596,56 @@ def test_stop_strings_matched_by_the_frontend() -> None:
     assert w.capabilities().stop_strings and not _wire(flavor="mocker").capabilities().stop_strings
     # Behind dynamo.sglang the frontend's stop cuts the worker's last chunk (version, worker): not declared.
     assert not any(_wire(flavor=f).capabilities().stop_strings for f in ("sglang14", "sglang14-shim", "sglang16"))
+
+
+def _completion_chunk(ids: list[int], lps: list[float], finish: str | None = None, **engine_data: Any) -> bytes:
+    """One SSE chunk of the frontend's streamed /v1/completions (1.4.2's shape, measured)."""
+    choice: dict[str, Any] = {"text": "", "index": 0, "logprobs": {"tokens": [], "token_logprobs": lps}}
+    if finish is not None:
+        choice["finish_reason"] = finish
+    nvext: dict[str, Any] = {"completion_token_ids": ids, "worker_id": {"decode_worker_id": 222}}
+    if engine_data:
+        nvext["engine_data"] = engine_data
+    event: dict[str, Any] = {"choices": [choice], "nvext": nvext}
+    if finish is not None:
+        event["usage"] = {"prompt_tokens": 3, "completion_tokens": 3}
+    return json.dumps(event).encode()
+
+
+def test_stream_chunks_carry_their_own_versions() -> None:
+    """Our worker stamps every chunk with its tokens' version (engine_data.chunk_weight_version):
+    a chunk whose engine_data holds only that is not the last; the last has its own too."""
+    assert _wire().capabilities().stream_version_spans  # our worker (FlavorRoutes.chunk_versions)
+    assert _wire(flavor="sglang14-shim").capabilities().stream_version_spans
+    assert not _wire(flavor="sglang14").capabilities().stream_version_spans  # stock dynamo.sglang: none
+    assert not _wire(flavor="sglang16").capabilities().stream_version_spans
+    w = _wire()
+    req = GenerateRequest(input_ids=[1, 2, 3], sampling=SamplingParams(max_new_tokens=3, temperature=0.0))
+    parser = w.stream_parser(req, HttpResponse(200, b"", {}), worker=None)
+    first = parser.event(_completion_chunk([11], [-0.5], chunk_weight_version="v0"), 0.1)
+    second = parser.event(_completion_chunk([12], [-0.25], chunk_weight_version="v1"), 0.1)
+    assert first is not None and second is not None and first.final is None and second.final is None
+    assert (first.index, first.output_ids, first.weight_version) == (0, (11,), "v0")
+    assert (second.index, second.output_ids, second.weight_version) == (1, (12,), "v1")
+    last = parser.event(
+        _completion_chunk(
+            [13], [-0.125], "length", chunk_weight_version="v1", weight_version="v1", finish_reason="length",
+            worker=W1.control_url,
+        ),
+        0.1,
+    )  # fmt: skip
+    assert last is not None and last.final is not None
+    assert (last.index, last.output_ids, last.weight_version) == (2, (13,), "v1")
+    assert last.final.output_ids == (11, 12, 13) and last.final.weight_version == "v1" and last.final.worker == W1.id
+    # Without a chunk version (stock workers) a chunk reports none; a non-string one is a breach.
+    plain = w.stream_parser(req, HttpResponse(200, b"", {}), worker=None).event(_completion_chunk([11], [-0.5]), 0.1)
+    assert plain is not None and plain.weight_version is None and plain.final is None
+    bad = w.stream_parser(req, HttpResponse(200, b"", {}), worker=None)
+    with pytest.raises(ContractViolation, match="chunk_weight_version"):
+        bad.event(_completion_chunk([11], [-0.5], chunk_weight_version=3), 0.1)
+    # A refusal (engine_data.refused, no finish reason on the native shape) still ends the stream.
+    refused = w.stream_parser(req, HttpResponse(200, b"", {}), worker=None)
+    with pytest.raises(InvalidRequest, match="max_new_tokens"):
+        refused.event(
+            _completion_chunk([], [], refused={"param": "sampling_params.max_new_tokens", "message": "too big"}), 0.1
+        )

@@ -153,10 +153,23 @@ def _collect(handler: Any, request: dict[str, Any], cid: str = "ctx-1") -> list[
 
 def test_engine_data_stamped_on_final_chunk() -> None:
     outs = _collect(_handler_class()(_numbered(CHUNKS)), {"token_ids": [1, 2]})
-    assert [o.get("engine_data") for o in outs[:-1]] == [None, None]
-    assert outs[-1]["engine_data"] == {"weight_version": "v5", "finish_reason": "abort"}
+    assert [o.get("engine_data") for o in outs[:-1]] == [None, None]  # SGLang sent no version yet
+    assert outs[-1]["engine_data"] == {"weight_version": "v5", "finish_reason": "abort", "chunk_weight_version": "v5"}
     assert [t for o in outs for t in o["token_ids"]] == [11, 12, 13, 14]
     assert not REQUESTS.by_context and not REQUESTS.by_rid  # forgotten when the request ends
+
+
+def test_every_chunk_carries_the_version_sglang_built_it_under() -> None:
+    """Patch 3: each chunk's engine_data.chunk_weight_version is its SGLang output's
+    meta_info.weight_version (an update between outputs shows); the final chunk's weight_version
+    is the last one's."""
+    versioned = [
+        {**c, "meta_info": {**c["meta_info"], "weight_version": v}} for c, v in zip(CHUNKS, "abb", strict=True)
+    ]
+    outs = _collect(_handler_class()(_numbered(versioned)), {"token_ids": [1, 2]})
+    assert [o["engine_data"]["chunk_weight_version"] for o in outs] == ["a", "b", "b"]
+    assert [o["engine_data"] for o in outs[:-1]] == [{"chunk_weight_version": "a"}, {"chunk_weight_version": "b"}]
+    assert outs[-1]["engine_data"]["weight_version"] == "b"
 
 
 def test_waiting_queue_abort_chunk_is_cut_back_to_a_delta() -> None:
@@ -299,7 +312,9 @@ def test_patches_on_the_real_1_4_2_handler(tiny_model: Any) -> None:
     plain = r["plain"]
     assert ids(plain) == [11, 12, 13, 14] and aligned(plain)
     assert [lp for c in plain for lp in c["log_probs"]] == [-0.01, -0.02, -0.03, -0.04]
-    assert plain[-1]["engine_data"] == {"weight_version": "v7", "finish_reason": "length"}
+    assert plain[-1]["engine_data"] == {"weight_version": "v7", "finish_reason": "length", "chunk_weight_version": "v7"}
+    # Through 1.4.2's own loop, every chunk carries its SGLang output's version, and nothing else before the last.
+    assert [c["engine_data"] for c in plain[:-1]] == [{"chunk_weight_version": "v7"}] * (len(plain) - 1)
     # Top-k alternatives (1.4.2 refuses them without the shim's env) named by id, per token, and
     # the prompt's logprobs from SGLang's first chunk on the final chunk's engine_data.
     top = r["top_and_prompt"]

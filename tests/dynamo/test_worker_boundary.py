@@ -15,11 +15,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import attrs
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rollout_backends import FinishReason, GenerateRequest, InvalidRequest
+from rollout_backends import FinishReason, GenerateRequest, Generation, InvalidRequest
 from rollout_backends.adapters.dynamo._wire import DynamoFlavor, DynamoWire
 from rollout_backends.adapters.dynamo._worker import DynamoWorker, refusal
 from rollout_backends.kit import HttpResponse
@@ -227,3 +228,28 @@ def test_engine_route_bodies_are_typed(route: str, body: dict[str, Any], field: 
     out = asyncio.run(_json_safe(worker.routes()[route])(body))
     assert out["success"] is False and out["param"] == field, out
     assert engine.calls == before
+
+
+def test_every_chunk_carries_the_version_of_its_tokens() -> None:
+    """From the engine's version_spans (a generation across an update): each token's chunk says
+    the version it was generated under, the last chunk too beside the finish's weight_version;
+    chunks before the last hold nothing else in engine_data (the wire reads them as not the end)."""
+    worker, _ = _worker()
+    gen = Generation(
+        request_id="r1",
+        output_ids=(5, 6, 7, 8),
+        logprobs=(-0.5, -0.5, -0.5, -0.5),
+        finish_reason=FinishReason.LENGTH,
+        weight_version="b",
+        prompt_tokens=2,
+        version_at_start="a",
+        version_spans=((0, "a"), (2, "b")),
+    )
+    chunks = worker._chunks(gen)
+    assert [c["engine_data"]["chunk_weight_version"] for c in chunks] == ["a", "a", "b", "b"]
+    assert all(c["engine_data"] == {"chunk_weight_version": "a"} for c in chunks[:2])
+    assert chunks[2]["engine_data"] == {"chunk_weight_version": "b"} and "finish_reason" not in chunks[2]
+    assert chunks[-1]["engine_data"]["weight_version"] == "b" and chunks[-1]["finish_reason"] == "length"
+    # No spans from the engine: every token is the finish's version.
+    plain = worker._chunks(attrs.evolve(gen, version_spans=None, version_at_start=None))
+    assert [c["engine_data"]["chunk_weight_version"] for c in plain] == ["b"] * 4
