@@ -155,7 +155,8 @@ class FlavorRoutes:
     #: (``Capabilities.stream_version_spans``). The frontend forwards a non-final chunk's
     #: ``engine_data`` verbatim as that SSE chunk's ``nvext.engine_data`` (measured 2026-12-03 on CPU,
     #: ai-dynamo 1.4.2 and 1.6.1: each of 4 chunks came back with its own engine_data); stock
-    #: dynamo.sglang puts ``engine_data`` on no chunk, so not declared there.
+    #: dynamo.sglang puts ``engine_data`` on no chunk, so not declared there; behind the shim
+    #: (which stamps them) not declared either (see ``SGLANG14_SHIM``).
     chunk_versions: bool = False
     #: dynamo.sglang 1.4.x awaits the synchronous ``TokenizerManager.abort_request``: the abort is
     #: dispatched, then the route fails with "object NoneType can't be used in 'await' expression".
@@ -175,15 +176,12 @@ ROUTES: Mapping[DynamoFlavor, FlavorRoutes] = {
         chunk_versions=True,
     ),
     DynamoFlavor.SGLANG14: FlavorRoutes(sglang=True, abort_all_await_bug=True),
-    # The shim lets 1.4.2 pass top logprobs and returns prompt logprobs (_sglang_shim patch 6), and
-    # stamps every chunk with SGLang's version (patch 3).
+    # The shim lets 1.4.2 pass top logprobs and returns prompt logprobs (_sglang_shim patch 6). It
+    # stamps every chunk with SGLang's version (patch 3), but spans are not declared from them, as on
+    # SGLang direct (its wire): the check that proves them needs a RETRACT update with the stream
+    # in flight, whose flush SGLang 0.5.16 refuses (H200 tier 2026-12-03 16:01).
     DynamoFlavor.SGLANG14_SHIM: FlavorRoutes(
-        sglang=True,
-        rollout_routes=True,
-        abort_all_await_bug=True,
-        top_logprobs=5,
-        prompt_logprobs=True,
-        chunk_versions=True,
+        sglang=True, rollout_routes=True, abort_all_await_bug=True, top_logprobs=5, prompt_logprobs=True
     ),
     DynamoFlavor.SGLANG16: FlavorRoutes(sglang=True, native=True),
     DynamoFlavor.MOCKER: FlavorRoutes(sglang=False, logprobs=False),
