@@ -47,10 +47,18 @@ async def _finish(task: asyncio.Task[Generation], what: str, timeout: float = _S
 
 
 def _expect_partial_abort(
-    ctx: CheckContext, req: GenerateRequest, gen: Generation, what: str, *, action: str, running: bool
+    ctx: CheckContext,
+    req: GenerateRequest,
+    gen: Generation,
+    what: str,
+    *,
+    action: str,
+    running: bool,
+    min_kept: int = 1,
 ) -> None:
-    """``gen`` was ended by ``action`` with its partial tokens. ``running``: the request had not
-    finished when ``action`` was sent (else the harness's budget was too small, not the backend wrong)."""
+    """``gen`` was ended by ``action`` with its partial tokens (at least ``min_kept``). ``running``: the
+    request had not finished when ``action`` was sent (else the harness's budget was too small, not
+    the backend wrong)."""
     validate_generation(ctx, req, gen, allow_abort=True)
     limit = req.sampling.max_new_tokens
     if gen.finish_reason is FinishReason.LENGTH:
@@ -64,7 +72,7 @@ def _expect_partial_abort(
             f"({limit} tokens): {action} did not abort it"
         )
     expect(gen.finish_reason is FinishReason.ABORT, f"{what}: finish {gen.finish_reason.value!r}, want 'abort'")
-    expect(len(gen.output_ids) >= 1, f"{what}: aborted with no token kept (partial tokens must be returned)")
+    expect(len(gen.output_ids) >= min_kept, f"{what}: aborted with no token kept (partial tokens must be returned)")
     expect(len(gen.output_ids) < limit, f"{what}: aborted but all {limit} tokens were produced")
     ctx.measure(f"{what}_tokens_kept", len(gen.output_ids))
 
@@ -116,9 +124,17 @@ async def check_abort_all(ctx: CheckContext) -> None:
     await ctx.let_run()
     running = [not t.done() for t in tasks]
     await ctx.backend.abort_all()
+    kept = []
     for i, (r, t) in enumerate(zip(reqs, tasks, strict=True)):
         gen = await _finish(t, f"request {i}")
-        _expect_partial_abort(ctx, r, gen, f"abort_all_{i}", action="abort_all()", running=running[i])
+        # A request the engine had not yet scheduled when abort_all() came rightly keeps none: the
+        # check sleeps (let_run) rather than watching tokens, and on a loaded 2-core CI machine one
+        # of three Dynamo requests had none yet (fresh-clone .ci/run, 2026-12-03). At least one must.
+        _expect_partial_abort(ctx, r, gen, f"abort_all_{i}", action="abort_all()", running=running[i], min_kept=0)
+        kept.append(len(gen.output_ids))
+    expect(
+        max(kept) >= 1, f"abort_all: every request aborted with no token kept ({kept}); partial tokens must be returned"
+    )
     gen = await ctx.generate(prompts[0], ctx.greedy(4, ignore_eos=True))
     expect(len(gen.output_ids) == 4, "the backend does not serve normally after abort_all")
 

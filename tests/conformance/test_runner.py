@@ -389,3 +389,11 @@ async def test_parity_between_backends() -> None:
 def test_check_parity_needs_a_backend() -> None:
     with pytest.raises(ValueError):
         asyncio.run(check_parity({}))
+
+
+async def test_abort_all_fails_when_every_request_drops_its_tokens(tmp_path: Path) -> None:
+    # abort_all lets a request that had no token yet keep none, but not all of them.
+    (c,) = select_checks(["abort_all"])
+    result = await c(fake_factory(bugs=frozenset({"abort_drops_tokens"})), fake_harness(tmp_path))
+    assert result.outcome is Outcome.FAIL, result.line()
+    assert "every request aborted with no token kept" in (result.message or "")
