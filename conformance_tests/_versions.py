@@ -166,12 +166,17 @@ async def check_version_spans_quiet(ctx: CheckContext) -> None:
         ctx.measure(f"spans_{i}", len(gen.version_spans or ()))
 
 
-@check("versions")
-@requires(
+#: What a check of spans across a weight update needs: a RETRACT update (tokens after it are the
+#: new weights' own, so each new span can be held against a fresh engine), and the alt weights.
+_ACROSS_UPDATE = requires(
     pause_mode=PauseMode.RETRACT,
     any_transport=(WeightTransport.DISK, WeightTransport.TENSOR),
     hooks=("alt_weights_path", "fresh_factory_on"),
 )
+
+
+@check("versions")
+@_ACROSS_UPDATE
 @_Requires([Requirement("version_spans=RESPONSE", _engine_spans)])
 async def check_version_spans_across_update(ctx: CheckContext) -> None:
     """A greedy request in flight across a weight update (``weight_update(mode=RETRACT)`` to the alt
@@ -188,11 +193,7 @@ def _stream_spans(c: Capabilities, h: Harness, b: RolloutBackend) -> str | None:
 
 
 @check("versions")
-@requires(
-    pause_mode=PauseMode.RETRACT,
-    any_transport=(WeightTransport.DISK, WeightTransport.TENSOR),
-    hooks=("alt_weights_path", "fresh_factory_on"),
-)
+@_ACROSS_UPDATE
 @_Requires([Requirement("stream_version_spans", _stream_spans)])
 async def check_stream_version_spans_across_update(ctx: CheckContext) -> None:
     """``version_spans_across_update`` for a *streamed* request: the engine's per-chunk versions
