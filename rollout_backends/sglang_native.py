@@ -86,12 +86,14 @@ __all__ = [
     "SAMPLING_PARAM_KEYS",
     "NativeRequest",
     "ParseRules",
+    "StopStrings",
     "TensorsBody",
     "TextOptions",
     "UnknownKeys",
     "answer_body",
     "check_depth",
     "decode_text",
+    "trim_at_stop",
     "error_body",
     "error_field",
     "error_message",
@@ -790,6 +792,44 @@ def answer_body(
     return body
 
 
+@attrs.frozen(slots=True, kw_only=True)
+class StopStrings:
+    """SGLang 0.5.16's stop-string check (``Req._check_str_based_finish``, ``schedule_batch.py``):
+    after each output token, the last ``window`` output tokens are decoded on their own (special
+    tokens kept: HF's decode default, what SGLang calls) and the first stop string, in the
+    request's order, that the tail contains is the match. ``window`` is the longest stop's token
+    count + 1 (``SamplingParams.normalize``: ``stop_str_max_len`` from the tokenizer's encoding).
+
+    One rule for every engine that matches stop strings itself: the reference engine and the
+    dynamo.sglang shim (whose SGLang runs without a tokenizer and cannot match them)."""
+
+    stops: tuple[str, ...]
+    window: int
+
+    @classmethod
+    def of(cls, stops: Sequence[str], count_tokens: Callable[[str], int]) -> StopStrings:
+        """``count_tokens(s)``: the token count of ``s`` encoded without special tokens."""
+        if not stops:
+            raise InvalidRequest("sampling.stop", "no stop strings to match")
+        return cls(stops=tuple(stops), window=max(count_tokens(st) for st in stops) + 1)
+
+    def match(self, output_ids: Sequence[int], decode: Callable[[Sequence[int]], str]) -> str | None:
+        """The stop string the output (as it stands after its last token) has met, or ``None``."""
+        tail = decode(output_ids[-self.window :])
+        return next((st for st in self.stops if st in tail), None)
+
+
+def trim_at_stop(text: str, matched: str, *, no_stop_trim: bool) -> str:
+    """SGLang's ``text`` for an output that met the stop string ``matched`` (its detokenizer's
+    ``trim_matched_stop``): cut at the string's first occurrence in the whole output's text,
+    keeping it with ``no_stop_trim``; what follows is dropped either way. ``text`` unchanged when
+    the string is not in it (a tail decode can differ from the whole one at its left edge)."""
+    pos = text.find(matched)
+    if pos == -1:
+        return text
+    return text[: pos + len(matched)] if no_stop_trim else text[:pos]
+
+
 def decode_text(tokenizer: Any, gen: Generation, opts: TextOptions) -> str:
     """The ``text`` SGLang returns: the output decoded, the matched stop token trimmed unless
     ``no_stop_trim`` (``output_ids`` are never trimmed). ``""`` without a tokenizer."""
@@ -797,13 +837,7 @@ def decode_text(tokenizer: Any, gen: Generation, opts: TextOptions) -> str:
         return ""
     ids = list(gen.output_ids)
     if isinstance(gen.matched_stop, str) and gen.finish_reason is FinishReason.STOP:
-        # SGLang's detokenizer (trim_matched_stop): cut at the string's first occurrence in the
-        # whole output's text, keeping it with no_stop_trim; what follows it is dropped either way.
-        full = _decode(tokenizer, ids, opts)
-        pos = full.find(gen.matched_stop)
-        if pos == -1:
-            return full
-        return full[: pos + len(gen.matched_stop)] if opts.no_stop_trim else full[:pos]
+        return trim_at_stop(_decode(tokenizer, ids, opts), gen.matched_stop, no_stop_trim=opts.no_stop_trim)
     if (
         not opts.no_stop_trim
         and gen.finish_reason is FinishReason.STOP

@@ -46,6 +46,7 @@ from rollout_backends import (
     SamplingParams,
     TokenChunk,
 )
+from rollout_backends.sglang_native import StopStrings, trim_at_stop
 
 from ._dist import GlooGroup, open_gloo_group, torch_dtype
 
@@ -124,8 +125,8 @@ class _Req:
     top_logprobs: list[tuple[tuple[int, float], ...]] = attrs.field(factory=list)
     #: ``input_ids[prompt_logprobs_start:]``'s logprobs, from the first prefill (kept over a RETRACT).
     prompt_logprobs: tuple[float | None, ...] | None = None
-    #: SGLang's tail window for stop strings: the longest stop's token count + 1 (0: no stops).
-    stop_window: int = 0
+    #: SGLang's stop-string check for this request (None: no stop strings).
+    stop_strings: StopStrings | None = None
     cache: Any = None  #: KV cache; None = not computed yet, or dropped by a RETRACT pause
     generator: Any = None
     counts: Any = None  #: output-token counts (only when a penalty needs them)
@@ -434,8 +435,9 @@ class ReferenceEngine:
             progress=asyncio.Event() if streamed else None,
         )
         if sp.stop:
-            longest = max(len(self._tokenizer.encode(st, add_special_tokens=False).ids) for st in sp.stop)
-            req.stop_window = longest + 1
+            req.stop_strings = StopStrings.of(
+                sp.stop, lambda st: len(self._tokenizer.encode(st, add_special_tokens=False).ids)
+            )
         if not sp.greedy:
             seed = sp.seed if sp.seed is not None else self._seed_rng.randrange(2**63)
             req.generator = torch.Generator().manual_seed(seed)
@@ -598,7 +600,7 @@ class ReferenceEngine:
         n = len(req.output_ids)
         # SGLang checks the length limit before stop strings, and stop strings before stop tokens
         # (schedule_batch.py update_finish_state, 0.5.16).
-        matched_str = self._matched_stop_string(req) if req.stop_window else None
+        matched_str = req.stop_strings.match(req.output_ids, self._decode) if req.stop_strings is not None else None
         if n >= sp.max_new_tokens or len(req.request.input_ids) + n >= self._max_context:
             self._finish(req, FinishReason.LENGTH)
         elif matched_str is not None:
@@ -608,15 +610,6 @@ class ReferenceEngine:
         else:
             self._queue.append(req)
 
-    def _matched_stop_string(self, req: _Req) -> str | None:
-        """SGLang 0.5.16's ``_check_str_based_finish``: the last ``stop_window`` output tokens decoded
-        on their own; the first stop string (in the request's order) they contain."""
-        tail = self._decode(req.output_ids[-req.stop_window :])
-        for st in req.sampling.stop:
-            if st in tail:
-                return st
-        return None
-
     def _text(self, req: _Req, matched: int | str | None) -> str | None:
         """SGLang's ``text`` for a request with stop strings (our client's options: special tokens
         kept): cut before the matched string's first occurrence, after it with ``no_stop_trim``."""
@@ -624,10 +617,8 @@ class ReferenceEngine:
             return None
         full = self._decode(req.output_ids)
         if isinstance(matched, str):
-            pos = full.find(matched)
-            if pos != -1:
-                return full[: pos + len(matched)] if req.sampling.no_stop_trim else full[:pos]
-        elif isinstance(matched, int) and not req.sampling.no_stop_trim and req.output_ids:
+            return trim_at_stop(full, matched, no_stop_trim=req.sampling.no_stop_trim)
+        if isinstance(matched, int) and not req.sampling.no_stop_trim and req.output_ids:
             return self._decode(req.output_ids[:-1])  # a stop token: trimmed from the text
         return full
 
