@@ -25,7 +25,16 @@ import os
 import weakref
 from collections.abc import Callable, Sequence
 
-__all__ = ["IncrementalDetokenizer", "TextDecoder", "load_text_decoder", "worker_text_enabled"]
+import attrs
+
+__all__ = [
+    "IncrementalDetokenizer",
+    "TextCodec",
+    "TextDecoder",
+    "load_text_codec",
+    "load_text_decoder",
+    "worker_text_enabled",
+]
 
 logger = logging.getLogger("rollout_backends.dynamo_detok")
 
@@ -123,8 +132,17 @@ def worker_text_enabled() -> bool:
     return os.environ.get("ROLLOUT_DYN_WORKER_TEXT", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
-def load_text_decoder(model_path: str) -> TextDecoder | None:
-    """A ``TextDecoder`` for the model's ``tokenizer.json`` (the file the frontend loads), or None."""
+@attrs.frozen(slots=True, kw_only=True)
+class TextCodec:
+    """The model's tokenizer as the worker needs it: ``decode`` for text, ``count_tokens`` for
+    SGLang's stop-string window (a string's token count encoded without special tokens)."""
+
+    decode: TextDecoder
+    count_tokens: Callable[[str], int]
+
+
+def load_text_codec(model_path: str) -> TextCodec | None:
+    """A ``TextCodec`` for the model's ``tokenizer.json`` (the file the frontend loads), or None."""
     path = os.path.join(model_path, "tokenizer.json")
     if not os.path.isfile(path):
         logger.warning("no %s: the frontend will detokenize (and may hit its UTF-8 panic)", path)
@@ -143,4 +161,13 @@ def load_text_decoder(model_path: str) -> TextDecoder | None:
     def decode(ids: Sequence[int], skip_special_tokens: bool) -> str:
         return str(tok.decode(list(ids), skip_special_tokens=skip_special_tokens))
 
-    return decode
+    def count_tokens(text: str) -> int:
+        return len(tok.encode(text, add_special_tokens=False).ids)
+
+    return TextCodec(decode=decode, count_tokens=count_tokens)
+
+
+def load_text_decoder(model_path: str) -> TextDecoder | None:
+    """A ``TextDecoder`` for the model's ``tokenizer.json`` (the file the frontend loads), or None."""
+    codec = load_text_codec(model_path)
+    return None if codec is None else codec.decode

@@ -26,8 +26,8 @@
    1.4.2 and 1.6.1), so a stream's version spans hold across an update.
 4. **Worker-side text** (``_detok``): every chunk gets ``text`` and ``tokens`` from our char-safe
    incremental detokenizer, so the 1.4.2 frontend never runs its own decoder, which panics on some
-   UTF-8 splits (HTTP 500). Not for requests with text stop sequences (only the frontend matches
-   those); ``ROLLOUT_DYN_WORKER_TEXT=0`` turns it off.
+   UTF-8 splits (HTTP 500). Not for requests with ``stop_conditions.stop`` (the frontend matches
+   those on its own text); ``ROLLOUT_DYN_WORKER_TEXT=0`` turns it off.
 5. **Engine routes** (``register_engine_routes`` wrapped): ``rollout/weight_version`` →
    ``{"weight_version"}`` (1.4.2 has no route that returns it), ``rollout/server_args`` (SGLang's
    resolved ``ServerArgs``, as ``launch_server``'s ``/server_info`` shows them) and ``rollout/abort`` ``{"rid"}`` |
@@ -45,6 +45,19 @@
 7. **Control results:** ``call_tokenizer_manager`` results that are msgspec structs (SGLang 0.5.16's
    ``FlushCacheReqOutput``, ...) come back as their fields instead of ``{"result": str(struct)}``,
    so ``success: false`` (a refused flush) is visible.
+8. **Stop strings, matched here.** dynamo.sglang 1.4.2 runs SGLang with ``skip_tokenizer_init``
+   and passes it no stop strings (``_build_sampling_params``, token path); the frontend matched
+   them on its own text and ended the stream before the worker's final chunk, so the served
+   version and worker id never came (H200 tier 2026-12-02: ``stop_strings`` failed with
+   "weight_version is None"). The adapter sends them as an ``nvext.annotations`` entry
+   (``_wire.STOP_ANNOTATION``) the frontend does not act on; the shim checks SGLang's rule
+   (``sglang_native.StopStrings``, the reference engine's) after each token as outputs arrive, and
+   at a match cuts the output after that token (``output_ids`` and the per-token ``meta_info``
+   arrays; SGLang keeps the token that completes the string), finishes it as ``stop``, aborts the
+   request inside SGLang so it generates no more, and puts the string on the final chunk as
+   ``engine_data[MATCHED_STOP_KEY]``. The text sent is the whole output's; the wire cuts it at
+   the string (``trim_at_stop``, ``no_stop_trim``). A worker without ``tokenizer.json`` refuses
+   such a request (``engine_data.refused`` naming ``sampling.stop``).
 
 All patches live in the worker's main process (where the handler runs); SGLang's scheduler
 subprocesses are not involved. Each feature-detects and is a no-op where the layout differs.
@@ -60,11 +73,15 @@ import os
 import runpy
 import sys
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import Any
 
-from ._detok import IncrementalDetokenizer, TextDecoder, load_text_decoder, worker_text_enabled
-from ._wire import CHUNK_VERSION_KEY, rid_from_annotations
+from rollout_backends import InvalidRequest
+from rollout_backends.sglang_native import StopStrings, native_field
+
+from ._detok import IncrementalDetokenizer, TextCodec, TextDecoder, load_text_codec, worker_text_enabled
+from ._wire import CHUNK_VERSION_KEY, MATCHED_STOP_KEY, rid_from_annotations, stop_strings_from_annotations
+from ._worker import refusal_chunk
 
 logger = logging.getLogger("rollout_backends.dynamo_sglang_shim")
 
@@ -77,19 +94,68 @@ _PENDING_ABORT_S = 60.0
 _PER_TOKEN_META = ("output_token_logprobs", "output_top_logprobs", "output_token_ids_logprobs")
 
 
+class _StopMatch:
+    """One request's stop strings (patch 8): the output so far, checked after each token."""
+
+    __slots__ = ("decode", "ids", "rule")
+
+    def __init__(self, rule: StopStrings, decode: TextDecoder) -> None:
+        self.rule = rule
+        self.decode = decode
+        self.ids: list[int] = []
+
+    def _tail_text(self, ids: Sequence[int]) -> str:
+        # Special tokens kept: HF's decode default, what SGLang's check calls (as the reference engine).
+        return self.decode(ids, False)
+
+    def cut(self, res: dict[str, Any]) -> tuple[dict[str, Any], str | None]:
+        """``res`` (a delta) up to the token that completes a stop string, and that string; else
+        ``res`` and ``None``. SGLang checks the length limit before stop strings and stop strings
+        before stop tokens (``Req.check_finished``, 0.5.16; as the reference engine): a match on
+        the last token of an output that finished on length is not one."""
+        ids = list(res.get("output_ids") or [])
+        meta = res.get("meta_info") or {}
+        fr = meta.get("finish_reason")
+        length_at_end = isinstance(fr, dict) and fr.get("type") == "length"
+        for k, t in enumerate(ids):
+            self.ids.append(int(t))
+            if length_at_end and k == len(ids) - 1:
+                break
+            matched = self.rule.match(self.ids, self._tail_text)
+            if matched is None:
+                continue
+            keep = k + 1
+            cut_meta = dict(meta)
+            for key in _PER_TOKEN_META:
+                arr = meta.get(key)
+                if isinstance(arr, list) and len(arr) == len(ids):
+                    cut_meta[key] = arr[:keep]
+            # "matched" stays None: 1.4.2's loop would send the string as stop_reason, which the
+            # frontend was never told of; the string travels in engine_data instead.
+            cut_meta["finish_reason"] = {"type": "stop", "matched": None}
+            cut_meta["completion_tokens"] = len(self.ids)
+            return {**res, "output_ids": ids[:keep], "meta_info": cut_meta}, matched
+        return res, None
+
+
 class _Request:
     """What the patches know of one in-flight request (keyed by the frontend's context id)."""
 
-    __slots__ = ("abort_in_engine", "abort_requested", "detok", "rid", "sglang_rid")
+    __slots__ = ("abort_in_engine", "abort_requested", "detok", "rid", "sglang_rid", "stops")
 
     def __init__(
-        self, rid: str | None, detok: IncrementalDetokenizer | None, abort_in_engine: Callable[[str], Any]
+        self,
+        rid: str | None,
+        detok: IncrementalDetokenizer | None,
+        abort_in_engine: Callable[[str], Any],
+        stops: _StopMatch | None = None,
     ) -> None:
         self.rid = rid
         self.detok = detok
         self.abort_in_engine = abort_in_engine  #: ``abort(sglang_rid)`` in the engine that runs it
         self.sglang_rid: str | None = None
         self.abort_requested = False
+        self.stops = stops
 
 
 class Requests:
@@ -104,15 +170,25 @@ class Requests:
         self,
         context_id: str,
         request: Mapping[str, Any],
-        decoder: TextDecoder | None,
+        codec: TextCodec | None,
         abort_in_engine: Callable[[str], Any],
+        *,
+        worker_text: bool = True,
     ) -> _Request:
+        """Register a request; ``InvalidRequest`` (naming ``sampling.stop``) for stop strings this
+        worker cannot match."""
         rid = rid_from_annotations(request)
+        stop_strings = stop_strings_from_annotations(request)
+        stops = None
+        if stop_strings:
+            if codec is None:
+                raise InvalidRequest("sampling.stop", "this worker has no tokenizer.json: stop strings cannot match")
+            stops = _StopMatch(StopStrings.of(stop_strings, codec.count_tokens), codec.decode)
         detok = None
-        if decoder is not None and not (request.get("stop_conditions") or {}).get("stop"):
+        if codec is not None and worker_text and not (request.get("stop_conditions") or {}).get("stop"):
             skip = bool((request.get("output_options") or {}).get("skip_special_tokens") or False)
-            detok = IncrementalDetokenizer(decoder, request.get("token_ids") or (), skip_special_tokens=skip)
-        r = _Request(rid, detok, abort_in_engine)
+            detok = IncrementalDetokenizer(codec.decode, request.get("token_ids") or (), skip_special_tokens=skip)
+        r = _Request(rid, detok, abort_in_engine, stops)
         self.by_context[context_id] = r
         if rid is not None:
             self.by_rid[rid] = r
@@ -153,21 +229,20 @@ def _abort_in_engine(handler: Any) -> Callable[[str], Any]:
     return abort
 
 
-_DECODERS: dict[str, TextDecoder | None] = {}
+_CODECS: dict[str, TextCodec | None] = {}
 
 
-def _text_decoder(handler: Any) -> TextDecoder | None:
-    """The model's decoder, loaded once (the tokenizer path the frontend also reads)."""
-    if not worker_text_enabled():
-        return None
+def _text_codec(handler: Any) -> TextCodec | None:
+    """The model's tokenizer, loaded once (the tokenizer path the frontend also reads): for worker
+    text and for stop strings (matched even with worker text off)."""
     try:
         args = handler.engine.tokenizer_manager.server_args
         path = str(getattr(args, "tokenizer_path", None) or args.model_path)
     except AttributeError:
         return None
-    if path not in _DECODERS:
-        _DECODERS[path] = load_text_decoder(path)
-    return _DECODERS[path]
+    if path not in _CODECS:
+        _CODECS[path] = load_text_codec(path)
+    return _CODECS[path]
 
 
 def patch_logprobs(module: Any = None) -> bool:
@@ -221,7 +296,12 @@ def patch_token_stream(handler_cls: Any = None) -> bool:
 
     async def generate(self: Any, request: dict[str, Any], context: Any, *args: Any, **kwargs: Any) -> Any:
         key = _context_id(context)
-        REQUESTS.begin(key, request, _text_decoder(self), _abort_in_engine(self))
+        try:
+            REQUESTS.begin(key, request, _text_codec(self), _abort_in_engine(self), worker_text=worker_text_enabled())
+        except InvalidRequest as exc:
+            # The wire reads it as InvalidRequest naming the field; nothing reaches SGLang.
+            yield refusal_chunk(InvalidRequest(native_field(exc.field), exc.reason), request, native=False)
+            return
         try:
             async for out in orig_generate(self, request, context, *args, **kwargs):
                 yield out
@@ -254,6 +334,19 @@ def patch_token_stream(handler_cls: Any = None) -> bool:
                 fr = meta.get("finish_reason")
                 if isinstance(fr, dict) and fr.get("type"):
                     seen["finish_reason"] = fr["type"]
+                if req is not None and req.stops is not None:
+                    res, matched = req.stops.cut(res)
+                    if matched is not None:
+                        if not fr and req.sglang_rid is not None:
+                            req.abort_in_engine(req.sglang_rid)  # SGLang generates no more for it
+                        seen["finish_reason"] = "stop"
+                        seen["matched_stop"] = matched
+                        yield res
+                        # What SGLang still sends (tokens past the match, its abort): dropped, but
+                        # read to its end, so the request leaves SGLang the way an abort does.
+                        async for _ in stream_source:
+                            pass
+                        return
                 yield res
 
         detok = req.detok if req is not None else None
@@ -273,6 +366,8 @@ def patch_token_stream(handler_cls: Any = None) -> bool:
                 ed.setdefault("finish_reason", seen.get("finish_reason"))
                 if "prompt_logprobs" in seen:
                     ed.setdefault("prompt_logprobs", seen["prompt_logprobs"])
+                if "matched_stop" in seen:
+                    ed[MATCHED_STOP_KEY] = seen["matched_stop"]
                 out["engine_data"] = ed
             yield out
 

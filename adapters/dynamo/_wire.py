@@ -24,6 +24,7 @@ ignores ``x-dynamo-worker-instance-id`` (measured: ``docs/dynamo.md``, "Dynamo a
 from __future__ import annotations
 
 import enum
+import json
 import math
 import re
 import struct
@@ -93,6 +94,7 @@ from rollout_backends.sglang_native import (
     request_body,
     set_version_body,
     tensors_body,
+    trim_at_stop,
 )
 
 __all__ = [
@@ -102,6 +104,8 @@ __all__ = [
     "DynamoFlavor",
     "DynamoWire",
     "FlavorRoutes",
+    "MATCHED_STOP_KEY",
+    "STOP_ANNOTATION",
     "completion_body",
     "generate_instances",
     "is_uuid",
@@ -144,11 +148,18 @@ class FlavorRoutes:
     top_logprobs: int = 0
     #: Prompt logprobs and zero-budget re-scoring (our worker: ``engine_data.prompt_logprobs``).
     prompt_logprobs: bool = False
-    #: ``SamplingParams.stop``. The frontend matches stop strings on its own text and ends the
-    #: stream there; our worker stops on the same token, so its last chunk (served version, worker)
-    #: still arrives. Behind dynamo.sglang workers it does not: on the H200 tier (2026-12-02, 1.4.2,
-    #: shim) a stop-string answer came back without a weight version. Not declared there.
+    #: ``SamplingParams.stop``. Sent as ``stop``, the frontend matches stop strings on its own text
+    #: and ends the stream there; our worker stops on the same token, so its last chunk (served
+    #: version, worker) still arrives. Behind stock dynamo.sglang it does not (SGLang there has no
+    #: tokenizer and never sees the strings): on the H200 tier (2026-12-02, 1.4.2, shim) a
+    #: stop-string answer came back without a weight version. Not declared there.
     stop_strings: bool = False
+    #: Stop strings go to the workers only, as a ``STOP_ANNOTATION`` (the frontend forwards
+    #: ``nvext.annotations`` untouched and never matches them), and the worker matches them with
+    #: SGLang's rule (``sglang_native.StopStrings``), ends the request there (aborting it inside
+    #: SGLang) and sends its last chunk with ``engine_data[MATCHED_STOP_KEY]``; ``text`` is the whole
+    #: output's, cut here (``trim_at_stop``). The shim (``_sglang_shim`` patch 8).
+    worker_stop_strings: bool = False
     #: Every chunk carries the version its tokens were generated under, as
     #: ``engine_data[CHUNK_VERSION_KEY]`` (our worker; the shim, from each SGLang output's
     #: ``meta_info.weight_version``), so a stream's ``version_spans`` hold across an update
@@ -180,8 +191,15 @@ ROUTES: Mapping[DynamoFlavor, FlavorRoutes] = {
     # stamps every chunk with SGLang's version (patch 3), but spans are not declared from them, as on
     # SGLang direct (its wire): the check that proves them needs a RETRACT update with the stream
     # in flight, whose flush SGLang 0.5.16 refuses (H200 tier 2026-12-03 16:01).
+    # Stop strings are matched in the shim (patch 8), so its last chunk (version, worker) arrives.
     DynamoFlavor.SGLANG14_SHIM: FlavorRoutes(
-        sglang=True, rollout_routes=True, abort_all_await_bug=True, top_logprobs=5, prompt_logprobs=True
+        sglang=True,
+        rollout_routes=True,
+        abort_all_await_bug=True,
+        top_logprobs=5,
+        prompt_logprobs=True,
+        stop_strings=True,
+        worker_stop_strings=True,
     ),
     DynamoFlavor.SGLANG16: FlavorRoutes(sglang=True, native=True),
     DynamoFlavor.MOCKER: FlavorRoutes(sglang=False, logprobs=False),
@@ -202,6 +220,11 @@ def to_flavor(value: DynamoFlavor | str) -> DynamoFlavor:
 PINNING_MODES = ("kv", "direct")
 EXTRA_FIELDS = ("completion_token_ids", "worker_id", "timing", "engine_data", "stop_reason")
 RID_ANNOTATION = "rid:"
+#: ``nvext.annotations`` entry carrying the stop strings to workers that match them
+#: (``FlavorRoutes.worker_stop_strings``): this prefix, then the strings as a JSON list.
+STOP_ANNOTATION = "stop-strings:"
+#: The ``engine_data`` key of the stop string a worker matched (``FlavorRoutes.worker_stop_strings``).
+MATCHED_STOP_KEY = "matched_stop"
 #: The ``engine_data`` key of the version a chunk's tokens were generated under (our worker, the
 #: shim). A chunk whose ``engine_data`` holds only this key is not the final one.
 CHUNK_VERSION_KEY = "chunk_weight_version"
@@ -229,6 +252,21 @@ def _struct_result(data: Any) -> Any:
         return data
     msg = _MESSAGE_FIELD.search(m.group("fields"))
     return {**data, "success": ok.group(1) == "True", "message": (msg.group("m") if msg else "") or data["result"]}
+
+
+def stop_strings_from_annotations(request: Mapping[str, Any]) -> tuple[str, ...]:
+    """The stop strings a preprocessed request's ``annotations`` carry (``STOP_ANNOTATION``; ``()``
+    without); ``InvalidRequest`` naming ``sampling.stop`` for a malformed one."""
+    for a in request.get("annotations") or ():
+        if isinstance(a, str) and a.startswith(STOP_ANNOTATION):
+            try:
+                stops = json.loads(a[len(STOP_ANNOTATION) :])
+            except ValueError:
+                raise InvalidRequest("sampling.stop", "the stop-strings annotation is not JSON") from None
+            if not isinstance(stops, list) or not stops or not all(isinstance(st, str) and st for st in stops):
+                raise InvalidRequest("sampling.stop", "the stop-strings annotation is not a list of non-empty strings")
+            return tuple(stops)
+    return ()
 
 
 def rid_from_annotations(request: Mapping[str, Any]) -> str | None:
@@ -266,8 +304,11 @@ def is_uuid(value: str) -> bool:
     return bool(_UUID_RE.match(value))
 
 
-def completion_body(request: GenerateRequest, model: str, *, logprobs: bool, instance_id: Any = None) -> dict[str, Any]:
-    """The ``/v1/completions`` body for one token-in/token-out request (every sampling value explicit)."""
+def completion_body(
+    request: GenerateRequest, model: str, *, logprobs: bool, instance_id: Any = None, worker_stops: bool = False
+) -> dict[str, Any]:
+    """The ``/v1/completions`` body for one token-in/token-out request (every sampling value explicit);
+    ``worker_stops``: stop strings for the workers only (``FlavorRoutes.worker_stop_strings``)."""
     s = request.sampling
     body: dict[str, Any] = {
         "model": model,
@@ -290,7 +331,7 @@ def completion_body(request: GenerateRequest, model: str, *, logprobs: bool, ins
         body["min_tokens"] = s.min_new_tokens
     if s.stop_token_ids:
         body["stop_token_ids"] = list(s.stop_token_ids)
-    if s.stop:
+    if s.stop and not worker_stops:
         body["stop"] = list(s.stop)  # matched by the frontend on the decoded text
     if s.seed is not None:
         body["seed"] = s.seed
@@ -307,6 +348,8 @@ def completion_body(request: GenerateRequest, model: str, *, logprobs: bool, ins
         # The request id reaches the worker whatever its form (x-dynamo-request-id takes UUIDs only).
         "annotations": [f"{RID_ANNOTATION}{request.request_id}"],
     }
+    if s.stop and worker_stops:
+        nvext["annotations"].append(STOP_ANNOTATION + json.dumps(list(s.stop)))
     if instance_id is not None:
         nvext["backend_instance_id"] = instance_id
     body["nvext"] = nvext
@@ -566,7 +609,7 @@ class DynamoWire:
                 "sampling.top_logprobs",
                 f"{k} > {self.routes.top_logprobs}, the most this Dynamo fleet ({self.flavor.value} workers) returns",
             )
-        if request.sampling.stop and request.sampling.ignore_eos:
+        if request.sampling.stop and request.sampling.ignore_eos and not self.routes.worker_stop_strings:
             # SGLang keeps stop strings under ignore_eos; the 1.4.2 frontend drops them (measured).
             raise InvalidRequest("sampling.stop", "Dynamo's frontend ignores stop strings with ignore_eos=True")
         if request.sampling.stop and self.flavor is DynamoFlavor.MOCKER:
@@ -588,6 +631,7 @@ class DynamoWire:
             self.model,
             logprobs=request.return_logprobs and self.flavor != "mocker",
             instance_id=worker.instance_id if worker is not None else None,
+            worker_stops=self.routes.worker_stop_strings,
         )
         if stream:
             body["stream"] = True
@@ -761,9 +805,15 @@ class DynamoWire:
             logprobs = () if logprobs is not None else None
         text = None
         if request.sampling.stop and isinstance(choice.get("text"), str):
-            # The frontend hides a matched stop string (SGLang's default trim); no_stop_trim keeps it.
             text = choice["text"]
-            if request.sampling.no_stop_trim and isinstance(matched, str) and reason is FinishReason.STOP:
+            stopped = isinstance(matched, str) and reason is FinishReason.STOP
+            if self.routes.worker_stop_strings:
+                # The worker matched: the text is the whole output's, cut here as SGLang does.
+                if stopped:
+                    assert isinstance(matched, str)
+                    text = trim_at_stop(text, matched, no_stop_trim=request.sampling.no_stop_trim)
+            elif request.sampling.no_stop_trim and stopped:
+                # The frontend hides a matched stop string (SGLang's default trim); no_stop_trim keeps it.
                 text += matched
         return Generation(
             request_id=request.request_id,
@@ -798,6 +848,9 @@ class DynamoWire:
         if raw == "length":
             return FinishReason.LENGTH, None
         if raw in ("stop", "eos"):
+            worker_matched = engine_data.get(MATCHED_STOP_KEY)
+            if isinstance(worker_matched, str) and worker_matched in request.sampling.stop:
+                return FinishReason.STOP, worker_matched  # the worker matched it (worker_stop_strings)
             stop_reason = nvext.get("stop_reason")
             if isinstance(stop_reason, str) and stop_reason in request.sampling.stop:
                 # The frontend matched a stop string (it does; the worker sees token ids): the token

@@ -184,7 +184,15 @@ async def _run(model_path: str) -> dict[str, Any]:
         "control_results": shim.patch_control_results(RLMixin),
     }
     six = [[21], [22], [23], [24], [25], [26]]
-    scripts = {"5": [[11], [12, 13], [14]], "6": six, "7": six, "387": [[102, 129, 146], [112]]}
+    # The reference engine's greedy run for [5, 6, 7, 8] on the tiny model ("Jran6eld bell..."), 2 per output.
+    free = [44, 374, 24, 483, 493, 391, 380, 133, 273, 494, 226, 355, 241, 6, 147, 106]
+    scripts = {
+        "5": [[11], [12, 13], [14]],
+        "6": six,
+        "7": six,
+        "387": [[102, 129, 146], [112]],
+        "9": [free[i : i + 2] for i in range(0, len(free), 2)],
+    }
     h = _handler(DecodeWorkerHandler, model_path, scripts)
 
     async def collect(req: dict[str, Any], cid: str) -> list[dict[str, Any]]:
@@ -209,6 +217,10 @@ async def _run(model_path: str) -> dict[str, Any]:
     shim.REQUESTS.abort("r-waiting")
     out["aborted_waiting"] = await task
     out["abort_calls"] = list(h.engine.tokenizer_manager.aborted)
+    # Stop strings for the shim to match (patch 8), as the wire sends them: not in stop_conditions.
+    stop = _request([9, 6, 7, 8], "r-stop-shim", annotations=["rid:r-stop-shim", 'stop-strings:["an"]'])
+    out["shim_stop_strings"] = await collect(stop, "c6")
+    out["shim_stop_abort_calls"] = h.engine.tokenizer_manager.aborted[len(out["abort_calls"]) :]
     out["registry_empty"] = not shim.REQUESTS.by_context and not shim.REQUESTS.by_rid
     import msgspec
 

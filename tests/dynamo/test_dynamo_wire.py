@@ -27,7 +27,7 @@ from rollout_backends import (
 from rollout_backends._http import HttpClient, HttpRequest, HttpResponse, MockTransport
 from rollout_backends.adapters.dynamo import DynamoFleet, DynamoWire
 from rollout_backends.adapters.dynamo._launcher import _WorkerPorts, frontend_argv, worker_argv, worker_env
-from rollout_backends.adapters.dynamo._wire import completion_body
+from rollout_backends.adapters.dynamo._wire import completion_body, stop_strings_from_annotations
 from rollout_backends.adapters.sglang import sampling_params_body
 from rollout_backends.kit import (
     AbortAll,
@@ -594,8 +594,47 @@ def test_stop_strings_matched_by_the_frontend() -> None:
         w.generate(attrs.evolve(req, sampling=req.sampling.replace(ignore_eos=True)), None)
     assert e.value.field == "sampling.stop"
     assert w.capabilities().stop_strings and not _wire(flavor="mocker").capabilities().stop_strings
-    # Behind dynamo.sglang the frontend's stop cuts the worker's last chunk (version, worker): not declared.
-    assert not any(_wire(flavor=f).capabilities().stop_strings for f in ("sglang14", "sglang14-shim", "sglang16"))
+    # Behind stock dynamo.sglang the frontend's stop cuts the worker's last chunk (version, worker): not declared.
+    assert not any(_wire(flavor=f).capabilities().stop_strings for f in ("sglang14", "sglang16"))
+
+
+def test_stop_strings_matched_in_the_shim() -> None:
+    """Behind the shim the stop strings go to the worker only (an nvext annotation: the frontend does
+    not match them, so it cannot end the stream before the worker's last chunk), which reports the
+    match in engine_data with the whole output's text; the wire cuts it as SGLang does."""
+    w = _wire(flavor="sglang14-shim")
+    assert w.capabilities().stop_strings
+    req = GenerateRequest(input_ids=[1, 2], sampling=SamplingParams(max_new_tokens=8, stop=["e", "\u2603"]))
+    body = w.generate(req, None).json
+    assert "stop" not in body
+    assert body["nvext"]["annotations"] == [f"rid:{req.request_id}", 'stop-strings:["e", "\\u2603"]']
+    assert stop_strings_from_annotations(body["nvext"]) == ("e", "\u2603")  # what the shim reads back
+    assert w.stream(req, None).json["nvext"]["annotations"] == body["nvext"]["annotations"]
+    ed = {"weight_version": "v3", "finish_reason": "stop", "matched_stop": "e"}
+    ans = _answer([272, 253, 339], [-0.1, -0.2, -0.3], "stop", engine_data=ed)
+    ans["choices"][0]["text"] = " an\ufffdore"
+    g = w.parse_generation(req, HttpResponse.from_json(ans), 0.1)
+    assert (g.finish_reason, g.matched_stop, g.text, g.weight_version) == (FinishReason.STOP, "e", " an\ufffdor", "v3")
+    keep = attrs.evolve(req, sampling=req.sampling.replace(no_stop_trim=True))
+    assert w.parse_generation(keep, HttpResponse.from_json(ans), 0.1).text == " an\ufffdore"
+    # SGLang keeps stop strings under ignore_eos; so does the shim (the frontend never sees them).
+    ig = attrs.evolve(req, sampling=req.sampling.replace(ignore_eos=True))
+    assert "stop-strings:" in w.generate(ig, None).json["nvext"]["annotations"][1]
+    # No match: the whole text, the finish as the worker says.
+    ans = _answer([272, 253], [-0.1, -0.2], "length", engine_data={"weight_version": "v3", "finish_reason": "length"})
+    ans["choices"][0]["text"] = " an"
+    g = w.parse_generation(req, HttpResponse.from_json(ans), 0.1)
+    assert (g.finish_reason, g.matched_stop, g.text) == (FinishReason.LENGTH, None, " an")
+    # A worker without a tokenizer refuses, naming the field.
+    refused = {"finish_reason": "abort", "refused": {"param": "sampling_params.stop", "message": "no tokenizer"}}
+    with pytest.raises(InvalidRequest) as e:
+        w.parse_generation(req, HttpResponse.from_json(_answer([], [], "stop", engine_data=refused)), 0.1)
+    assert e.value.field == "sampling.stop"
+    for bad in ("stop-strings:[1]", "stop-strings:{", "stop-strings:[]", 'stop-strings:[""]'):
+        with pytest.raises(InvalidRequest) as e:
+            stop_strings_from_annotations({"annotations": [bad]})
+        assert e.value.field == "sampling.stop"
+    assert stop_strings_from_annotations({"annotations": ["rid:x"]}) == ()
 
 
 def _completion_chunk(ids: list[int], lps: list[float], finish: str | None = None, **engine_data: Any) -> bytes:

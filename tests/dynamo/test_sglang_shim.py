@@ -116,13 +116,13 @@ def _handler_class(model_path: str = "/nonexistent", loop: Any = _dynamo_loop) -
         def _abort(self, rid: str = "", abort_all: bool = False) -> None:  # synchronous, as in 0.5.16
             self.aborted.append("ALL" if abort_all else rid)
 
-        async def generate(self, request: dict[str, Any], context: Any) -> Any:
-            async def source() -> Any:
-                for c in self.chunks:
-                    await asyncio.sleep(0)
-                    yield c
+        async def source(self) -> Any:
+            for c in self.chunks:
+                await asyncio.sleep(0)
+                yield c
 
-            async for out in self._process_token_stream(source(), context, False):
+        async def generate(self, request: dict[str, Any], context: Any) -> Any:
+            async for out in self._process_token_stream(self.source(), context, False):
                 yield out
 
         _process_token_stream = loop
@@ -340,6 +340,17 @@ def test_patches_on_the_real_1_4_2_handler(tiny_model: Any) -> None:
     assert ids(wq) == [21, 22][: len(ids(wq))] and len(set(ids(wq))) == len(ids(wq)) and aligned(wq)
     assert wq[-1]["engine_data"]["finish_reason"] == "abort"
     assert len(r["abort_calls"]) == 2 and all(c.startswith("sg-") for c in r["abort_calls"])
+    # Stop strings matched in the shim through 1.4.2's own loop: cut at the token completing "an"
+    # (the reference engine's [44, 374]), finished as stop with the string and the version in
+    # engine_data (none as stop_reason), SGLang's request aborted; its answer to the abort (the
+    # next tokens, finish abort) read but not sent.
+    st = r["shim_stop_strings"]
+    assert ids(st) == [44, 374] and aligned(st) and len(st) == 1
+    assert st[-1]["finish_reason"] == "stop" and "stop_reason" not in st[-1]
+    assert st[-1]["engine_data"]["matched_stop"] == "an" and st[-1]["engine_data"]["weight_version"] == "v7"
+    assert st[-1]["engine_data"]["finish_reason"] == "stop" and st[-1]["completion_usage"]["completion_tokens"] == 2
+    assert "".join(c["text"] for c in st) == decode([44, 374], False)
+    assert len(r["shim_stop_abort_calls"]) == 1 and r["shim_stop_abort_calls"][0].startswith("sg-")
     assert r["registry_empty"] is True
     # A refused flush stays refused; tuples as before.
     assert r["flush_result"]["success"] is False and r["flush_result"]["message"] == "not idle"
@@ -367,3 +378,187 @@ def test_server_args_come_back_as_json_values_with_nested_configs_as_objects() -
     got = server_args_dict(Args())
     assert got == {"cuda_graph_config": {"backend": "disabled", "bs": [1, 2]}, "page_size": 16, "odd": "frozenset({1})"}
     assert json.loads(json.dumps(got)) == got
+
+
+def _sglang_loop(self: Any, stream_source: Any, context: Any, *a: Any, **kw: Any) -> Any:
+    """What 1.4.2's ``_process_token_stream`` keeps of each SGLang output, finish reasons mapped
+    as its ``normalize_finish_reason`` does, per-chunk logprobs (the shim's patch 1)."""
+
+    async def run() -> Any:
+        async for res in stream_source:
+            meta = res["meta_info"]
+            out: dict[str, Any] = {"index": 0, "token_ids": res["output_ids"]}
+            out["log_probs"] = [e[0] for e in meta.get("output_token_logprobs") or []]
+            fr = meta.get("finish_reason")
+            if fr:
+                out["finish_reason"] = {"abort": "cancelled"}.get(fr["type"], fr["type"])
+                if fr.get("matched") is not None:
+                    out["stop_reason"] = fr["matched"]
+                out["completion_usage"] = {"completion_tokens": meta["completion_tokens"]}
+            yield out
+
+    return run()
+
+
+class _Scheduler:
+    """SGLang's side of one request: its outputs in chunks of ``step`` tokens, ending on length
+    after the last; an abort ends it at the next output (``finish_reason`` abort, no tokens)."""
+
+    def __init__(self, ids: list[int], step: int, aborted: list[Any], rid: str = "sg-1") -> None:
+        self.ids, self.step, self.rid = ids, step, rid
+        self.aborted = aborted  # what the handler's tokenizer_manager.abort_request recorded
+        self.pulled = 0  # outputs SGLang produced for the request
+
+    async def stream(self) -> Any:
+        n = 0
+        while n < len(self.ids):
+            await asyncio.sleep(0)
+            self.pulled += 1
+            meta: dict[str, Any] = {"id": self.rid, "weight_version": "v4", "completion_tokens": n}
+            if self.aborted:
+                meta["finish_reason"] = {"type": "abort", "message": "Abort before"}
+                yield {"output_ids": [], "meta_info": meta}
+                return
+            chunk = self.ids[n : n + self.step]
+            n += len(chunk)
+            meta["completion_tokens"] = n
+            meta["output_token_logprobs"] = [(-0.01 * (n - len(chunk) + k + 1), t, None) for k, t in enumerate(chunk)]
+            meta["finish_reason"] = {"type": "length"} if n == len(self.ids) else None
+            yield {"output_ids": chunk, "meta_info": meta}
+
+
+def _as_frontend_answer(outs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The ``/v1/completions`` answer the frontend builds from a worker's chunks when it matches
+    nothing itself (it passes worker text through; ``engine_data`` from the last chunk)."""
+    last = outs[-1]
+    return {
+        "choices": [
+            {
+                "text": "".join(o.get("text", "") for o in outs),
+                "index": 0,
+                "finish_reason": last["finish_reason"],
+                "logprobs": {"token_logprobs": [lp for o in outs for lp in o["log_probs"]]},
+            }
+        ],
+        "usage": {"prompt_tokens": 4, "completion_tokens": last["completion_usage"]["completion_tokens"]},
+        "nvext": {
+            "completion_token_ids": [t for o in outs for t in o["token_ids"]],
+            "engine_data": last["engine_data"],
+        },
+    }
+
+
+def _pick_stop(text: str) -> tuple[str, int] | None:
+    """Two ASCII letters of ``text`` past its start, at their first occurrence (as the conformance check)."""
+    for i in range(2, len(text) - 1):
+        sub = text[i : i + 2]
+        if sub.isascii() and sub.isalnum() and text.find(sub) == i:
+            return sub, i
+    return None
+
+
+@pytest.mark.parametrize("step", [1, 3, 16])
+def test_stop_strings_match_the_reference_engine_and_abort_sglang(tiny_model: Any, step: int) -> None:
+    """Patch 8 on SGLang outputs of ``step`` tokens (the stream interval): a stop string taken from
+    a free run's text ends the run where the reference engine (SGLang's rule) ends it: the same
+    ids, logprobs aligned, finish stop with the string, the text cut (kept with no_stop_trim) by
+    the wire; the last chunk carries the version; SGLang's request is aborted at the match and
+    no token after it is sent. Without the patch the shim ignores the stop strings and streams to
+    the length limit."""
+    from rollout_backends import FinishReason, GenerateRequest, SamplingParams
+    from rollout_backends.adapters.dynamo import DynamoWire
+    from rollout_backends.adapters.reference import ReferenceBackend
+    from rollout_backends.kit import HttpResponse
+
+    never = "\u2603" * 64
+    wire = DynamoWire(frontend_url="http://fe", model="tiny", flavor="sglang14-shim")
+
+    async def run() -> int:
+        ref = ReferenceBackend.create(tiny_model, workers=1)
+        checked = aborts = 0
+        try:
+            for prompt in ([5, 6, 7, 8], [11, 12, 13], [100, 200, 300, 400]):
+                sp = SamplingParams(temperature=0, max_new_tokens=16, stop=(never,))
+                free = await ref.generate(GenerateRequest(input_ids=prompt, sampling=sp))
+                assert free.text is not None
+                picked = _pick_stop(free.text)
+                assert picked is not None
+                sub = picked[0]
+                for keep in (False, True):
+                    sp = SamplingParams(temperature=0, max_new_tokens=16, stop=(never, sub), no_stop_trim=keep)
+                    req = GenerateRequest(input_ids=prompt, sampling=sp)
+                    want = await ref.generate(req)
+                    body = wire.generate(req, None).json
+                    assert "stop" not in body  # the frontend never sees them
+                    h = _handler_class(str(tiny_model), loop=_sglang_loop)([])
+                    sched = _Scheduler(list(free.output_ids), step, h.aborted)
+                    h.source = sched.stream
+                    worker_req = {"token_ids": prompt, "annotations": body["nvext"]["annotations"]}
+                    outs = [o async for o in h.generate(worker_req, Context(f"c-{prompt[0]}-{keep}"))]
+                    assert all(len(o["log_probs"]) == len(o["token_ids"]) for o in outs)
+                    assert [bool(o.get("finish_reason")) for o in outs] == [False] * (len(outs) - 1) + [True]
+                    got = wire.parse_generation(req, HttpResponse.from_json(_as_frontend_answer(outs)), 0.1)
+                    assert (got.finish_reason, got.matched_stop) == (FinishReason.STOP, sub)
+                    assert (want.finish_reason, want.matched_stop) == (FinishReason.STOP, sub)
+                    assert got.output_ids == want.output_ids and len(want.output_ids) < len(free.output_ids)
+                    assert got.text == want.text
+                    assert got.weight_version == "v4" and outs[-1]["engine_data"]["finish_reason"] == "stop"
+                    assert "stop_reason" not in outs[-1]  # the string is in engine_data, not for the frontend
+                    # Aborted inside SGLang by its id, at the output that met the string (unless that
+                    # output was SGLang's last); SGLang's answer to the abort is read, not sent on.
+                    at = -(-len(want.output_ids) // step)  # outputs up to the one with the match
+                    unfinished = at * step < len(free.output_ids)
+                    assert h.aborted == (["sg-1"] if unfinished else [])
+                    assert sched.pulled == at + unfinished
+                    aborts += unfinished
+                    checked += 1
+        finally:
+            await ref.aclose()
+        assert aborts == (6 if step < 16 else 0)  # 16 tokens in one output: SGLang had finished it
+        return checked
+
+    assert asyncio.run(run()) == 6
+    assert not REQUESTS.by_context and not REQUESTS.by_rid
+
+
+def test_stop_strings_without_a_tokenizer_are_refused_naming_the_field() -> None:
+    """No tokenizer.json: the shim cannot match stop strings, so it refuses before SGLang sees the
+    request (the wire reads the refusal as InvalidRequest("sampling.stop")); a malformed
+    annotation likewise."""
+    for annotation in ('stop-strings:["x"]', "stop-strings:[1]"):
+        h = _handler_class("/nonexistent", loop=_sglang_loop)(_numbered(CHUNKS))
+        pulled: list[Any] = []
+
+        async def source(h: Any = h, pulled: list[Any] = pulled) -> Any:
+            for c in h.chunks:
+                pulled.append(c)
+                yield c
+
+        h.source = source
+        outs = _collect(h, {"token_ids": [1, 2], "annotations": ["rid:r", annotation]})
+        assert len(outs) == 1 and outs[0]["token_ids"] == [] and not pulled
+        assert outs[0]["engine_data"]["refused"]["param"] == "sampling_params.stop"
+    assert not REQUESTS.by_context and not REQUESTS.by_rid
+
+
+def test_a_stop_string_on_the_last_token_of_a_length_finish_is_not_a_match(tiny_model: Any) -> None:
+    """SGLang checks the length limit before stop strings (Req.check_finished, 0.5.16; the reference
+    engine too): met on the token that reaches max_new_tokens, the finish stays length."""
+    from rollout_backends.adapters.dynamo._detok import load_text_decoder
+
+    decode = load_text_decoder(str(tiny_model))
+    assert decode is not None
+    ids = [44, 374]  # "Jran": "an" is completed by the second token
+    assert "an" in decode(ids, False) and "an" not in decode(ids[:1], False)
+    h = _handler_class(str(tiny_model), loop=_sglang_loop)([])
+    sched = _Scheduler(ids, 2, h.aborted)
+    h.source = sched.stream
+    outs = _collect(h, {"token_ids": [5, 6, 7, 8], "annotations": ['stop-strings:["an"]']})
+    assert [t for o in outs for t in o["token_ids"]] == ids and outs[-1]["finish_reason"] == "length"
+    assert "matched_stop" not in outs[-1]["engine_data"] and h.aborted == []
+    # One token more in SGLang's output: the same token now completes the string before the limit.
+    h = _handler_class(str(tiny_model), loop=_sglang_loop)([])
+    sched = _Scheduler([*ids, 24], 3, h.aborted)
+    h.source = sched.stream
+    outs = _collect(h, {"token_ids": [5, 6, 7, 8], "annotations": ['stop-strings:["an"]']})
+    assert [t for o in outs for t in o["token_ids"]] == ids and outs[-1]["engine_data"]["matched_stop"] == "an"
