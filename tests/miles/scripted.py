@@ -180,8 +180,9 @@ def _call(op: Command, workers: tuple[str, ...]) -> tuple[str, dict[str, Any]]:
 
 
 class ScriptedBackend(Fleet):
-    def __init__(self, workers: Sequence[str] = ("w0", "w1"), *, pinning: bool = True) -> None:
+    def __init__(self, workers: Sequence[str] = ("w0", "w1"), *, pinning: bool = True, top_logprobs: int = 0) -> None:
         caps = rb.Capabilities(
+            top_logprobs=top_logprobs,
             pause_modes=set(rb.PauseMode),
             weight_transports=set(rb.WeightTransport),
             memory_release=True,

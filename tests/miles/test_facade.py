@@ -261,6 +261,147 @@ async def test_chat_completions_for_the_session_server(
     assert bad.status_code == 400 and "stream" in bad.json()["error"]["message"]
 
 
+#: Chat answers' token entries (SGLang's ChatCompletionTokenLogprob, TopLogprob: no other keys).
+_TOKEN_KEYS = {"token", "logprob", "bytes", "top_logprobs"}
+_TOP_KEYS = {"token", "logprob", "bytes"}
+
+
+def _check_top_logprobs(
+    content: list[dict[str, Any]],
+    output_ids: tuple[int, ...],
+    logprobs: tuple[float, ...],
+    tops: tuple[tuple[tuple[int, float], ...], ...],
+    k: int,
+    tokenizer: Any,
+) -> None:
+    """``content`` is the Generation's: its tokens and logprobs, then per token its ``k`` alternatives
+    in the backend's order, each token decoded alone (SGLang's return_text_in_logprobs)."""
+    assert len(content) == len(output_ids) == len(tops)
+    for entry, tid, lp, top in zip(content, output_ids, logprobs, tops, strict=True):
+        assert set(entry) == _TOKEN_KEYS and all(set(t) == _TOP_KEYS for t in entry["top_logprobs"])
+        assert (entry["token"], entry["logprob"]) == (tokenizer.decode([tid]), lp)
+        assert entry["bytes"] == list(entry["token"].encode("utf-8"))
+        assert len(top) == len(entry["top_logprobs"]) == k
+        assert [(t["token"], t["logprob"]) for t in entry["top_logprobs"]] == [
+            (tokenizer.decode([i]), v) for i, v in top
+        ]
+        assert all(t["bytes"] == list(t["token"].encode("utf-8")) for t in entry["top_logprobs"])
+        chosen = [v for i, v in top if i == tid]
+        assert chosen in ([], [lp])  # the sampled token's logprob is its top-k entry's
+
+
+async def test_chat_top_logprobs_are_the_backends(client: httpx.AsyncClient, tokenizer: Any) -> None:
+    """OpenAI's logprobs + top_logprobs: k reach the backend as SamplingParams.top_logprobs, and the
+    answer lists the Generation's alternatives in its order (SGLang 0.5.x serving_chat's shape)."""
+    backend = ScriptedBackend(("w0",), top_logprobs=5)
+    running = await start_facade(MilesFacade(backend, tokenizer=tokenizer, model_path="tiny"), port=0)
+    # The sampled token is second at position 0, outside the top 3 at position 1, first at position 2.
+    tops = (
+        ((41, -0.25), (40, -0.5), (7, -2.0)),
+        ((3, -0.0625), (4, -0.125), (5, -3.0)),
+        ((2, -0.125), (9, -4.0), (8, -5.0)),
+    )
+    gen = rb.Generation(
+        request_id="t1",
+        output_ids=(40, 41, 2),
+        logprobs=(-0.5, -2.5, -0.125),
+        finish_reason=rb.FinishReason.STOP,
+        weight_version="default",
+        prompt_tokens=4,
+        matched_stop=2,
+        top_logprobs=tops,
+    )
+    backend.script.append(gen)
+    request = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "hi"}],
+        "input_ids": [5, 6, 7, 8],
+        "max_tokens": 3,
+        "logprobs": True,
+        "top_logprobs": 3,
+    }
+    try:
+        resp = await client.post(f"{running.url}/v1/chat/completions", json=request)
+    finally:
+        await running.stop()
+    assert resp.status_code == 200, resp.text
+    (req,) = backend.requests
+    assert req.sampling.top_logprobs == 3 and req.return_logprobs
+    choice = resp.json()["choices"][0]
+    _check_top_logprobs(choice["logprobs"]["content"], gen.output_ids, gen.logprobs or (), tops, 3, tokenizer)
+    assert choice["meta_info"]["output_top_logprobs"] == [[[lp, i, None] for i, lp in top] for top in tops]
+
+
+async def test_chat_top_logprobs_on_the_reference_engine(
+    model_dir: Any, client: httpx.AsyncClient, tokenizer: Any
+) -> None:
+    """End to end on the CPU reference engine: the chat answer's alternatives are the engine's for
+    the same seeded request (bit-reproducible), k per token, most likely first."""
+    backend = await rb.open_backend(f"reference://{model_dir}?workers=1")
+    running = await start_facade(MilesFacade(backend, tokenizer=tokenizer, model_path="tiny"), port=0)
+    prompt, k = [5, 6, 7, 8], 4
+    request = {
+        "messages": [{"role": "user", "content": "hi"}],
+        "input_ids": prompt,
+        "max_tokens": 6,
+        "temperature": 1.0,
+        "seed": 11,
+        "ignore_eos": True,
+        "logprobs": True,
+        "top_logprobs": k,
+    }
+    try:
+        resp = await client.post(f"{running.url}/v1/chat/completions", json=request)
+        sampling = rb.SamplingParams(max_new_tokens=6, temperature=1.0, seed=11, ignore_eos=True, top_logprobs=k)
+        direct = await backend.generate(rb.GenerateRequest(input_ids=prompt, sampling=sampling, return_logprobs=True))
+    finally:
+        await running.stop()
+        await backend.aclose()
+    assert resp.status_code == 200, resp.text
+    assert direct.top_logprobs is not None and len(direct.output_ids) == 6
+    choice = resp.json()["choices"][0]
+    ids = tuple(e[1] for e in choice["meta_info"]["output_token_logprobs"])
+    assert ids == direct.output_ids
+    content = choice["logprobs"]["content"]
+    _check_top_logprobs(content, direct.output_ids, direct.logprobs or (), direct.top_logprobs, k, tokenizer)
+    for top in direct.top_logprobs:
+        assert [v for _, v in top] == sorted((v for _, v in top), reverse=True)
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"logprobs": True, "top_logprobs": 3},  # past the backend's Capabilities.top_logprobs (2)
+        {"logprobs": True, "top_logprobs": 21},  # past OpenAI's limit (20)
+        {"logprobs": True, "top_logprobs": -1},
+        {"logprobs": True, "top_logprobs": "2"},
+        {"logprobs": True, "top_logprobs": True},
+        {"top_logprobs": 2},  # without logprobs: true (OpenAI refuses it; SGLang would drop it)
+        {"logprobs": False, "top_logprobs": 1},
+    ],
+)
+async def test_chat_refuses_top_logprobs_it_cannot_honour(
+    change: dict[str, Any], client: httpx.AsyncClient, tokenizer: Any
+) -> None:
+    backend = ScriptedBackend(("w0",), top_logprobs=2)
+    running = await start_facade(MilesFacade(backend, tokenizer=tokenizer), port=0)
+    body = {"messages": [{"role": "user", "content": "x"}], "input_ids": [5], "max_tokens": 2, **change}
+    try:
+        resp = await client.post(f"{running.url}/v1/chat/completions", json=body)
+        # Nothing asked: no refusal (top_logprobs 0 or null, with or without logprobs).
+        fine = [
+            await client.post(f"{running.url}/v1/chat/completions", json={**body, "top_logprobs": v, "logprobs": lp})
+            for v in (0, None)
+            for lp in (False, True)
+        ]
+    finally:
+        await running.stop()
+    assert resp.status_code == 400, resp.text
+    assert resp.json()["error"]["param"] == "top_logprobs"
+    assert [r.status_code for r in fine] == [200] * 4
+    assert len(backend.requests) == 4 and all(r.sampling.top_logprobs == 0 for r in backend.requests)
+
+
 def _payload(obj: Any) -> str:
     """SGLang's MultiprocessingSerializer.serialize(obj, output_str=True)."""
     from multiprocessing.reduction import ForkingPickler

@@ -202,7 +202,11 @@ def _opt_bool(body: Mapping[str, Any], key: str) -> bool:
 def _chat_field(exc: InvalidRequest, body: Mapping[str, Any]) -> InvalidRequest:
     """A refusal of the chat's native body, naming the chat key the caller wrote (``seed``, ``max_tokens``)."""
     field = exc.field
-    if field.startswith("sampling_params."):
+    if field.partition("[")[0] == "top_logprobs_num":
+        # The chat's ``top_logprobs`` travels as the native ``top_logprobs_num`` (SGLang's
+        # ``serving_chat._convert_to_internal_request``: ``top_logprobs_num=request.top_logprobs or 0``).
+        field = "top_logprobs" + field.removeprefix("top_logprobs_num")
+    elif field.startswith("sampling_params."):
         name, bracket, index = field.removeprefix("sampling_params.").partition("[")
         spelled = [k for k, v in _CHAT_SAMPLING.items() if v == name and body.get(k) is not None]
         field = f"{spelled[0] if spelled else name}{bracket}{index}"
@@ -466,6 +470,10 @@ class MilesFacade:
         except InvalidRequest as exc:
             raise _chat_field(exc, body) from None
         req = parsed.request
+        if req.sampling.top_logprobs and not want_logprobs:
+            # OpenAI refuses top_logprobs without logprobs: true (400); SGLang 0.5.x has no such check
+            # and drops them (return_logprob=request.logprobs). Refused rather than silently dropped.
+            raise InvalidRequest("top_logprobs", "needs logprobs: true (top logprobs come with the logprobs)")
         input_ids = list(req.input_ids)
         opts = parsed.text_options
         try:
@@ -473,15 +481,16 @@ class MilesFacade:
         except InvalidRequest as exc:
             raise _chat_field(exc, body) from None
         text = decode_text(self.tokenizer, gen, opts)
+        meta = meta_info(gen, return_logprob=True)
         choice: dict[str, Any] = {
             "index": 0,
             "message": {"role": "assistant", "content": text, "reasoning_content": None, "tool_calls": None},
-            "logprobs": self._chat_logprobs(gen) if want_logprobs else None,
+            "logprobs": self._chat_logprobs(meta) if want_logprobs else None,
             "finish_reason": gen.finish_reason.value,
             "matched_stop": gen.matched_stop if gen.finish_reason is FinishReason.STOP else None,
         }
         if _opt_bool(body, "return_meta_info") or want_logprobs:
-            choice["meta_info"] = meta_info(gen, return_logprob=True)
+            choice["meta_info"] = meta
         if parsed.return_prompt_token_ids:
             choice["prompt_token_ids"] = list(input_ids)
         out: dict[str, Any] = {
@@ -512,8 +521,6 @@ class MilesFacade:
         n = body.get("n")
         if n is not None and (type(n) is not int or n != 1):
             raise InvalidRequest("n", "n > 1 is not supported: send n requests")
-        if body.get("top_logprobs"):
-            raise InvalidRequest("top_logprobs", "top logprobs are not part of the protocol")
         for key, why in _CHAT_REFUSED.items():
             if body.get(key) not in (None, False, "auto", "none", [], {}, ""):
                 raise InvalidRequest(key, why)
@@ -544,19 +551,47 @@ class MilesFacade:
             has_ctx = self.backend.capabilities.max_context is not None
             params["max_new_tokens"] = None if has_ctx else self.default_max_new_tokens
         native_body: dict[str, Any] = {"input_ids": input_ids, "sampling_params": params, "return_logprob": True}
+        if body.get("top_logprobs") is not None:
+            # Checked by the codec (an integer in [0, 20], OpenAI's limit and SGLang's wire field) and
+            # against the backend's Capabilities.top_logprobs in parse(); refusals name top_logprobs.
+            native_body["top_logprobs_num"] = body["top_logprobs"]
         for key in ("rid", "return_prompt_token_ids"):
             if body.get(key) is not None:
                 native_body[key] = body[key]
         return native_body
 
-    def _chat_logprobs(self, gen: Generation) -> dict[str, Any]:
-        convert = getattr(self.tokenizer, "convert_ids_to_tokens", None)
+    def _token_texts(self, ids: Sequence[int]) -> dict[int, str]:
+        """Each id's text as SGLang's ``return_text_in_logprobs`` gives it: the id decoded alone
+        (``TokenizerManager.detokenize_logprob_tokens``: ``batch_decode([[id] for id in ids])``,
+        special tokens kept); the id as a string without a tokenizer."""
+        unique = list(dict.fromkeys(ids))
+        if self.tokenizer is None:
+            return {tid: str(tid) for tid in unique}
+        return {tid: str(self.tokenizer.decode([tid])) for tid in unique}
+
+    def _chat_logprobs(self, meta: Mapping[str, Any]) -> dict[str, Any]:
+        """OpenAI's ``choices[i].logprobs`` from the codec's ``meta_info`` entries, as SGLang's
+        ``serving_chat._process_response_logprobs`` builds it from ``output_token_logprobs`` and
+        ``output_top_logprobs`` (so the one wire encoder stays ``sglang_native.meta_info``):
+        ``{"content": [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}, ...]}]}``.
+
+        One top entry per id, most likely first. SGLang keys each position's alternatives by text
+        (``to_openai_style_logprobs``: ``{text: logprob}``), which merges two ids that decode alike
+        (e.g. byte fragments, both ``"\ufffd"``) and keeps the later logprob; OpenAI lists ``k``
+        alternatives, so the facade keeps every id rather than that collapse."""
+        entries: list[list[Any]] = meta["output_token_logprobs"]
+        tops: list[list[list[Any]]] | None = meta.get("output_top_logprobs")
+        ids = [e[1] for e in entries] + [e[1] for pos in tops or () for e in pos]
+        text = self._token_texts(ids)
+
+        def entry(lp: float, tid: int) -> dict[str, Any]:
+            token = text[tid]
+            return {"token": token, "logprob": lp, "bytes": list(token.encode("utf-8"))}
+
         content = []
-        for tid, lp in zip(gen.output_ids, gen.logprobs or (), strict=False):
-            token = str(convert(tid)) if convert is not None else str(tid)
-            content.append(
-                {"token": token, "token_id": tid, "logprob": lp, "bytes": list(token.encode()), "top_logprobs": []}
-            )
+        for j, (lp, tid, _) in enumerate(entries):
+            alternatives = [entry(tlp, ttid) for tlp, ttid, _ in tops[j]] if tops is not None else []
+            content.append({**entry(lp, tid), "top_logprobs": alternatives})
         return {"content": content}
 
     # -- health and info ----------------------------------------------------------------------
