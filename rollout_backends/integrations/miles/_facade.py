@@ -5,7 +5,7 @@ with no change to Miles:
 
 * the data plane: ``POST /generate`` (Miles' exact payload, ``X-SMG-Routing-Key`` header) and
   ``POST /v1/chat/completions`` with SGLang's extensions (``input_ids`` in, ``choices[i].meta_info``
-  out) for the session server;
+  out) for the session server, ``logprobs`` + ``top_logprobs`` answered as SGLang's OpenAI server does;
 * the router's worker list: ``GET /workers`` (SMG shape) and ``GET /list_workers`` (Miles router
   shape), each worker listed at ``<facade>/w/<worker>`` so Miles' abort loop
   ``POST <worker url>/abort_request {"abort_all": true}`` reaches it;
