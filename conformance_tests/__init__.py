@@ -89,8 +89,10 @@ from ._parity import (
 from ._streaming import check_stream_early_exit_aborts, check_stream_matches_generate
 from ._versions import (
     check_min_version_after_partial_update,
+    check_stream_version_spans_across_in_place_update,
     check_stream_version_spans_across_update,
     check_unknown_exact_version_is_retryable,
+    check_version_spans_across_in_place_update,
     check_version_spans_across_update,
     check_version_spans_quiet,
 )
@@ -164,7 +166,9 @@ __all__ = [
     "check_tensor_update_matches_fresh",
     "check_top_logprobs",
     "check_unknown_exact_version_is_retryable",
+    "check_stream_version_spans_across_in_place_update",
     "check_stream_version_spans_across_update",
+    "check_version_spans_across_in_place_update",
     "check_version_spans_across_update",
     "check_version_spans_quiet",
     "check_update_failure_keeps_version",

@@ -40,7 +40,9 @@ from ._weights import _alt_loader, _restore, _update
 __all__ = [
     "check_min_version_after_partial_update",
     "check_unknown_exact_version_is_retryable",
+    "check_stream_version_spans_across_in_place_update",
     "check_stream_version_spans_across_update",
+    "check_version_spans_across_in_place_update",
     "check_version_spans_across_update",
     "check_version_spans_quiet",
 ]
@@ -166,24 +168,32 @@ async def check_version_spans_quiet(ctx: CheckContext) -> None:
         ctx.measure(f"spans_{i}", len(gen.version_spans or ()))
 
 
-#: What a check of spans across a weight update needs: a RETRACT update (tokens after it are the
-#: new weights' own, so each new span can be held against a fresh engine), and the alt weights.
-_ACROSS_UPDATE = requires(
-    pause_mode=PauseMode.RETRACT,
-    any_transport=(WeightTransport.DISK, WeightTransport.TENSOR),
-    hooks=("alt_weights_path", "fresh_factory_on"),
+def _update_while_parked(c: Capabilities, h: Harness, b: RolloutBackend) -> str | None:
+    if c.update_while_parked:
+        return None
+    return "capability update_while_parked not declared (a RETRACT update with requests parked is refused)"
+
+
+#: What a check of spans across a RETRACT update needs: the update completes with the request
+#: parked (tokens after it are the new weights' own, their KV recomputed, so each new span can be
+#: held against a fresh engine), and the alt weights.
+_ACROSS_RETRACT = _Requires(
+    [
+        *requires(
+            pause_mode=PauseMode.RETRACT,
+            any_transport=(WeightTransport.DISK, WeightTransport.TENSOR),
+            hooks=("alt_weights_path", "fresh_factory_on"),
+        ).reqs,
+        Requirement("update_while_parked", _update_while_parked),
+    ]
 )
-
-
-@check("versions")
-@_ACROSS_UPDATE
-@_Requires([Requirement("version_spans=RESPONSE", _engine_spans)])
-async def check_version_spans_across_update(ctx: CheckContext) -> None:
-    """A greedy request in flight across a weight update (``weight_update(mode=RETRACT)`` to the alt
-    weights) holds tokens of both versions: its spans start with the old version and end with the
-    new one, the old span equals the same request run before the update, and each new-version span
-    equals a fresh engine on the new weights given the tokens before it."""
-    await _spans_across_update(ctx, ctx.start)
+#: Across an IN_PLACE update the tokens after it are the new weights' over the old weights' KV,
+#: which no fresh engine reproduces: the boundary is held against the uninterrupted run instead.
+_ACROSS_IN_PLACE = requires(
+    pause_mode=PauseMode.IN_PLACE,
+    any_transport=(WeightTransport.DISK, WeightTransport.TENSOR),
+    hooks=("alt_weights_path",),
+)
 
 
 def _stream_spans(c: Capabilities, h: Harness, b: RolloutBackend) -> str | None:
@@ -192,13 +202,12 @@ def _stream_spans(c: Capabilities, h: Harness, b: RolloutBackend) -> str | None:
     return "capabilities streaming and stream_version_spans not declared"
 
 
-@check("versions")
-@_ACROSS_UPDATE
-@_Requires([Requirement("stream_version_spans", _stream_spans)])
-async def check_stream_version_spans_across_update(ctx: CheckContext) -> None:
-    """``version_spans_across_update`` for a *streamed* request: the engine's per-chunk versions
-    put together give spans starting with the old version and ending with the new, each
-    new-version span equal to a fresh engine on the new weights given the tokens before it."""
+_engine_spans_req = _Requires([Requirement("version_spans=RESPONSE", _engine_spans)])
+_stream_spans_req = _Requires([Requirement("stream_version_spans", _stream_spans)])
+
+
+def _streamed(ctx: CheckContext) -> Callable[[GenerateRequest], asyncio.Task[Generation]]:
+    """Start a request as a stream; its task is the final chunk's generation."""
 
     async def streamed(request: GenerateRequest) -> Generation:
         async with ctx.backend.stream(request) as chunks:
@@ -207,10 +216,54 @@ async def check_stream_version_spans_across_update(ctx: CheckContext) -> None:
                     return chunk.final
         raise CheckFailed(f"{request.request_id}: the stream ended without its final chunk")
 
-    await _spans_across_update(ctx, lambda request: ctx.track(asyncio.ensure_future(streamed(request))))
+    return lambda request: ctx.track(asyncio.ensure_future(streamed(request)))
 
 
-async def _spans_across_update(ctx: CheckContext, start: Callable[[GenerateRequest], asyncio.Task[Generation]]) -> None:
+@check("versions")
+@_ACROSS_RETRACT
+@_engine_spans_req
+async def check_version_spans_across_update(ctx: CheckContext) -> None:
+    """A greedy request in flight across a weight update (``weight_update(mode=RETRACT)`` to the alt
+    weights) holds tokens of both versions: its spans start with the old version and end with the
+    new one, the old span equals the same request run before the update, and each new-version span
+    equals a fresh engine on the new weights given the tokens before it."""
+    await _spans_across_update(ctx, ctx.start, PauseMode.RETRACT)
+
+
+@check("versions")
+@_ACROSS_RETRACT
+@_stream_spans_req
+async def check_stream_version_spans_across_update(ctx: CheckContext) -> None:
+    """``version_spans_across_update`` for a *streamed* request: the engine's per-chunk versions
+    put together give spans starting with the old version and ending with the new, each
+    new-version span equal to a fresh engine on the new weights given the tokens before it."""
+    await _spans_across_update(ctx, _streamed(ctx), PauseMode.RETRACT)
+
+
+@check("versions")
+@_ACROSS_IN_PLACE
+@_engine_spans_req
+async def check_version_spans_across_in_place_update(ctx: CheckContext) -> None:
+    """A greedy request frozen in place across a weight update (``weight_update(mode=IN_PLACE)``
+    to the alt weights) holds tokens of both versions, and the boundary is exact: the old span
+    equals the same request run before the update, and the first token of the new span does not
+    (it is the alt weights' own; the alt weights are another model, so a late stamp shows as an
+    old-span token that differs from the run before, an early one as a new span that starts on it)."""
+    await _spans_across_update(ctx, ctx.start, PauseMode.IN_PLACE)
+
+
+@check("versions")
+@_ACROSS_IN_PLACE
+@_stream_spans_req
+async def check_stream_version_spans_across_in_place_update(ctx: CheckContext) -> None:
+    """``version_spans_across_in_place_update`` for a *streamed* request: the spans the fleet
+    puts together from the chunks' versions change exactly where the tokens did."""
+    await _spans_across_update(ctx, _streamed(ctx), PauseMode.IN_PLACE)
+
+
+async def _spans_across_update(
+    ctx: CheckContext, start: Callable[[GenerateRequest], asyncio.Task[Generation]], mode: PauseMode
+) -> None:
     prompt = ctx.prompts(1, min_len=6, max_len=12, seed=29)[0]
     req = ctx.long_request(prompt, ctx.harness.pause_max_new_tokens, tag="spans")
     n = req.sampling.max_new_tokens
@@ -223,7 +276,7 @@ async def _spans_across_update(ctx: CheckContext, start: Callable[[GenerateReque
         await ctx.let_run()
         if task.done():
             raise HarnessError(f"the {n}-token request finished before the update: raise Harness.pause_max_new_tokens")
-        await _update(ctx, new, _alt_loader(ctx), PauseMode.RETRACT)
+        await _update(ctx, new, _alt_loader(ctx), mode)
         gen = await asyncio.wait_for(asyncio.shield(task), 60.0)
         validate_generation(ctx, req, gen)
         spans = gen.version_spans
@@ -238,21 +291,49 @@ async def _spans_across_update(ctx: CheckContext, start: Callable[[GenerateReque
         ends = [at for at, _ in spans[1:]] + [len(gen.output_ids)]
         k = ends[0]
         expect(gen.output_ids[:k] == before.output_ids[:k], f"the first {k} tokens ({old!r}) differ from a run before")
-        fresh_on, path = ctx.harness.fresh_factory_on, ctx.harness.alt_weights_path
-        assert fresh_on is not None and path is not None
-        fresh = await fresh_on(path)()
-        try:
-            for (at, version), end in zip(spans, ends, strict=True):
-                if version != new:
-                    continue
-                cont = ctx.request(prompt + gen.output_ids[:at], ctx.greedy(end - at, ignore_eos=True), "fresh")
-                want = await fresh.generate(cont)
-                expect(
-                    gen.output_ids[at:end] == want.output_ids,
-                    f"span ({at}, {version!r}) tokens {gen.output_ids[at:end]} differ from a fresh engine on the "
-                    f"new weights given the {at} tokens before it: {want.output_ids}",
-                )
-        finally:
-            await fresh.aclose()
+        if mode is PauseMode.IN_PLACE:
+            await _expect_new_from(ctx, gen, before, k, new)
+        else:
+            await _expect_spans_match_fresh(ctx, prompt, gen, spans, ends, new)
     finally:
         await _restore(ctx, previous)
+
+
+async def _expect_new_from(ctx: CheckContext, gen: Generation, before: Generation, k: int, new: str) -> None:
+    """The first token labelled ``new`` is not the uninterrupted run's: it came from the new weights.
+
+    An independent model's greedy token equals the old one's by chance at about one position in
+    the vocabulary size (the suite's alt weights are another seed's random model), so a span
+    that starts on the old token is an early stamp, not a coincidence."""
+    ctx.measure("boundary", k)
+    expect(
+        gen.output_ids[k] != before.output_ids[k],
+        f"token {k}, the first labelled {new!r}, is {gen.output_ids[k]}: the old weights' token there "
+        f"(the run before the update), so the span starts too early",
+    )
+
+
+async def _expect_spans_match_fresh(
+    ctx: CheckContext,
+    prompt: tuple[int, ...],
+    gen: Generation,
+    spans: tuple[tuple[int, str], ...],
+    ends: list[int],
+    new: str,
+) -> None:
+    fresh_on, path = ctx.harness.fresh_factory_on, ctx.harness.alt_weights_path
+    assert fresh_on is not None and path is not None
+    fresh = await fresh_on(path)()
+    try:
+        for (at, version), end in zip(spans, ends, strict=True):
+            if version != new:
+                continue
+            cont = ctx.request(prompt + gen.output_ids[:at], ctx.greedy(end - at, ignore_eos=True), "fresh")
+            want = await fresh.generate(cont)
+            expect(
+                gen.output_ids[at:end] == want.output_ids,
+                f"span ({at}, {version!r}) tokens {gen.output_ids[at:end]} differ from a fresh engine on the "
+                f"new weights given the {at} tokens before it: {want.output_ids}",
+            )
+    finally:
+        await fresh.aclose()

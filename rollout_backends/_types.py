@@ -712,6 +712,11 @@ class Capabilities:
     #: event is built), so a *streamed* generation's ``version_spans`` hold across an update even
     #: where ``version_spans`` is only ``STAMPED``.
     stream_version_spans: bool = False
+    #: A ``RETRACT`` weight update completes while requests are parked (they continue on the new
+    #: weights, their KV recomputed). SGLang 0.5.16 refuses the flush such an update takes while
+    #: parked requests wait (``Timed out waiting for idle state``; sglang#32153): there an update
+    #: with requests in flight must be ``IN_PLACE`` (or ``ABORT``).
+    update_while_parked: bool = False
     #: ``SamplingParams.stop`` (stop strings) is honoured, with ``Generation.text``.
     stop_strings: bool = False
     #: Greedy outputs do not depend on what else is batched (SGLang: deterministic inference).

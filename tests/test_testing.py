@@ -30,6 +30,8 @@ SKIPPED = {
     "version_spans_quiet",  # the fake reports no per-token versions
     "version_spans_across_update",
     "stream_version_spans_across_update",  # the fake's chunks report no versions
+    "version_spans_across_in_place_update",
+    "stream_version_spans_across_in_place_update",
 }
 
 

@@ -169,6 +169,9 @@ class FlavorRoutes:
     #: dynamo.sglang puts ``engine_data`` on no chunk, so not declared there; behind the shim
     #: (which stamps them) not declared either (see ``SGLANG14_SHIM``).
     chunk_versions: bool = False
+    #: A RETRACT update completes with requests parked (``Capabilities.update_while_parked``): our
+    #: reference worker; SGLang 0.5.16 workers refuse the flush it takes.
+    update_while_parked: bool = False
     #: dynamo.sglang 1.4.x awaits the synchronous ``TokenizerManager.abort_request``: the abort is
     #: dispatched, then the route fails with "object NoneType can't be used in 'await' expression".
     abort_all_await_bug: bool = False
@@ -185,12 +188,14 @@ ROUTES: Mapping[DynamoFlavor, FlavorRoutes] = {
         prompt_logprobs=True,
         stop_strings=True,
         chunk_versions=True,
+        update_while_parked=True,
     ),
     DynamoFlavor.SGLANG14: FlavorRoutes(sglang=True, abort_all_await_bug=True),
     # The shim lets 1.4.2 pass top logprobs and returns prompt logprobs (_sglang_shim patch 6). It
     # stamps every chunk with SGLang's version (patch 3), but spans are not declared from them, as on
-    # SGLang direct (its wire): the check that proves them needs a RETRACT update with the stream
-    # in flight, whose flush SGLang 0.5.16 refuses (H200 tier 2026-12-03 16:01).
+    # SGLang direct (its wire): across an IN_PLACE update the first chunk stamped new held the old
+    # weights' token (H200 tier 2026-12-03 18:25, at token 1), and a RETRACT update with the
+    # stream parked is refused (update_while_parked).
     # Stop strings are matched in the shim (patch 8), so its last chunk (version, worker) arrives.
     DynamoFlavor.SGLANG14_SHIM: FlavorRoutes(
         sglang=True,
@@ -592,6 +597,7 @@ class DynamoWire:
             version_spans=VersionSource.NONE if self.version_source is VersionSource.NONE else VersionSource.STAMPED,
             # A stream's chunks do, where the workers stamp each (FlavorRoutes.chunk_versions).
             stream_version_spans=routes.chunk_versions,
+            update_while_parked=routes.update_while_parked,
             # The probe is a 1-token generation pinned to the worker: only where pinning works.
             progress_probe=self.pinning,
             batch_invariant=routes.deterministic,

@@ -264,6 +264,9 @@ class ReferenceBackend(Fleet):
             version_constraints=True,
             version_spans=VersionSource.RESPONSE,  # the engine records the version of every token
             stream_version_spans=True,  # each streamed chunk carries the engine's version
+            # RETRACT drops the parked requests' KV and the engine flushes with them parked (a known
+            # difference from SGLang 0.5.16, docs/pause-modes.md).
+            update_while_parked=True,
             batch_invariant=True,  # every request runs alone through the model (no padded batches)
             max_context=first.max_context,
             vocab_size=first.vocab_size,

@@ -203,11 +203,16 @@ class SGLangWire:
             # served; docs/pause-modes.md): the fleet gives spans only where no update overlapped.
             version_spans=VersionSource.STAMPED,
             # Each streamed event's meta_info.weight_version reaches TokenChunk.weight_version, but
-            # spans built from them are not declared: the check that proves them needs a RETRACT
-            # update with the stream in flight, and SGLang 0.5.16 refuses the flush that update
-            # takes while retracted requests wait (H200 tier 2026-12-03 16:01; sglang#32153), so
-            # they stay unproven there. Streams keep the STAMPED rule of version_spans.
+            # spans built from them are not declared: they are early. Across an IN_PLACE update
+            # (the only one 0.5.16 completes with a stream in flight, see update_while_parked) the
+            # first token stamped with the new version was still the old weights' token (H200 tier
+            # 2026-12-03 18:25: stream_version_spans_across_in_place_update failed at tokens 26
+            # and 28, direct and behind smg). Streams keep the STAMPED rule of version_spans.
             stream_version_spans=False,
+            # A RETRACT update with requests parked fails at its flush: 0.5.16's flush_cache waits
+            # for is_fully_idle(), which counts the waiting queue the parked requests sit in (H200
+            # tier 2026-12-03 16:01, "Timed out waiting for idle state"; sglang#32153, #33784).
+            update_while_parked=False,
             batch_invariant=self.deterministic,
             max_context=self.max_context,
             vocab_size=self.vocab_size,

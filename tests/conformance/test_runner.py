@@ -29,6 +29,9 @@ from rollout_backends.conformance import (
 )
 from tests.conformance.fake_backend import BUGS, FULL, FakeBackend, fake_factory, fake_harness
 
+_NO_ENGINE_SPANS = "capability version_spans=RESPONSE not declared (spans across an update come only from an engine)"
+_NO_STREAM_SPANS = "capabilities streaming and stream_version_spans not declared"
+_NOT_WHILE_PARKED = "capability update_while_parked not declared (a RETRACT update with requests parked is refused)"
 NEEDS_HOOK_OR_CAPABILITY = {
     "distributed_update_matches_fresh": (
         "weight transport 'distributed' not declared; harness hook 'make_sender' not provided"
@@ -37,10 +40,10 @@ NEEDS_HOOK_OR_CAPABILITY = {
     "staleness_visible": "needs >= 2 workers, the fleet has 1",
     "min_version_after_partial_update": "needs >= 2 workers, the fleet has 1",
     "version_spans_quiet": "capability version_spans not declared",
-    "version_spans_across_update": (
-        "capability version_spans=RESPONSE not declared (spans across an update come only from an engine)"
-    ),
-    "stream_version_spans_across_update": "capabilities streaming and stream_version_spans not declared",
+    "version_spans_across_update": f"{_NO_ENGINE_SPANS}; {_NOT_WHILE_PARKED}",
+    "stream_version_spans_across_update": f"{_NO_STREAM_SPANS}; {_NOT_WHILE_PARKED}",
+    "version_spans_across_in_place_update": _NO_ENGINE_SPANS,
+    "stream_version_spans_across_in_place_update": _NO_STREAM_SPANS,
 }
 
 

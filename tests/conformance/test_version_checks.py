@@ -85,13 +85,52 @@ async def test_the_span_checks_pass_and_fail_on_wrong_spans(name: str, broken: t
     assert "span" in (bad.message or "")
 
 
+class ShiftedBoundary(ReferenceBackend):
+    """Reports the second span starting ``shift`` tokens off where the engine changed version."""
+
+    shift = 0
+
+    async def generate(self, request: rb.GenerateRequest) -> rb.Generation:
+        gen = await super().generate(request)
+        spans = gen.version_spans
+        if spans is None or len(spans) < 2:
+            return gen
+        (first, v0), (at, v1), *rest = spans
+        return attrs.evolve(gen, version_spans=((first, v0), (at + self.shift, v1), *rest))
+
+
+class EarlyBoundary(ShiftedBoundary):
+    shift = -1
+
+
+class LateBoundary(ShiftedBoundary):
+    shift = 1
+
+
+@pytest.mark.parametrize(
+    ("broken", "says"),
+    [(SpansAtFinish, "one span"), (EarlyBoundary, "too early"), (LateBoundary, "differ from a run before")],
+)
+async def test_in_place_spans_check_passes_and_fails_on_a_wrong_boundary(
+    broken: type[ReferenceBackend], says: str
+) -> None:
+    harness = reference_harness("reference://?workers=2&seed=0")
+    (c,) = select_checks(["version_spans_across_in_place_update"])
+    good = await c(factory(ReferenceBackend), harness)
+    assert good.outcome is Outcome.PASS, good.line()
+    assert int(good.measurements["boundary"]) > 0
+    bad = await c(factory(broken), harness)
+    assert bad.outcome is Outcome.FAIL, bad.line()
+    assert says in (bad.message or ""), bad.line()
+
+
 class ChunkVersionsOnly:
     """An engine whose streamed generations carry no spans of their own, as SGLang's: the fleet
     puts them together from the chunks' versions. ``at_finish``: every chunk reports the version at
     the finish instead (one span, although the tokens span two versions)."""
 
-    def __init__(self, engine: ReferenceEngine, *, at_finish: bool) -> None:
-        self._engine, self._at_finish = engine, at_finish
+    def __init__(self, engine: ReferenceEngine, *, at_finish: bool, late: bool = False) -> None:
+        self._engine, self._at_finish, self._late = engine, at_finish, late
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._engine, name)
@@ -99,10 +138,13 @@ class ChunkVersionsOnly:
     async def stream(self, request: rb.GenerateRequest) -> AsyncIterator[rb.TokenChunk]:
         chunks = self._engine.stream(request)
         held: list[rb.TokenChunk] = []
+        last: str | None = None
         try:
             async for c in chunks:
                 if c.final is not None:
                     c = attrs.evolve(c, final=attrs.evolve(c.final, version_spans=None))
+                if self._late:  # each chunk reports the version of the chunk before it
+                    last, c = c.weight_version, attrs.evolve(c, weight_version=last or c.weight_version)
                 if not self._at_finish:
                     yield c
                     continue
@@ -114,10 +156,10 @@ class ChunkVersionsOnly:
             await chunks.aclose()
 
 
-def chunk_versions_factory(*, at_finish: bool) -> BackendFactory:
+def chunk_versions_factory(*, at_finish: bool, late: bool = False) -> BackendFactory:
     async def make() -> rb.RolloutBackend:
         engines = ReferenceBackend.create(workers=2, seed=0).engines
-        return ReferenceBackend([ChunkVersionsOnly(e, at_finish=at_finish) for e in engines])  # type: ignore[misc]
+        return ReferenceBackend([ChunkVersionsOnly(e, at_finish=at_finish, late=late) for e in engines])  # type: ignore[misc]
 
     return make
 
@@ -131,3 +173,14 @@ async def test_stream_spans_check_passes_on_chunk_versions_and_fails_on_versions
     bad = await c(chunk_versions_factory(at_finish=True), harness)
     assert bad.outcome is Outcome.FAIL, bad.line()
     assert "span" in (bad.message or "")
+
+
+@pytest.mark.parametrize(("at_finish", "late"), [(True, False), (False, True)])
+async def test_stream_in_place_spans_check_fails_on_versions_at_finish_or_late(at_finish: bool, late: bool) -> None:
+    harness = reference_harness("reference://?workers=2&seed=0")
+    (c,) = select_checks(["stream_version_spans_across_in_place_update"])
+    good = await c(chunk_versions_factory(at_finish=False), harness)
+    assert good.outcome is Outcome.PASS, good.line()
+    bad = await c(chunk_versions_factory(at_finish=at_finish, late=late), harness)
+    assert bad.outcome is Outcome.FAIL, bad.line()
+    assert "span" in (bad.message or "") or "differ" in (bad.message or ""), bad.line()

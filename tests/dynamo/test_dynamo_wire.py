@@ -655,7 +655,9 @@ def test_stream_chunks_carry_their_own_versions() -> None:
     """Our worker stamps every chunk with its tokens' version (engine_data.chunk_weight_version):
     a chunk whose engine_data holds only that is not the last; the last has its own too."""
     assert _wire().capabilities().stream_version_spans  # our worker (FlavorRoutes.chunk_versions)
-    assert not _wire(flavor="sglang14-shim").capabilities().stream_version_spans  # stamped, unproven (SGLang)
+    assert not _wire(flavor="sglang14-shim").capabilities().stream_version_spans  # SGLang's stamps are early
+    assert _wire().capabilities().update_while_parked  # our worker flushes with requests parked
+    assert not _wire(flavor="sglang14-shim").capabilities().update_while_parked  # SGLang 0.5.16 refuses
     assert not _wire(flavor="sglang14").capabilities().stream_version_spans  # stock dynamo.sglang: none
     assert not _wire(flavor="sglang16").capabilities().stream_version_spans
     w = _wire()

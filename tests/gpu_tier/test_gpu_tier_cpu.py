@@ -230,11 +230,13 @@ def test_cpu_tier_full_suite_over_every_http_path(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_cpu_tier_stream_version_spans_run_over_dynamo(tmp_path: Path) -> None:
     """Our Dynamo workers stamp every chunk with its tokens' version (FlavorRoutes.chunk_versions):
-    over the real frontend the streamed-spans check runs (not skipped) and passes. It fails where
-    the worker stamps every chunk with the finish's version (one span; checked by hand 2026-12-03)."""
+    over the real frontend the streamed-spans checks, across a RETRACT and an IN_PLACE update, run
+    (not skipped) and pass. The RETRACT one fails where the worker stamps every chunk with the
+    finish's version (one span; checked by hand 2026-12-03)."""
     out, work = tmp_path / "out", tmp_path / "work"
     argv = [sys.executable, "-m", "rb_bench.gpu_tier", "--out", str(out), "--engine", "reference",
             "--backends", "dynamo", "--check", "stream_version_spans_across_update",
+            "--check", "stream_version_spans_across_in_place_update",
             "--budget-s", "200", "--work-dir", str(work)]  # fmt: skip
     env = with_bench_path(os.environ)
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=260, check=False, env=env)
@@ -242,5 +244,6 @@ def test_cpu_tier_stream_version_spans_run_over_dynamo(tmp_path: Path) -> None:
     data: dict[str, Any] = json.loads((out / RESULTS_JSON).read_text())
     (b,) = data["backends"].values()
     outcomes = {r["name"]: r["outcome"] for r in b["results"]}
-    assert outcomes == {"stream_version_spans_across_update": "pass"}, outcomes
+    want = {"stream_version_spans_across_update": "pass", "stream_version_spans_across_in_place_update": "pass"}
+    assert outcomes == want, outcomes
     assert not _leftovers(str(work)), _leftovers(str(work))
