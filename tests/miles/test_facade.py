@@ -12,6 +12,7 @@ import io
 from collections.abc import AsyncIterator
 from typing import Any
 
+import attrs
 import httpx
 import pytest
 
@@ -692,3 +693,74 @@ async def test_the_router_answers_one_served_version_while_workers_disagree(clie
         assert await router_version() == "5"  # a three-way tie: the first worker's
     finally:
         await running.stop()
+
+
+async def test_generate_prompt_logprobs_and_prefill_only_on_the_reference_engine(
+    model_dir: Any, client: httpx.AsyncClient, tokenizer: Any
+) -> None:
+    """Miles' --recompute-logprobs-via-prefill: ``max_new_tokens: 0`` with ``logprob_start_len``
+    answers the prompt's logprobs from that index (SGLang's ``input_token_logprobs``), the engine's
+    own; with new tokens too. (The facade answered HTTP 500 here: no input ids for the answer.)"""
+    backend = await rb.open_backend(f"reference://{model_dir}?workers=1")
+    running = await start_facade(MilesFacade(backend, tokenizer=tokenizer, model_path="tiny"), port=0)
+    prompt = [5, 6, 7, 8, 9, 10]
+    try:
+        for new, start in ((0, 1), (4, 0), (0, 3)):
+            body = {
+                "input_ids": prompt,
+                "sampling_params": {"max_new_tokens": new, "temperature": 0, "ignore_eos": True},
+                "return_logprob": True,
+                "logprob_start_len": start,
+            }
+            resp = await client.post(f"{running.url}/generate", json=body)
+            assert resp.status_code == 200, resp.text
+            sampling = rb.SamplingParams(max_new_tokens=new, temperature=0.0, ignore_eos=True)
+            direct = await backend.generate(
+                rb.GenerateRequest(
+                    input_ids=prompt, sampling=sampling, return_logprobs=True, prompt_logprobs_start=start
+                )
+            )
+            assert direct.prompt_logprobs is not None and len(direct.prompt_logprobs) == len(prompt) - start
+            entries = resp.json()["meta_info"]["input_token_logprobs"]
+            assert [e[1] for e in entries] == prompt[start:]
+            assert [e[0] for e in entries] == list(direct.prompt_logprobs)
+            assert resp.json()["output_ids"] == list(direct.output_ids) and len(direct.output_ids) == new
+    finally:
+        await running.stop()
+        await backend.aclose()
+
+
+async def test_generate_stop_strings_on_the_reference_engine(
+    model_dir: Any, client: httpx.AsyncClient, tokenizer: Any
+) -> None:
+    """``--rollout-stop`` strings reach a backend that matches them: the answer stops at the string
+    (SGLang's ``finish_reason`` ``{"type": "stop", "matched": s}``), its ids and text the engine's,
+    the text trimmed unless ``no_stop_trim``."""
+    backend = await rb.open_backend(f"reference://{model_dir}?workers=1")
+    running = await start_facade(MilesFacade(backend, tokenizer=tokenizer, model_path="tiny"), port=0)
+    prompt = [5, 6, 7, 8]
+    greedy = rb.SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True)
+    try:
+        full = await backend.generate(rb.GenerateRequest(input_ids=prompt, sampling=greedy))
+        ids = list(full.output_ids)
+        # A stop string first completed by a token past the 3rd: the answer must end early.
+        stop = next(
+            s
+            for i in range(3, 12)
+            if (s := tokenizer.decode(ids[i : i + 1]).strip()) and s not in tokenizer.decode(ids[:i])
+        )
+        for keep in (False, True):
+            sp = {"max_new_tokens": 16, "temperature": 0, "ignore_eos": True, "stop": [stop], "no_stop_trim": keep}
+            resp = await client.post(f"{running.url}/generate", json={"input_ids": prompt, "sampling_params": sp})
+            assert resp.status_code == 200, resp.text
+            direct = await backend.generate(
+                rb.GenerateRequest(input_ids=prompt, sampling=attrs.evolve(greedy, stop=(stop,), no_stop_trim=keep))
+            )
+            body = resp.json()
+            assert body["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+            assert body["output_ids"] == list(direct.output_ids) and len(direct.output_ids) < 16
+            assert body["text"] == direct.text
+            assert body["text"].endswith(stop) is keep
+    finally:
+        await running.stop()
+        await backend.aclose()

@@ -366,3 +366,45 @@ async def test_generate_equals_miles_over_the_facade_on_the_reference_engine(tok
         await facade.stop()
         await config.close_backends()
         await backend.aclose()
+
+
+async def test_rollout_stop_strings_equal_miles_over_the_facade_on_the_reference_engine(
+    tokenizer: Any, model_dir: Any
+) -> None:
+    """``--rollout-stop`` strings on a backend that matches them: our sample == Miles' sample
+    through the facade, both cut at the string (status COMPLETED, the response shorter)."""
+    from rollout_backends.adapters.reference import ReferenceBackend
+
+    backend = ReferenceBackend.create(model_dir, workers=1)
+    url = serve_backend(backend)
+    facade = await start_facade(MilesFacade(backend, tokenizer=tokenizer), port=0)
+    try:
+        plain = make_args(rollout_backend_url=url, sglang_router_port=facade.port, rollout_max_response_len=16,
+                          rollout_temperature=0.0)  # fmt: skip
+        sp = {**compute_sampling_params(plain), "ignore_eos": True}
+        full = Sample(index=0, prompt=MESSAGES)
+        await generate(GenerateFnInput(GenerateState(plain, tokenizer), full, copy.deepcopy(sp), False))
+        ids = full.tokens[-full.response_length :]
+        stop = next(
+            s
+            for i in range(3, 12)
+            if (s := tokenizer.decode(ids[i : i + 1]).strip()) and s not in tokenizer.decode(ids[:i])
+        )
+        args = make_args(rollout_backend_url=url, sglang_router_port=facade.port, rollout_max_response_len=16,
+                         rollout_temperature=0.0, rollout_stop=[stop])  # fmt: skip
+        sp = {**compute_sampling_params(args), "ignore_eos": True}
+        ours, theirs = Sample(index=0, prompt=MESSAGES), Sample(index=0, prompt=MESSAGES)
+        await generate(GenerateFnInput(GenerateState(args, tokenizer), ours, copy.deepcopy(sp), False))
+        payload = compute_request_payload(args, prompt_ids(tokenizer, MESSAGES), sp)
+        assert payload is not None and payload["sampling_params"]["stop"] == [stop]
+        async with httpx.AsyncClient(timeout=60) as client:
+            resp = await client.post(f"http://127.0.0.1:{facade.port}/generate", json=payload)
+        resp.raise_for_status()
+        oracle_update_sample_from_response(args, theirs, payload, resp.json())
+        assert sample_fields(ours) == sample_fields(theirs)
+        assert ours.status is Status.COMPLETED and 0 < ours.response_length < full.response_length
+        assert ours.response.endswith(stop)  # Miles sends no_stop_trim: True
+    finally:
+        await facade.stop()
+        await config.close_backends()
+        await backend.aclose()

@@ -408,7 +408,16 @@ class MilesFacade:
 
     def _rules(self) -> ParseRules:
         caps = self.backend.capabilities
-        return ParseRules(unknown_keys=self.unknown_keys, vocab_size=caps.vocab_size, max_context=caps.max_context)
+        return ParseRules(
+            unknown_keys=self.unknown_keys,
+            vocab_size=caps.vocab_size,
+            max_context=caps.max_context,
+            # Miles' --recompute-logprobs-via-prefill sends max_new_tokens 0 with logprob_start_len.
+            allow_prefill_only=caps.prompt_logprobs,
+            # --rollout-stop strings: the backend matches them; the text is trimmed here, so a
+            # tokenizer is needed too (SGLang likewise refuses them under --skip-tokenizer-init).
+            stop_strings=caps.stop_strings and self.tokenizer is not None,
+        )
 
     def _encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
@@ -452,7 +461,9 @@ class MilesFacade:
         text = decode_text(self.tokenizer, gen, parsed.text_options)
         prompt = req.input_ids if parsed.return_prompt_token_ids else None
         return web.json_response(
-            answer_body(gen, return_logprob=req.return_logprobs, text=text, prompt_token_ids=prompt)
+            answer_body(
+                gen, return_logprob=req.return_logprobs, text=text, prompt_token_ids=prompt, input_ids=req.input_ids
+            )
         )
 
     async def handle_chat(self, request: web.Request) -> web.StreamResponse:

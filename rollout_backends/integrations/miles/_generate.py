@@ -27,7 +27,7 @@ from rollout_backends import (
     TransientError,
     Unsupported,
 )
-from rollout_backends.sglang_native import decode_text, meta_info, parse_sampling
+from rollout_backends.sglang_native import ParseRules, decode_text, meta_info, parse_sampling
 
 from ._config import add_arguments, get_backend
 
@@ -178,7 +178,10 @@ async def generate(input: Any) -> Any:
     _check_supported(args)
     if (getattr(sample, "multimodal_inputs", None) or {}).get("images"):
         raise InvalidRequest("sample.multimodal_inputs", "images are not supported by the rollout backends")
-    sampling, text_opts = parse_sampling({**sampling_params, "max_new_tokens": max_new_tokens})
+    backend = await get_backend(args)
+    # --rollout-stop strings go to a backend that matches them (else refused, naming the field).
+    rules = ParseRules(stop_strings=backend.capabilities.stop_strings)
+    sampling, text_opts = parse_sampling({**sampling_params, "max_new_tokens": max_new_tokens}, rules=rules)
     assert sampling is not None  # max_new_tokens > 0: not a prefill
     request = GenerateRequest(
         input_ids=input_ids,
@@ -186,7 +189,6 @@ async def generate(input: Any) -> Any:
         return_logprobs=True,
         routing_key=_routing_key(args, sample),
     )
-    backend = await get_backend(args)
     gen = await _generate(backend, request, int(getattr(args, "rollout_backend_max_retries", 60)))
     if gen.finish_reason is FinishReason.ABORT:
         logger.debug("sample %s aborted after %d tokens", getattr(sample, "index", None), len(gen.output_ids))
