@@ -317,7 +317,7 @@ class FakeDriver:
                 break
             lps = _logprobs(self.seed, prompt_seed, prompt + tuple(r.out))
             if sp.temperature == 0.0:
-                tok = max(range(VOCAB_SIZE), key=lambda i: lps[i])
+                tok = self._greedy(r, lps)
             else:
                 weights = [math.exp(x / sp.temperature) for x in lps]
                 tok = rng.choices(range(VOCAB_SIZE), weights)[0]
@@ -357,6 +357,10 @@ class FakeDriver:
         if cached and self.cache[prompt[:cached]] != self.seed:
             cached = 0
         return self.seed, cached
+
+    def _greedy(self, r: _Running, logprobs: Sequence[float]) -> int:
+        """The temperature-0 pick: the most likely token."""
+        return max(range(VOCAB_SIZE), key=lambda i: logprobs[i])
 
     def _rng(self, sampling: SamplingParams) -> random.Random:
         return random.Random(sampling.seed)

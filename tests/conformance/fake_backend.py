@@ -88,6 +88,9 @@ BUGS = frozenset(
         "stream_repeats_token",  # each chunk after the first starts one token early (repeats the last one)
         "stream_unversioned",  # a stream's final Generation carries no weight version
         "stream_no_abort",  # a stream left early goes on generating on the engine
+        # the first greedy pick after a RETRACT resume is the second most likely token (a recompute
+        # that flips more than a near tie)
+        "retract_flips_token",
     }
 )
 
@@ -107,6 +110,7 @@ class BuggyDriver(FakeDriver):
         self.bugs = bugs
         self.loaded_version = self.version  #: what a "version_lag" engine keeps stamping
         self.left_running: list[asyncio.Future[None]] = []  #: "stream_no_abort": what runs on
+        self.retracted: set[int] = set()  #: "retract_flips_token": requests parked mid-generation
 
     def _check(self, request: rb.GenerateRequest) -> None:
         if "accept_oov" not in self.bugs:
@@ -115,6 +119,8 @@ class BuggyDriver(FakeDriver):
     async def _wait_resumed(self, r: Any) -> None:
         if "pause_abort_noop" in self.bugs and self.paused is PauseMode.ABORT:
             return  # the bug: in-flight requests go on as if nothing happened
+        if "retract_flips_token" in self.bugs and self.paused is PauseMode.RETRACT and r.out:
+            self.retracted.add(id(r))
         if "paused_serves" not in self.bugs:
             await super()._wait_resumed(r)
 
@@ -122,6 +128,12 @@ class BuggyDriver(FakeDriver):
         if "stale_prefix" in self.bugs and cached:
             return self.cache[prompt[:cached]], cached  # KV computed with the old weights, reused
         return super()._prefix(prompt, cached)
+
+    def _greedy(self, r: Any, logprobs: Sequence[float]) -> int:
+        if id(r) in self.retracted:
+            self.retracted.discard(id(r))
+            return super()._ranked(logprobs)[1]
+        return super()._greedy(r, logprobs)
 
     def _rng(self, sampling: rb.SamplingParams) -> random.Random:
         return random.Random() if "seed_ignored" in self.bugs else super()._rng(sampling)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,7 @@ from rollout_backends.conformance import (
     check_disk_update_matches_fresh,
     check_greedy_shapes,
     check_parity,
+    compare,
     expect,
     requires,
     run_check,
@@ -124,6 +126,7 @@ BUG_TO_CHECK = {
     "stale_prefix": "stale_prefix_after_update",
     "version_lag": "disk_update_matches_fresh",
     "retract_as_abort": "pause_retract",
+    "retract_flips_token": "pause_retract",
     "in_place_flush_ok": "pause_in_place",
     "paused_serves": "pause_abort",
     "failed_load_corrupts": "update_failure_keeps_version",
@@ -195,6 +198,57 @@ async def test_misaligned_logprobs_fail_with_no_harness(bug: str, caught_by: str
     assert "logprob" in report[caught_by].message
     with_top = await run_checks(fake_factory(bugs=frozenset({bug})), Harness(concurrency=8), select=["contract"])
     assert caught_by in [r.name for r in with_top.failed], with_top.summary()
+
+
+def _gen(ids: tuple[int, ...], lps: tuple[float, ...], tops: tuple[tuple[tuple[int, float], ...], ...] | None) -> Any:
+    return rb.Generation(
+        request_id="r", output_ids=ids, logprobs=lps, finish_reason=rb.FinishReason.LENGTH,
+        weight_version="v0", prompt_tokens=3, top_logprobs=tops,
+    )  # fmt: skip
+
+
+def test_compare_accepts_a_first_difference_only_where_it_is_a_near_tie() -> None:
+    # Position 1: got chose 7 (-0.70) over 9 (-0.6905); want chose 9 (-0.6900) over 7 (-0.6950).
+    got = _gen(
+        (5, 7, 4), (-0.1, -0.6905, -2.0), (((5, -0.1), (6, -3.0)), ((7, -0.6905), (9, -0.6910)), ((4, -2.0), (1, -2.5)))
+    )
+    want = _gen(
+        (5, 9, 8), (-0.1, -0.6900, -0.3), (((5, -0.1), (6, -3.0)), ((9, -0.6900), (7, -0.6950)), ((8, -0.3), (4, -2.0)))
+    )
+    assert compare([got], [want], what="t", tolerance=0.01, near_ties=True) == 0.0  # after the tie: not compared
+    with pytest.raises(CheckFailed, match="differ at position 1"):
+        compare([got], [want], what="t", tolerance=0.01)  # allowed only when asked for
+    with pytest.raises(CheckFailed, match=r"token 9 \(logprob -0.69\) beat 7 \(-0.695\) by more than the tolerance"):
+        compare([got], [want], what="t", tolerance=0.001, near_ties=True)
+    not_listed = attrs.evolve(want, top_logprobs=(want.top_logprobs[0], ((9, -0.69), (3, -0.8)), want.top_logprobs[2]))
+    with pytest.raises(CheckFailed, match="token 7 is not in the top 2"):
+        compare([got], [not_listed], what="t", tolerance=0.01, near_ties=True)
+    with pytest.raises(CheckFailed, match="no top_logprobs"):
+        compare([got], [attrs.evolve(want, top_logprobs=None)], what="t", tolerance=0.01, near_ties=True)
+    # Everything before the tie is still held to the tolerance.
+    drifted = attrs.evolve(got, logprobs=(-0.2, -0.6905, -2.0))
+    with pytest.raises(CheckFailed, match=re.escape("max |Δlogprob| 0.1 > tolerance 0.01")):
+        compare([drifted], [want], what="t", tolerance=0.01, near_ties=True)
+    shorter = _gen((5, 9), (-0.1, -0.69), want.top_logprobs[:2])
+    with pytest.raises(CheckFailed, match="a length difference is not a near tie"):
+        compare([shorter], [want], what="t", tolerance=0.01, near_ties=True)
+
+
+async def test_retract_near_tie_allowance_holds_where_the_engine_is_not_batch_invariant(tmp_path: Path) -> None:
+    """Declared not batch invariant, pause_retract asks top-2 logprobs and lets a near tie flip
+    after the recompute; a flip by more than the tolerance still fails, and so does any flip on a
+    batch-invariant engine (BUG_TO_CHECK)."""
+    (c,) = select_checks(["pause_retract"])
+    variant = attrs.evolve(FULL, batch_invariant=False)
+    bug = frozenset({"retract_flips_token"})
+    bad = await c(fake_factory(declare=variant, bugs=bug), fake_harness(tmp_path))
+    assert bad.outcome is Outcome.FAIL and "not a near tie" in bad.message, bad.line()
+    # The same flip within a (wide) tolerance is a near tie: accepted, and where it was recorded.
+    wide = await c(fake_factory(declare=variant, bugs=bug), fake_harness(tmp_path, logprob_tolerance=50.0))
+    assert wide.outcome is Outcome.PASS, wide.line()
+    assert wide.measurements["near_tie_at"].startswith("case 0 at "), wide.measurements
+    clean = await c(fake_factory(declare=variant), fake_harness(tmp_path))
+    assert clean.outcome is Outcome.PASS and "near_tie_at" not in clean.measurements, clean.line()
 
 
 async def test_pause_that_did_nothing_is_blamed_not_the_budget(tmp_path: Path) -> None:
