@@ -25,6 +25,7 @@ from rollout_backends.adapters.dynamo._sglang_shim import (  # noqa: E402
     patch_routes,
     patch_token_stream,
 )
+from rollout_backends.conformance._logprobs import _pick_stop as pick_stop  # noqa: E402
 
 # Three incremental chunks as SGLang 0.5.16 emits them with incremental_streaming_output: output_ids
 # and meta_info.output_token_logprobs are both per-chunk deltas (the second chunk coalesced 2 steps).
@@ -448,15 +449,6 @@ def _as_frontend_answer(outs: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def _pick_stop(text: str) -> tuple[str, int] | None:
-    """Two ASCII letters of ``text`` past its start, at their first occurrence (as the conformance check)."""
-    for i in range(2, len(text) - 1):
-        sub = text[i : i + 2]
-        if sub.isascii() and sub.isalnum() and text.find(sub) == i:
-            return sub, i
-    return None
-
-
 @pytest.mark.parametrize("step", [1, 3, 16])
 def test_stop_strings_match_the_reference_engine_and_abort_sglang(tiny_model: Any, step: int) -> None:
     """Patch 8 on SGLang outputs of ``step`` tokens (the stream interval): a stop string taken from
@@ -481,7 +473,7 @@ def test_stop_strings_match_the_reference_engine_and_abort_sglang(tiny_model: An
                 sp = SamplingParams(temperature=0, max_new_tokens=16, stop=(never,))
                 free = await ref.generate(GenerateRequest(input_ids=prompt, sampling=sp))
                 assert free.text is not None
-                picked = _pick_stop(free.text)
+                picked = pick_stop(free.text)  # as the conformance check picks it
                 assert picked is not None
                 sub = picked[0]
                 for keep in (False, True):
