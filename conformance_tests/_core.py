@@ -637,7 +637,9 @@ def _not_a_near_tie(g: Generation, w: Generation, j: int, tolerance: float) -> s
         return "no top_logprobs to tell a near tie"
     for run, chosen, other in ((g, g.output_ids[j], w.output_ids[j]), (w, w.output_ids[j], g.output_ids[j])):
         tops = dict(run.top_logprobs[j])  # type: ignore[index]  # checked not None above
-        if other not in tops or chosen not in tops:
+        if chosen not in tops:
+            return f"token {chosen} is not in its own run's top {len(tops)}"
+        if other not in tops:
             return f"token {other} is not in the top {len(tops)} where the other run chose {chosen}"
         if tops[chosen] - tops[other] > tolerance:
             return (

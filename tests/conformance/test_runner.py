@@ -208,7 +208,7 @@ def _gen(ids: tuple[int, ...], lps: tuple[float, ...], tops: tuple[tuple[tuple[i
 
 
 def test_compare_accepts_a_first_difference_only_where_it_is_a_near_tie() -> None:
-    # Position 1: got chose 7 (-0.70) over 9 (-0.6905); want chose 9 (-0.6900) over 7 (-0.6950).
+    # Position 1: got chose 7 (-0.6905) over 9 (-0.6910); want chose 9 (-0.6900) over 7 (-0.6950).
     got = _gen(
         (5, 7, 4), (-0.1, -0.6905, -2.0), (((5, -0.1), (6, -3.0)), ((7, -0.6905), (9, -0.6910)), ((4, -2.0), (1, -2.5)))
     )
