@@ -934,7 +934,7 @@ def _prompt_logprobs(entries: object, scored: Sequence[int], worker: str | None)
         )
     # SGLang 0.5.16 names id 0 for a prompt id >= vocab_size - 1 (its scheduler clips "the padded
     # hash values from image tokens" with an off-by-one, so the vocabulary's last id is clipped
-    # too; the logprob is still that id's: H200 2026-12-03, bench/probes/prompt_logprobs.py). A
+    # too; the logprob is still that id's: H200 2026-12-03, docs/sglang.md "Prompt logprobs"). A
     # valid prompt id is < vocab_size, so only the largest id of the prompt can be clipped.
     clipped = max(scored, default=0)
     out: list[float | None] = []
@@ -1039,7 +1039,7 @@ def parse_stream_event(
     SGLang 0.5.16 (without ``--incremental-streaming-output``) sends the answer so far in every
     event: ``output_ids`` and ``meta_info.output_token_logprobs`` (and ``output_top_logprobs``) are
     cumulative, ``meta_info.finish_reason`` is null until the last event (measured on the H200,
-    bench/probes/stream_capture.py). ``sent`` are the ids delivered so far: they must be the
+    bench/rb_bench/capture.py). ``sent`` are the ids delivered so far: they must be the
     event's prefix (else ``ContractViolation``: tokens are never repeated or dropped), and the chunk
     holds what follows. The last event is parsed whole by ``parse_answer``: the final
     ``Generation`` is the non-streamed answer's, parsed in one place.

@@ -1016,8 +1016,8 @@ class DynamoWire:
 
 
 class _CompletionStream:
-    """The frontend's ``/v1/completions`` SSE answer (1.4.2, measured on the H200: bench/probes/
-    stream_capture.py): each chunk holds its *new* tokens (``nvext.completion_token_ids``,
+    """The frontend's ``/v1/completions`` SSE answer (1.4.2, measured on the H200: bench/rb_bench/
+    capture.py): each chunk holds its *new* tokens (``nvext.completion_token_ids``,
     ``choices[0].logprobs``), the last one also ``finish_reason`` and ``nvext.engine_data``;
     ``data: [DONE]`` at the end. The final ``Generation`` is the non-streamed answer's parse
     (``parse_completion``) of the chunks put together. Where the workers stamp every chunk
