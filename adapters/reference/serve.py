@@ -7,8 +7,9 @@
 
 ``--make-model SEED`` first writes a tiny seeded model to ``--model-path`` (if it has no
 ``config.json``) with ``make_tiny_model``. Keys given on the command line are never printed.
-Only ``stream=false`` generation is served (see ``_server``). ``--fault-injection`` (tests only,
-never on by default) adds ``/_faults``, which arms one-shot failures on any route.
+``"stream": true`` streams as SGLang does (one server-sent event per step, each the answer so
+far, then ``[DONE]``). ``--fault-injection`` (tests only, never on by default) adds ``/_faults``,
+which arms one-shot failures on any route.
 
 ``--no-compute N`` serves the same server over a ``NoComputeEngine`` (``_no_compute.py``): no model,
 no torch; every generation answers ``min(N, max_new_tokens)`` fixed tokens with logprobs at once
