@@ -23,7 +23,7 @@ native path (client), the reference server, the Miles facade and our Dynamo work
 
 Shapes are SGLang 0.5.16's (0.5.23's where they differ), read from ``GenerateReqInput`` and the
 ``sampling_params`` schema gate (``python/sglang/srt/managers/io_struct.py``,
-``python/sglang/api/v1/api_types.py``; ``/work/shared/reference/sglang.md`` §1-3).
+``python/sglang/api/v1/api_types.py``).
 """
 
 from __future__ import annotations

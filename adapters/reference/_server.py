@@ -1,7 +1,7 @@
 """An aiohttp server that puts SGLang's native HTTP API in front of a ``ReferenceEngine``.
 
 It answers with the field names, response shapes, status codes and error shapes that SGLang 0.5.x
-documents (``/work/shared/reference/sglang.md`` §1-5), as stock SGLang does with its tokenizer:
+documents (the shapes of ``rollout_backends.sglang_native``), as stock SGLang does with its tokenizer:
 ``text`` in answers (Miles reads ``output["text"]``) and ``text`` prompts, where the model has a
 ``tokenizer.json``; ``skip_tokenizer_init=True`` (``--skip-tokenizer-init``) keeps the
 tokenizer-free mode (token ids only, no ``text`` key). Bodies are parsed by the SGLang codec

@@ -30,7 +30,7 @@ def test_sglang_worker_command_line_matches_the_gpu_recipe() -> None:
     cfg = SGLangFleetConfig(model_path="/tmp/m/tiny", workers=2, served_model_name="tiny", weight_version="v0")
     argv = worker_argv(cfg, 1, 30001)
     assert argv[:3] == [sys.executable, "-m", "sglang.launch_server"]
-    # /work/shared/gpu/README.md, "Command lines that worked"
+    # the H200 recipe of 2026-11-30 (docs/gpu-tier.md, "The GPU machine"; docs/sglang.md)
     for flag, value in {"--model-path": "/tmp/m/tiny", "--served-model-name": "tiny", "--attention-backend": "triton",
                         "--sampling-backend": "pytorch", "--page-size": "16", "--host": "127.0.0.1",
                         "--port": "30001", "--weight-version": "v0"}.items():  # fmt: skip
