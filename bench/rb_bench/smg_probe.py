@@ -234,7 +234,8 @@ async def _registration(lab: Lab) -> None:
     p.note("POST /workers w0", add)
 
     async def w0_routable() -> bool:
-        return bool((await p.call("POST", f"{R}/generate", gen(max_new_tokens=1)))["status"] == 200)
+        one_token = gen(sampling_params={"max_new_tokens": 1, "temperature": 0.0})
+        return bool((await p.call("POST", f"{R}/generate", one_token))["status"] == 200)
 
     routable = await wait_until(w0_routable, 30)
     p.note("w0 routable after s", routable and round(time.monotonic() - t0, 3))
