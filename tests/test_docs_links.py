@@ -2,17 +2,19 @@
 repository: a file or folder, and where it names one, an anchor of that page. No network: web
 links (any ``scheme:``) are not followed.
 
-Scope: every ``.md`` file of the checkout outside hidden and build folders (README.md, docs/,
-bench/, examples/, ...). Read: inline links and images ``[text](target "title")``, reference
-definitions ``[label]: target``, and HTML ``<img src>`` / ``<a href>``; not what sits in fenced
-code blocks, inline code or HTML comments. Anchors are GitHub's: each heading's text, lowercased,
-every character that is not a letter, digit, ``_``, ``-`` or space dropped, spaces made ``-``;
-a repeated heading gets ``-1``, ``-2``, ...; ``<a name>`` / ``id`` attributes count too.
+Scope: every ``.md`` file of the checkout that git tracks or would (README.md, docs/, bench/,
+examples/, ...; ignored folders such as ``.venv`` are not read). Read: inline links and images
+``[text](target "title")``, reference definitions ``[label]: target``, and HTML ``<img src>`` /
+``<a href>``; not what sits in fenced code blocks, inline code or HTML comments. Anchors are
+GitHub's: each heading's text, lowercased, every character that is not a letter, digit, ``_``,
+``-`` or space dropped, spaces made ``-``; a repeated heading gets ``-1``, ``-2``, ...; ``<a
+name>`` / ``id`` attributes count too.
 """
 
 from __future__ import annotations
 
 import re
+import subprocess
 import unicodedata
 from collections.abc import Iterator
 from pathlib import Path
@@ -36,7 +38,18 @@ _SETEXT = re.compile(r"^ {0,3}(=+|-+)\s*$")
 
 
 def markdown_files(root: Path) -> list[Path]:
-    """The ``.md`` files under ``root``, less hidden folders (``.venv``, ``.git``, ...) and build output."""
+    """The ``.md`` files of the checkout as git sees them (tracked, or new and not ignored); outside
+    a git checkout every ``.md`` under ``root`` less hidden folders (``.venv``, ...) and build output."""
+    try:
+        listed = subprocess.run(
+            ["git", "-C", str(root), "ls-files", "-z", "--cached", "--others", "--exclude-standard", "--", "*.md"],
+            capture_output=True,
+            check=True,
+        ).stdout
+    except (OSError, subprocess.CalledProcessError):
+        listed = None
+    if listed is not None and (root / ".git").exists():
+        return sorted({root / name for name in listed.decode().split("\0") if name and (root / name).is_file()})
     out = []
     for path in sorted(root.rglob("*.md")):
         parts = path.relative_to(root).parts[:-1]
