@@ -1094,11 +1094,25 @@ def _fmt(v: Any) -> str:
 
 
 def result_markdown(res: TierResult) -> str:
-    c = res.config
+    """The results page: header, backends, tolerances and the check table, failures, skips,
+    measurements, parity, cache-hit drift, notes."""
     runs = list(res.runs.values())
+    lines = [
+        *_md_header(res, runs),
+        *_md_backends(res, runs),
+        *_md_checks(res.config, runs),
+        *_md_outcomes(runs),
+        *_md_parity(res),
+        *_md_drift(res, runs),
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def _md_header(res: TierResult, runs: list[_BackendRun]) -> list[str]:
+    c = res.config
     totals = {k: sum(r.counts()[k] for r in runs) for k in ("pass", "fail", "skip", "error", "not_run")}
     v = res.versions
-    lines = [
+    return [
         "# Conformance results: GPU tier",
         "",
         f"* date: {res.date}",
@@ -1117,6 +1131,10 @@ def result_markdown(res: TierResult) -> str:
         "| backend | what | start-up | pass | fail | skip | error | not run |",
         "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
+
+
+def _md_backends(res: TierResult, runs: list[_BackendRun]) -> list[str]:
+    lines: list[str] = []
     for r in [*runs, res.oracle]:
         n = r.counts()
         start = f"{r.startup_s:.0f} s" if r.started and r.startup_s is not None else "**failed**"
@@ -1130,8 +1148,13 @@ def result_markdown(res: TierResult) -> str:
     errors = [r for r in [*runs, res.oracle] if r.start_error]
     for r in errors:
         lines.append(f"\n{r.name} did not start: `{_md_escape(_first_line(r.start_error or '', 400))}`")
+    return lines
+
+
+def _md_checks(c: TierConfig, runs: list[_BackendRun]) -> list[str]:
+    """The tolerances and the check x backend table."""
     t = c.tol
-    lines += [
+    lines = [
         "",
         "## Tolerances (|Δlogprob|)",
         "",
@@ -1171,6 +1194,12 @@ def result_markdown(res: TierResult) -> str:
             else:
                 cells.append("")
         lines.append(f"| {nm} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def _md_outcomes(runs: list[_BackendRun]) -> list[str]:
+    """Failures and errors, skips grouped by reason, and what the passing checks measured."""
+    lines: list[str] = []
     bad = [(r, x) for r in runs for x in r.results if x.outcome in (Outcome.FAIL, Outcome.ERROR)]
     if bad:
         lines += ["", "## Failures and errors", ""]
@@ -1195,7 +1224,12 @@ def result_markdown(res: TierResult) -> str:
         for r, x in measured:
             meas = ", ".join(f"{k}={_fmt(val)}" for k, val in x.measurements.items())
             lines.append(f"* {r.name} / `{x.name}`: {_md_escape(meas)}")
-    lines += ["", "## Parity (greedy, cold caches: a flush before each prompt)", ""]
+    return lines
+
+
+def _md_parity(res: TierResult) -> list[str]:
+    c = res.config
+    lines = ["", "## Parity (greedy, cold caches: a flush before each prompt)", ""]
     if res.parity is None:
         lines.append(f"not measured: {res.parity_error or 'no backend started'}")
     else:
@@ -1228,7 +1262,12 @@ def result_markdown(res: TierResult) -> str:
                 f"| {h.backend} | {h.max_abs_dlogprob:.3g} | {h.mean_abs_dlogprob:.3g} | {h.tokens} | "
                 f"{h.tolerance:g} | {'yes' if h.ok else '**no**'} |"
             )
-    lines += [
+    return lines
+
+
+def _md_drift(res: TierResult, runs: list[_BackendRun]) -> list[str]:
+    """Cache-hit drift per backend, then the run's notes."""
+    lines = [
         "",
         "## Cache-hit drift (the parity prompts twice, no flush in between)",
         "",
@@ -1249,7 +1288,7 @@ def result_markdown(res: TierResult) -> str:
     if res.notes:
         lines += ["", "## Notes", ""]
         lines += [f"* {_md_escape(_first_line(n, 500))}" for n in res.notes]
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
