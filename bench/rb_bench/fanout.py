@@ -1207,11 +1207,8 @@ async def run(
     result.command_args = check_command_lines(fleets, vary)
     if result.command_args is not None and not result.command_args.same:
         why = "the fleets' SGLang command lines differ: " + ", ".join(result.command_args.differing)
-        if refuse_on_differ:
-            result.refused = why
-            progress(f"refusing to run: {why}")
+        if _refused(result, why, refuse_on_differ, progress):
             return result
-        result.notes.append(f"ran although {why} (--args-differ warn)")
     errors: dict[str, str] = {}
     sampler = CpuSampler(lambda: {k: f.pids() for k, f in fleets.items() if k not in errors})
     try:
@@ -1238,6 +1235,16 @@ async def run(
         if profiler is not None:
             result.profiles = profiler.results
     return result
+
+
+def _refused(result: RunResult, why: str, refuse_on_differ: bool, progress: report.Progress) -> bool:
+    """The fleets' arguments differ: refuse the run (True), or note that it ran anyway."""
+    if refuse_on_differ:
+        result.refused = why
+        progress(f"refusing to run: {why}")
+        return True
+    result.notes.append(f"ran although {why} (--args-differ warn)")
+    return False
 
 
 async def _start_fleet(
@@ -1270,11 +1277,8 @@ async def _check_live(
     result.resolved_args = await check_resolved(live, vary)
     if not result.resolved_args.same:
         why = "the engines' resolved arguments differ: " + ", ".join(result.resolved_args.differing)
-        if refuse_on_differ:
-            result.refused = why
-            progress(f"refusing to run: {why}")
+        if _refused(result, why, refuse_on_differ, progress):
             return False
-        result.notes.append(f"ran although {why} (--args-differ warn)")
         progress(f"WARNING: {why}")
     for k in live:
         if not any(c.startswith(f"{k} w") for c in result.resolved_args.columns):
