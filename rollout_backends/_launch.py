@@ -52,10 +52,10 @@ __all__ = [
     "carry",
     "env_map",
     "launch_fleet",
-    "importable",
     "one_line_error",
     "pick_port",
     "require_model_dir",
+    "require_module",
     "run_launcher_cli",
     "split_passthrough",
     "str_tuple",
@@ -113,17 +113,20 @@ def require_model_dir(path: str | os.PathLike[str], field: str = "model_path") -
     raise InvalidRequest(field, f"{text!r} is not a directory on this host{hint}")
 
 
-def importable(module: str, python: str = sys.executable) -> bool | None:
-    """Whether ``python`` can import ``module`` (without importing it); ``None`` for an interpreter
-    other than this one, which is not asked (a launcher checks what it can before starting anything)."""
+def require_module(module: str, field: str, instead: str, python: str = sys.executable) -> None:
+    """Refuse, before anything starts, an engine whose package ``python`` cannot import:
+    ``InvalidRequest(field, ...)`` saying so, then ``instead`` (what runs without it). Asked of this
+    interpreter only (another one is not started to find out); the package is found, not imported."""
     if os.path.realpath(python) != os.path.realpath(sys.executable):
-        return None
+        return
     import importlib.util
 
     try:
-        return importlib.util.find_spec(module) is not None
+        found = importlib.util.find_spec(module) is not None
     except ImportError:  # a parent package is missing
-        return False
+        found = False
+    if not found:
+        raise InvalidRequest(field, f"{python} cannot import {module} (pip install {module}); {instead}")
 
 
 def str_tuple(value: Sequence[Any] | None) -> tuple[str, ...]:

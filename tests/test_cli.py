@@ -246,7 +246,8 @@ def test_an_engine_that_is_not_installed_is_one_line(
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "sglang" else real(name, *a))
     assert main(["launch", "sglang", "--model-path", str(tmp_path)]) == 2
     line = _one_error_line(capsys)
-    assert line.startswith("error: --worker-kind: 'sglang' workers run SGLang") and "'reference'" in line, line
+    assert line.startswith("error: --worker-kind: ") and "cannot import sglang" in line, line
+    assert "'sglang' workers run SGLang" in line and "'reference' runs the CPU reference engine" in line, line
 
 
 @pytest.mark.slow

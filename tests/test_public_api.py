@@ -41,9 +41,9 @@ EXPECTED_LAUNCH = {
     "ConnectableEngine", "EngineCommand", "EngineInfo", "EntryCommand", "HelpFormatter", "Launch", "Local",
     "LocalEngines", "ManagedProcess", "NodeContext", "PlacedEngines", "Placement", "ProcessSpec",
     "ProcessState", "ReadyCheck", "ReadyProgress", "RunningFleet", "Supervisor", "carry",
-    "env_map", "free_port", "group_members", "importable", "launch_fleet", "one_line_error", "pick_port",
-    "port_in_use", "redact_argv", "require_model_dir", "run_launcher_cli", "split_passthrough", "stderr_progress",
-    "str_tuple",
+    "env_map", "free_port", "group_members", "launch_fleet", "one_line_error", "pick_port",
+    "port_in_use", "redact_argv", "require_model_dir", "require_module", "run_launcher_cli", "split_passthrough",
+    "stderr_progress", "str_tuple",
 }  # fmt: skip
 
 EXPECTED_SGLANG_NATIVE = {

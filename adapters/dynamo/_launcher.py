@@ -49,9 +49,9 @@ from rollout_backends.launch import (
     Supervisor,
     carry,
     env_map,
-    importable,
     launch_fleet,
     require_model_dir,
+    require_module,
     str_tuple,
 )
 
@@ -177,12 +177,9 @@ class DynamoFleetConfig:
         """What can be found wrong before anything starts: the model is a directory on this host,
         and SGLang is installed for ``sglang`` workers (``InvalidRequest`` naming the field)."""
         require_model_dir(self.model_path)
-        if self.worker_kind == "sglang" and importable("sglang", self.python) is False:
-            raise InvalidRequest(
-                "worker_kind",
-                f"'sglang' workers run dynamo.sglang, and {self.python} cannot import SGLang (pip install "
-                "sglang); worker kind 'reference' runs the CPU reference engine, 'mocker' Dynamo's mocker",
-            )
+        if self.worker_kind == "sglang":
+            instead = "worker kind 'reference' runs the CPU reference engine, 'mocker' Dynamo's mocker"
+            require_module("sglang", "worker_kind", f"'sglang' workers run dynamo.sglang; {instead}", self.python)
 
 
 #: The config's name before every engine's was named ``<Engine>FleetConfig`` (docs, tests and

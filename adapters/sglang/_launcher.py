@@ -41,10 +41,10 @@ from rollout_backends.launch import (
     RunningFleet,
     Supervisor,
     carry,
-    importable,
     launch_fleet,
     port_in_use,
     require_model_dir,
+    require_module,
     str_tuple,
 )
 
@@ -242,12 +242,9 @@ class SGLangFleetConfig:
         """What can be found wrong on this host before anything starts: the model is a directory
         here, and SGLang is installed for ``sglang`` workers (``InvalidRequest`` naming the field)."""
         require_model_dir(self.model_path)
-        if self.worker_kind == "sglang" and importable("sglang", self.python) is False:
-            raise InvalidRequest(
-                "worker_kind",
-                f"'sglang' workers run SGLang, which {self.python} cannot import (pip install sglang); "
-                "worker kind 'reference' runs the CPU reference engine instead",
-            )
+        if self.worker_kind == "sglang":
+            instead = "worker kind 'reference' runs the CPU reference engine instead"
+            require_module("sglang", "worker_kind", f"'sglang' workers run SGLang; {instead}", self.python)
 
     def default_startup_timeout(self) -> float:
         if self.startup_timeout_s is not None:
