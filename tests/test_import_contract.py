@@ -58,6 +58,8 @@ PACKAGE_DIRS = {
 }
 #: The benchmarks' package, run from the checkout (``PYTHONPATH=bench``), and its folder.
 BENCH_DIRS = {"rb_bench": "bench/rb_bench"}
+#: Example packages (a third party's adapter, installed from its own folder) and their folders.
+EXAMPLE_DIRS = {"toy_adapter": "examples/toy_adapter/toy_adapter"}
 #: Folders whose files obey the rules; tests are exempt.
 SCOPE = ("rollout_backends", "adapters", "conformance_tests", "examples", "bench")
 
@@ -88,7 +90,7 @@ def module_of(rel: Path) -> str | None:
     """The import name of a file (``adapters/sglang/_wire.py`` -> ``rollout_backends.adapters.sglang._wire``);
     ``None`` outside a package (examples and probes are scripts)."""
     parts = rel.with_suffix("").parts
-    for package, folder in {**PACKAGE_DIRS, **BENCH_DIRS}.items():
+    for package, folder in {**PACKAGE_DIRS, **BENCH_DIRS, **EXAMPLE_DIRS}.items():
         if parts[: len(Path(folder).parts)] == Path(folder).parts:
             rest = parts[len(Path(folder).parts) :]
             names = [*package.split("."), *rest]

@@ -50,6 +50,8 @@ from rollout_backends.launch import (
     carry,
     env_map,
     launch_fleet,
+    require_model_dir,
+    require_module,
     str_tuple,
 )
 
@@ -71,19 +73,34 @@ __all__ = [
     "worker_command",
 ]
 
-WORKER_KINDS = ("reference", "mocker", "sglang")
+#: Every worker kind, with what it runs: the launch line and ``--worker-kind``'s help read this.
+WORKER_KIND_DESCRIPTIONS: Mapping[str, str] = {
+    "sglang": "dynamo.sglang (SGLang; GPU)",
+    "reference": "our Dynamo worker over the CPU reference engine (not SGLang)",
+    "mocker": "dynamo.mocker (CPU; random tokens, no logprobs)",
+}
+WORKER_KINDS = tuple(WORKER_KIND_DESCRIPTIONS)
 ROUTER_MODES = ("round-robin", "random", "kv", "direct", "power-of-two", "least-loaded")
 
 
 @attrs.frozen(kw_only=True)
 class DynamoFleetConfig:
-    """What to launch. Defaults: 2 reference workers behind a round-robin frontend, file discovery."""
+    """What to launch. Defaults: one ``dynamo.sglang`` worker behind a round-robin frontend, file
+    discovery. They are the command line's too (``launch dynamo`` reads them from these fields)."""
 
     model_path: str = attrs.field(converter=str)
     served_model_name: str | None = None
-    workers: int = 2
-    worker_kind: str = "reference"
+    #: One worker unless told: each ``sglang`` worker takes a GPU, and how many the host has is the
+    #: caller's to say.
+    workers: int = 1
+    #: ``dynamo.sglang`` unless told otherwise, as ``SGLangFleetConfig`` runs SGLang: switching
+    #: launchers switches the serving stack, not the engine. A CPU kind answering in its place would
+    #: pass for it (its tokens, speed and failures are not SGLang's); the CLI's first line names it.
+    worker_kind: str = "sglang"
     # -- frontend / router
+    #: The frontend's own default (ai-dynamo 1.4.2 ``dynamo/frontend/main.py``: "Router, defaulting
+    #: to round-robin"), as the SGLang fleet takes smg's: the mode Dynamo's documentation describes,
+    #: and the one the conformance tiers pass on. ``kv`` is one flag away (``--router-mode kv``).
     router_mode: str = "round-robin"
     #: KV block size = the workers' page size (``--kv-cache-block-size``, mocker ``--block-size``,
     #: SGLang ``--page-size``). Must be > 1 for the KV router.
@@ -147,6 +164,22 @@ class DynamoFleetConfig:
     @property
     def model_name(self) -> str:
         return self.served_model_name or Path(self.model_path).name
+
+    def describe(self) -> str:
+        """One line saying what this config starts (the CLI prints it first)."""
+        kind = f"{self.workers} x {self.worker_kind} worker{'s' if self.workers > 1 else ''}"
+        return (
+            f"{kind}: {WORKER_KIND_DESCRIPTIONS[self.worker_kind]}; Dynamo frontend, router mode {self.router_mode}, "
+            f"{self.discovery} discovery; model {self.model_path}"
+        )
+
+    def preflight(self) -> None:
+        """What can be found wrong before anything starts: the model is a directory on this host,
+        and SGLang is installed for ``sglang`` workers (``InvalidRequest`` naming the field)."""
+        require_model_dir(self.model_path)
+        if self.worker_kind == "sglang":
+            instead = "worker kind 'reference' runs the CPU reference engine, 'mocker' Dynamo's mocker"
+            require_module("sglang", "worker_kind", f"'sglang' workers run dynamo.sglang; {instead}", self.python)
 
 
 #: The config's name before every engine's was named ``<Engine>FleetConfig`` (docs, tests and
@@ -365,9 +398,11 @@ async def launch_dynamo_fleet(
 
     The run folder (``dynamo-<namespace>-*`` under the temporary directory: file discovery, etcd's
     data, and the logs unless ``log_dir`` puts them elsewhere) is removed on exit unless
-    ``keep_run_dir``; logs in ``log_dir`` always stay.
+    ``keep_run_dir``; logs in ``log_dir`` always stay, and so do those of a failed start (the
+    error names them). A model that is not a directory here fails before anything starts.
     """
     cfg = config
+    cfg.preflight()
     namespace = cfg.namespace or f"rb{uuid.uuid4().hex[:10]}"
     run_dir = Path(tempfile.mkdtemp(prefix=f"dynamo-{namespace}-"))
     logs = Path(log_dir) if log_dir is not None else run_dir / "logs"
@@ -422,5 +457,8 @@ async def launch_dynamo_fleet(
             else:
                 await sup.aclose()
         finally:
-            # The kv dir always goes (a crash may leave it behind); the rest unless asked to keep it.
-            await asyncio.to_thread(shutil.rmtree, kv_dir if keep_run_dir else run_dir, True)
+            # The kv dir always goes (a crash may leave it behind); the rest unless asked to keep it,
+            # or unless the start failed and wrote logs here: the error names them.
+            failed_start = fleet is None and logs.is_relative_to(run_dir) and any(logs.glob("*.log"))
+            keep = keep_run_dir or failed_start
+            await asyncio.to_thread(shutil.rmtree, kv_dir if keep else run_dir, True)
