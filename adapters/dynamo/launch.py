@@ -1,13 +1,14 @@
 """Launch a Dynamo fleet (frontend + workers), print its URLs, keep it up until Ctrl-C.
 
     rollout-backends launch dynamo --model-path DIR --workers 2 \
-        --worker-kind sglang --router-mode kv [--gpus 0 1] [-- <extra dynamo.sglang args>]
+        --worker-kind sglang --router-mode kv [--gpus 0 1] [-- <extra worker args>]
 
-``--worker-kind reference`` (the default) and ``mocker`` run on a CPU, ``sglang`` on GPUs. Prints
+``--worker-kind reference`` (the default) and ``mocker`` run on a CPU, ``sglang`` and ``vllm``
+(``dynamo.vllm``, vLLM 0.26) on GPUs. Prints
 each URL and a ``connect:`` line that ``rollout_backends.open_backend`` opens. Everything it started
 is stopped on Ctrl-C or SIGTERM, and the temporary run folder is removed unless ``--keep-run-dir``
 (``--log-dir`` logs always stay). ``--`` ends our flags; what follows is passed verbatim to every
-``dynamo.sglang`` worker.
+``dynamo.sglang`` / ``dynamo.vllm`` / mocker worker.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from collections.abc import Awaitable, Callable, Sequence
 
 from rollout_backends.launch import HelpFormatter, run_launcher_cli, split_passthrough, stderr_progress
 
-from ._commands import DEFAULT_STREAM_INTERVAL
+from ._commands import DEFAULT_STREAM_INTERVAL, MOCKER_ENGINE_TYPES
 from ._launcher import ROUTER_MODES, WORKER_KINDS, DynamoFleetConfig, launch_dynamo_fleet
 
 __all__ = ["build_parser", "config_from_args", "main", "parse_args"]
@@ -36,7 +37,17 @@ def build_parser() -> argparse.ArgumentParser:
         choices=WORKER_KINDS,
         default="reference",
         help="reference: our Dynamo worker over the CPU reference engine; mocker: dynamo.mocker (CPU, random "
-        "tokens); sglang: dynamo.sglang (GPU)",
+        "tokens); sglang: dynamo.sglang (GPU); vllm: dynamo.vllm (GPU, vLLM 0.26)",
+    )
+    p.add_argument(
+        "--mocker-engine-type", choices=MOCKER_ENGINE_TYPES, default="sglang", help="mocker: the scheduler it simulates"
+    )
+    p.add_argument(
+        "--transfer-backend",
+        choices=("nccl", "ipc"),
+        default=None,
+        help="vllm workers' --weight-transfer-config backend: nccl (distributed loads) or ipc (tensor loads); "
+        "default: none (disk loads only)",
     )
     p.add_argument("--router-mode", choices=ROUTER_MODES, default="kv", help="the frontend's --router-mode")
     p.add_argument("--page-size", type=int, default=16, help="KV block size (tokens; >= 2 for the KV router)")
@@ -49,7 +60,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="SGLang --stream-interval of sglang workers (0: SGLang's own, 1)",
     )
     p.add_argument(
-        "--gpus", nargs="+", default=None, help="CUDA_VISIBLE_DEVICES per sglang worker, e.g. 0 1 (default: 0, 1, ...)"
+        "--gpus",
+        nargs="+",
+        default=None,
+        help="CUDA_VISIBLE_DEVICES per sglang or vllm worker, e.g. 0 1 (default: 0, 1, ...)",
     )
     p.add_argument("--host", default="127.0.0.1", help="address every process binds")
     p.add_argument("--http-port", type=int, default=None, help="the frontend's HTTP port (default: a free port)")
@@ -97,7 +111,12 @@ def config_from_args(args: argparse.Namespace) -> DynamoFleetConfig:
         etcd_endpoints=tuple(args.etcd_endpoint),
         start_etcd=args.start_etcd,
         weight_version=args.weight_version,
-        sglang_args=tuple(args.extra_worker_args),
+        mocker_engine_type=args.mocker_engine_type,
+        transfer_backend=args.transfer_backend,
+        # The arguments after ``--`` go to the workers of the kind launched.
+        mocker_args=tuple(args.extra_worker_args) if args.worker_kind == "mocker" else (),
+        vllm_args=tuple(args.extra_worker_args) if args.worker_kind == "vllm" else (),
+        sglang_args=tuple(args.extra_worker_args) if args.worker_kind not in ("mocker", "vllm") else (),
     )
 
 
