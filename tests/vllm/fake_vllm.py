@@ -439,6 +439,16 @@ class FakeVllm:
     async def health(self, http: web.Request) -> web.Response:
         return web.Response(status=200)
 
+    async def world_size(self, http: web.Request) -> web.Response:
+        return web.json_response({"world_size": 1})
+
+    async def metrics(self, http: web.Request) -> web.Response:
+        """The two Prometheus series the capture keeps (the fake counts no preemption)."""
+        running = self.engine.num_running
+        text = f'vllm:num_preemptions_total{{model_name="{self.model_name}"}} 0.0\n'
+        text += f'vllm:num_requests_running{{model_name="{self.model_name}"}} {running}.0\n'
+        return web.Response(text=text, content_type="text/plain")
+
     async def models(self, http: web.Request) -> web.Response:
         card = {"id": self.model_name, "object": "model", "created": int(time.time()), "owned_by": "vllm",
                 "root": str(self.model_path), "parent": None, "max_model_len": self.engine.max_context}  # fmt: skip
@@ -473,6 +483,8 @@ class FakeVllm:
         post("/wake_up", self.wake_up)
         get("/is_sleeping", self.is_sleeping)
         get("/health", self.health)
+        get("/get_world_size", self.world_size)
+        get("/metrics", self.metrics)
         get("/v1/models", self.models)
         get("/server_info", self.server_info)
         return app
