@@ -52,24 +52,31 @@ class VllmNcclSender:
     (a TCP store at ``master_address:master_port``) and broadcast with vLLM's ``PyNcclCommunicator``
     (``nccl_common.trainer_init``), so the sender needs vLLM installed next to the trainer."""
 
-    def __init__(self, master_address: str, master_port: int, world_size: int) -> None:
+    def __init__(self, master_address: str, master_port: int, world_size: int, *, device: str = "cuda:0") -> None:
         self.master_address, self.master_port, self.world_size = master_address, master_port, world_size
+        #: The trainer's GPU (each rank of the group needs its own: not an engine's).
+        self.device = device
         self._group: Any = None
 
     def connect(self) -> None:
+        import torch
         from vllm.distributed.weight_transfer.nccl_common import trainer_init
 
         info = {"master_address": self.master_address, "master_port": self.master_port, "world_size": self.world_size}
-        self._group = trainer_init(info)
+        with torch.cuda.device(self.device):  # trainer_init takes the current device (called from a thread)
+            self._group = trainer_init(info)
 
     def broadcast(self, named_tensors: Sequence[tuple[str, Any]]) -> WeightBucket:
+        import torch
         from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine
 
         if self._group is None:
             raise RuntimeError("connect() first")
-        named = [(n, t.cuda()) for n, t in named_tensors]
-        bucket = WeightBucket.from_named_tensors(named)
-        NCCLWeightTransferEngine.trainer_send_weights(iter(named), {"group": self._group, "packed": False})
+        with torch.cuda.device(self.device):
+            named = [(n, t.to(self.device)) for n, t in named_tensors]
+            bucket = WeightBucket.from_named_tensors(named)
+            NCCLWeightTransferEngine.trainer_send_weights(iter(named), {"group": self._group, "packed": False})
+            torch.cuda.synchronize(self.device)
         return bucket
 
     def close(self) -> None:
