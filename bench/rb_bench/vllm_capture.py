@@ -35,6 +35,8 @@ __all__ = ["Recorder", "main"]
 VLLM_FILE = "vllm-0.26.0-answers.json"
 DYNAMO_FILE = "dynamo-vllm-1.4.2-answers.json"
 LONG = 1500  # tokens of a request meant to be caught in flight
+#: A fixed KV pool: vLLM's memory profiling would count the other engine starting on the GPU.
+KV_ARGS = ("--kv-cache-memory-bytes", str(1 << 30))
 
 
 class Recorder:
@@ -298,7 +300,9 @@ async def _vllm_server(work: Path, model: Path, log_dir: Path) -> AsyncIterator[
     from rollout_backends.launch import NodeContext, Supervisor
 
     async with Supervisor(log_dir) as sup:
-        cmd = VllmServerCommand(model_path=str(model), served_model_name="tiny", gpu_memory_utilization=0.2)
+        cmd = VllmServerCommand(
+            model_path=str(model), served_model_name="tiny", gpu_memory_utilization=0.2, extra_args=KV_ARGS
+        )
         launch = cmd.build(NodeContext.on(0, "127.0.0.1", str(log_dir), gpu_ids=("0",)))
         await sup.start(launch.spec)
         await sup.wait_ready([launch.spec.name], timeout=400)
@@ -317,6 +321,7 @@ async def _dynamo_fleet(model: Path, log_dir: Path) -> AsyncIterator[tuple[str, 
         router_mode="round-robin",
         gpus=("0",),
         gpu_memory_utilization=0.2,
+        vllm_args=KV_ARGS,
         ready_timeout=400,
     )
     async with launch_dynamo_fleet(cfg, log_dir=log_dir) as fleet:

@@ -45,6 +45,9 @@ __all__ = ["VLLM_BACKENDS", "VllmTier", "cross_engine_parity", "main"]
 
 VLLM_BACKENDS = ("vllm", "dynamo_vllm")
 CROSS_FILE = "cross-engine-parity.json"
+#: A fixed KV pool (1 GiB: ample for the tiny model) skips vLLM's memory profiling, which counts
+#: the other engines starting on the same GPU at the same time against its own budget.
+KV_ARGS = ("--kv-cache-memory-bytes", str(1 << 30))
 
 
 def _transfer(cfg: TierConfig, key: str) -> str:
@@ -89,6 +92,7 @@ class VllmTier(_Tier):
             gpu_memory_utilization=self.cfg.mem_fraction,
             transfer_backend=None if key == ORACLE else _transfer(self.cfg, key),
             sleep_mode=key != ORACLE,
+            extra_args=KV_ARGS,
             log_dir=str(self.logs / name),
             startup_timeout_s=self._startup_timeout(),
         )
@@ -134,6 +138,7 @@ class VllmTier(_Tier):
             gpus=self.cfg.gpus_of("dynamo_vllm"),
             transfer_backend=_transfer(self.cfg, "dynamo_vllm"),
             gpu_memory_utilization=self.cfg.mem_fraction,
+            vllm_args=KV_ARGS,
             ready_timeout=self._startup_timeout(),
         )
         t = time.monotonic()
