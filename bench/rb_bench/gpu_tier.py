@@ -629,13 +629,14 @@ class _Tier:
             commands=commands,
         )
 
-    async def _start_dynamo(self) -> _Running:
+    async def _start_dynamo(self, key: str = "dynamo", config: Any = None) -> _Running:
+        """A Dynamo fleet: ``config`` (a ``DynamoFleetConfig``; default: this tier's dynamo.sglang one)."""
         from rollout_backends.adapters.dynamo import DynamoFleetConfig, launch_dynamo_fleet
 
         c = self.cfg
-        name = BACKENDS["dynamo"]
+        name = BACKENDS[key]
         sglang_args = (*SGLANG_FLAGS, "--mem-fraction-static", str(c.mem_fraction), *self._sglang_extra())
-        config = DynamoFleetConfig(
+        config = config or DynamoFleetConfig(
             model_path=str(self.base),
             served_model_name="tiny",
             workers=1,
@@ -660,9 +661,9 @@ class _Tier:
 
         commands = {n: " ".join(fleet.supervisor.process(n).spec.argv) for n in fleet.supervisor.names}
         return _Running(
-            key="dynamo",
+            key=key,
             name=name,
-            description=self._describe("dynamo"),
+            description=self._describe(key),
             factory=factory,
             close=close,
             workers=1,

@@ -125,9 +125,8 @@ class VllmTier(_Tier):
         )
 
     async def _start_dynamo_vllm(self) -> _Running:
-        from rollout_backends.adapters.dynamo import DynamoFleetConfig, launch_dynamo_fleet
+        from rollout_backends.adapters.dynamo import DynamoFleetConfig
 
-        name = BACKENDS["dynamo_vllm"]
         config = DynamoFleetConfig(
             model_path=str(self.base),
             served_model_name="tiny",
@@ -141,29 +140,7 @@ class VllmTier(_Tier):
             vllm_args=KV_ARGS,
             ready_timeout=self._startup_timeout(),
         )
-        t = time.monotonic()
-        cm = launch_dynamo_fleet(config, log_dir=self.logs / name)
-        fleet = await cm.__aenter__()
-
-        async def close() -> None:
-            await cm.__aexit__(None, None, None)
-
-        self.closers.append((name, close))
-
-        async def factory() -> RolloutBackend:
-            return await fleet.connect()
-
-        commands = {n: " ".join(fleet.supervisor.process(n).spec.argv) for n in fleet.supervisor.names}
-        return _Running(
-            key="dynamo_vllm",
-            name=name,
-            description=self._describe("dynamo_vllm"),
-            factory=factory,
-            close=close,
-            workers=1,
-            startup_s=time.monotonic() - t,
-            commands=commands,
-        )
+        return await self._start_dynamo("dynamo_vllm", config)
 
     def harness_for(self, key: str) -> Harness:
         """The SGLang tier's harness, with vLLM's NCCL trainer and the tensors on the engine's GPU
