@@ -23,7 +23,7 @@ import aiohttp
 import pytest
 
 import rollout_backends as rb
-from rb_bench.vllm_capture import VLLM_FILE, Recorder, vllm_scenario
+from rb_bench.vllm_capture import DYNAMO_FILE, VLLM_FILE, Recorder, vllm_scenario
 from rollout_backends import GenerateRequest, SamplingParams
 from rollout_backends.adapters.vllm import VllmWire
 from rollout_backends.kit import FlushCache, HttpResponse, SseDecoder, Worker
@@ -193,3 +193,46 @@ def test_the_shape_comparison_can_fail() -> None:
     # a: typed differently; b.d: only vLLM has it; b.c: null on one side is not a difference;
     # created: a known difference.
     assert _shape_differences(ours, theirs) == ["a: fake number, vLLM str", "b.d: only vLLM has it"]
+
+
+DYNAMO_CAPTURED = CAPTURED.with_name(DYNAMO_FILE)
+
+
+def test_the_dynamo_adapter_reads_dynamo_vllm_answers() -> None:
+    """The frontend's answers in front of dynamo.vllm, and the worker's engine routes', read as the
+    Dynamo wire's ``vllm`` flavor reads them."""
+    if not DYNAMO_CAPTURED.is_file():
+        pytest.skip(f"no GPU capture of dynamo.vllm 1.4.2 yet ({DYNAMO_CAPTURED.name}: rb_bench.vllm_capture)")
+    from rollout_backends.adapters.dynamo import DynamoWire
+    from rollout_backends.kit import Pause, Resume, UpdateFromDisk
+
+    wire = DynamoWire(frontend_url="http://f:1", model="tiny", flavor="vllm", version_source=rb.VersionSource.STAMPED)
+    worker = Worker(id="h:2", control_url="http://h:2")
+    ex = {e["name"]: e for e in json.loads(DYNAMO_CAPTURED.read_text())["exchanges"]}
+
+    def response(name: str) -> HttpResponse:
+        return HttpResponse(ex[name]["status"], ex[name]["body"].encode())
+
+    greedy = wire.parse_generation(
+        GenerateRequest(input_ids=ex["greedy"]["request"]["prompt"], sampling=SamplingParams(max_new_tokens=8)),
+        response("greedy"),
+        0.0,
+    )
+    assert len(greedy.output_ids) == 8 and greedy.logprobs is not None and len(greedy.logprobs) == 8
+    aborted = wire.parse_generation(
+        GenerateRequest(
+            input_ids=ex["aborted_one"]["request"]["prompt"],
+            sampling=SamplingParams(max_new_tokens=1500, ignore_eos=True),
+        ),
+        response("aborted_one"),
+        0.0,
+    )
+    assert aborted.aborted, "abort_request by the context id ended the request, read as an abort"
+    for name in ("pause_abort", "pause_retract", "resume_abort"):
+        wire.parse_control(Pause(rb.PauseMode.ABORT) if name.startswith("pause") else Resume(), worker, response(name))
+    with pytest.raises(rb.ControlFailed):  # dynamo.vllm refuses a load unless paused
+        wire.parse_control(
+            UpdateFromDisk(path="/m", version=None, load_format=None, flush_cache=False),
+            worker,
+            response("disk_unpaused"),
+        )
