@@ -182,6 +182,17 @@ async def vllm_scenario(rec: Recorder, alt: Path, base: Path) -> None:
     await c("wake_up", "POST", "/wake_up")
     await c("greedy_after_wake", "POST", GEN, _gen("greedy-3", PROMPT, logprobs=0), note="equals greedy")
     await c("start_weight_update_unconfigured", "POST", "/start_weight_update", note="no --weight-transfer-config")
+    # Last, as it may leave the engine unable to serve: a load from a missing checkpoint fails inside
+    # vLLM's layerwise reload (get_all_weights is a generator: the path is read after the layers were
+    # set up), then does a reload from the good path bring it back?
+    missing = str(base.parent / "no-such-checkpoint")
+    rpc = "/collective_rpc"
+    await c("reload_missing", "POST", rpc, {"method": "reload_weights", "kwargs": {"weights_path": missing}})
+    await c("greedy_after_failed_reload", "POST", GEN, _gen("greedy-4", PROMPT, logprobs=0), note="serves?")
+    await c(
+        "reload_base_after_failure", "POST", rpc, {"method": "reload_weights", "kwargs": {"weights_path": str(base)}}
+    )
+    await c("greedy_after_recovery", "POST", GEN, _gen("greedy-5", PROMPT, logprobs=0), note="equals greedy?")
 
 
 async def _pause_round(rec: Recorder, mode: str, query: str) -> None:
@@ -292,6 +303,14 @@ async def dynamo_scenario(rec: Recorder, system: str, alt: Path, base: Path) -> 
     await c("wake_up", "POST", f"{system}/engine/control/wake_up", {})
     body, headers = comp("after-wake")
     await c("greedy_after_wake", "POST", "/v1/completions", body, headers=headers)
+    # Last: a load from a missing checkpoint (see vllm_scenario), paused as the route wants.
+    await c("pause_for_missing", "POST", f"{system}/engine/pause_generation", {"mode": "abort", "clear_cache": False})
+    await c(
+        "disk_missing", "POST", f"{system}/engine/update_weights_from_disk", {"model_path": str(base.parent / "none")}
+    )
+    await c("resume_after_missing", "POST", f"{system}/engine/resume_generation", {})
+    body, headers = comp("after-failed-load")
+    await c("greedy_after_failed_load", "POST", "/v1/completions", body, headers=headers)
 
 
 @contextlib.asynccontextmanager
