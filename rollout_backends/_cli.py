@@ -5,6 +5,7 @@ commands:
   demo --backend URL     the same against any backend URL (sglang://, dynamo://)
   launch sglang ...      start SGLang workers (+ smg router) and wait (Ctrl-C stops)
   launch dynamo ...      start a Dynamo frontend + workers and wait (Ctrl-C stops)
+  launch vllm ...        start vLLM servers and wait (Ctrl-C stops)
   serve-reference ...    the CPU reference engine behind SGLang's native HTTP API
   make-model OUT ...     write a seeded tiny Qwen2 model + tokenizer (nothing downloaded)
   facade ...             SGLang-compatible facade for Miles over any backend
@@ -162,7 +163,7 @@ def _build_parser() -> argparse.ArgumentParser:
             sub.add_parser(key, help=f"see: rollout-backends {key} --help", add_help=False)
     launch = sub.add_parser(
         "launch",
-        help="start a fleet and wait (Ctrl-C stops it): launch sglang|dynamo ...",
+        help="start a fleet and wait (Ctrl-C stops it): launch sglang|dynamo|vllm ...",
         description="Start a fleet, print its URLs (and a connect: URL for open_backend), and wait until "
         "Ctrl-C or SIGTERM stops everything it started.",
         formatter_class=HelpFormatter,
@@ -185,6 +186,7 @@ def _build_parser() -> argparse.ArgumentParser:
 _DELEGATES: dict[str, str] = {
     "launch sglang": "rollout_backends.adapters.sglang.launch:main",
     "launch dynamo": "rollout_backends.adapters.dynamo.launch:main",
+    "launch vllm": "rollout_backends.adapters.vllm.launch:main",
     "serve-reference": "rollout_backends.adapters.reference.serve:main",
     "make-model": "rollout_backends.adapters.reference.make_model:main",
     "facade": "rollout_backends.integrations.miles.facade:main",

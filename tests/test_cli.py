@@ -93,7 +93,7 @@ def test_every_flag_has_help_and_says_its_default(command: str) -> None:
 
 
 def test_launcher_command_lines_are_delegated() -> None:
-    assert {k for k in _DELEGATES if k.startswith("launch ")} == {"launch sglang", "launch dynamo"}
+    assert {k for k in _DELEGATES if k.startswith("launch ")} == {"launch sglang", "launch dynamo", "launch vllm"}
 
 
 def test_the_library_cli_keeps_only_its_own_commands() -> None:

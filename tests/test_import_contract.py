@@ -70,7 +70,7 @@ CORE_DOORS = frozenset(
     {"rollout_backends", "rollout_backends.kit", "rollout_backends.launch", "rollout_backends.sglang_native"}
 )
 #: Adapter -> adapter imports that may exist (through the face, relatively).
-ALLOWED_EDGES = frozenset({("reference", "sglang")})
+ALLOWED_EDGES = frozenset({("reference", "sglang"), ("dynamo", "vllm")})
 #: The only adapter the conformance suite may import.
 CONFORMANCE_ADAPTERS = frozenset({"reference"})
 

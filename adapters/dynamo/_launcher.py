@@ -20,6 +20,8 @@ Worker kinds:
   tokens, no logprobs, no engine routes).
 * ``sglang``: real ``dynamo.sglang`` (GPU) through our shim
   (``rollout_backends.adapters.dynamo._sglang_shim``: per-chunk logprob fix + ``engine_data``).
+* ``vllm``: real ``dynamo.vllm`` (GPU, vLLM 0.26) with ``--enable-rl`` and the vLLM adapter's
+  server flags (``docs/vllm.md``).
 """
 
 from __future__ import annotations
@@ -76,10 +78,13 @@ __all__ = [
 #: Every worker kind, with what it runs: the launch line and ``--worker-kind``'s help read this.
 WORKER_KIND_DESCRIPTIONS: Mapping[str, str] = {
     "sglang": "dynamo.sglang (SGLang; GPU)",
+    "vllm": "dynamo.vllm (vLLM 0.26; GPU)",
     "reference": "our Dynamo worker over the CPU reference engine (not SGLang)",
     "mocker": "dynamo.mocker (CPU; random tokens, no logprobs)",
 }
 WORKER_KINDS = tuple(WORKER_KIND_DESCRIPTIONS)
+#: Worker kinds that run on GPUs (one ``CUDA_VISIBLE_DEVICES`` value each).
+GPU_KINDS = ("sglang", "vllm")
 ROUTER_MODES = ("round-robin", "random", "kv", "direct", "power-of-two", "least-loaded")
 
 
@@ -129,6 +134,8 @@ class DynamoFleetConfig:
     weight_version: str = "default"  #: the version reference workers start with (and stamped ones)
     reference_threads: int = 1
     mocker_speedup_ratio: float = 10.0
+    #: mocker: ``--engine-type`` (the scheduler it simulates: ``sglang`` or ``vllm``).
+    mocker_engine_type: str = "sglang"
     mocker_args: tuple[str, ...] = attrs.field(factory=tuple, converter=str_tuple)
     #: sglang: one CUDA_VISIBLE_DEVICES value per worker (default "0", "1", ...).
     gpus: tuple[str, ...] = attrs.field(factory=tuple, converter=str_tuple)
@@ -137,6 +144,11 @@ class DynamoFleetConfig:
     sglang_args: tuple[str, ...] = attrs.field(factory=tuple, converter=str_tuple)
     #: the shim (logprob fix + engine_data); False runs stock ``python -m dynamo.sglang``.
     sglang_shim: bool = True
+    #: vllm workers: ``--weight-transfer-config`` backend (``nccl``, ``ipc``; ``None``: disk loads only).
+    transfer_backend: str | None = None
+    #: vllm workers: ``--gpu-memory-utilization`` (``None``: vLLM's default).
+    gpu_memory_utilization: float | None = None
+    vllm_args: tuple[str, ...] = attrs.field(factory=tuple, converter=str_tuple)
     worker_env: Mapping[str, str] = attrs.field(factory=dict, converter=env_map)
     python: str = sys.executable
     ready_timeout: float = 180.0
@@ -158,7 +170,7 @@ class DynamoFleetConfig:
             raise InvalidRequest("etcd_endpoints", "discovery='etcd' needs etcd endpoints (e.g. http://host:2379)")
         if self.request_plane not in ("tcp", "nats") or self.event_plane not in ("zmq", "nats"):
             raise InvalidRequest("request_plane", "request plane tcp|nats, event plane zmq|nats")
-        if self.worker_kind == "sglang" and self.gpus and len(self.gpus) != self.workers:
+        if self.worker_kind in GPU_KINDS and self.gpus and len(self.gpus) != self.workers:
             raise InvalidRequest("gpus", f"one CUDA_VISIBLE_DEVICES value per worker ({self.workers}), got {self.gpus}")
 
     @property
@@ -198,10 +210,10 @@ def fleet_planes(cfg: DynamoFleetConfig, kv_dir: str | os.PathLike[str] | None =
 
 def worker_command(cfg: DynamoFleetConfig, namespace: str, planes: DynamoPlanes) -> DynamoWorkerCommand:
     """Every worker of the fleet (one ``build`` per worker); same-named config fields carry over."""
-    extra = {"mocker": cfg.mocker_args, "sglang": cfg.sglang_args}.get(cfg.worker_kind, ())
+    extra = {"mocker": cfg.mocker_args, "sglang": cfg.sglang_args, "vllm": cfg.vllm_args}.get(cfg.worker_kind, ())
     return carry(DynamoWorkerCommand, cfg, kind=cfg.worker_kind, namespace=namespace, planes=planes,
                  served_model_name=cfg.model_name, extra_args=extra, env=cfg.worker_env,
-                 grace=10.0 if cfg.worker_kind == "sglang" else 5.0)  # fmt: skip
+                 grace=10.0 if cfg.worker_kind in GPU_KINDS else 5.0)  # fmt: skip
 
 
 def frontend_command(cfg: DynamoFleetConfig, namespace: str, planes: DynamoPlanes) -> DynamoFrontend:
@@ -216,9 +228,9 @@ def _node(
     picked: set[int],
     fixed: Mapping[str, int] | None = None,
 ) -> NodeContext:
-    """This host as the node of worker ``index`` (-1: the frontend). sglang workers get a GPU each."""
+    """This host as the node of worker ``index`` (-1: the frontend). GPU workers get a GPU each."""
     gpus: tuple[str, ...] = ()
-    if cfg.worker_kind == "sglang" and index >= 0:
+    if cfg.worker_kind in GPU_KINDS and index >= 0:
         gpus = tuple((cfg.gpus[index] if cfg.gpus else str(index)).split(","))
     return NodeContext.on(index, cfg.host, str(log_dir), gpu_ids=gpus, picked=picked, fixed=fixed)
 
@@ -326,9 +338,11 @@ class RunningDynamoFleet:
         options: dict[str, Any] = {"router_mode": self.frontends.get(url, self.config.router_mode)}
         # The mocker has no engine routes to probe; dynamo.sglang's routes differ by version (and by
         # whether the shim took): connect() detects them.
-        flavor = {"reference": "rollout", "mocker": "mocker"}.get(self.config.worker_kind)
+        flavor = {"reference": "rollout", "mocker": "mocker", "vllm": "vllm"}.get(self.config.worker_kind)
         if flavor is not None:
             options["flavor"] = flavor
+        if self.config.worker_kind == "vllm" and self.config.transfer_backend is not None:
+            options["transfer_backend"] = self.config.transfer_backend
         options["model"] = self.config.model_name
         options["initial_version"] = self.config.weight_version
         options["model_path"] = self.config.model_path

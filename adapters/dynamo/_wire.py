@@ -13,6 +13,9 @@ flavor detected once at connect time:
   ``flush_cache``, ``init/destroy_weights_update_group`` and ``abort_request`` need the worker's
   ``--engine-route`` allowlist.
 * ``mocker``: ``dynamo.mocker``: no engine routes, no logprobs.
+* ``vllm``: ``dynamo.vllm`` 1.4.x (vLLM 0.26): its RL engine routes (``pause_generation``,
+  ``resume_generation``, ``flush_cache``, ``abort_request``, the weight routes driving vLLM's
+  ``collective_rpc``, ``control/sleep`` / ``control/wake_up``): ``_vllm_routes.py``.
 
 Generation path, also detected once (``native_generate``): a 1.6.x frontend started with
 ``DYN_SGLANG_ENABLE_GENERATE=1`` serves SGLang's native ``POST /generate`` (SSE); the adapter uses
@@ -97,6 +100,8 @@ from rollout_backends.sglang_native import (
     trim_at_stop,
 )
 
+from ._vllm_routes import CONTEXT_ID_HEADER, VLLM_PAUSE_MODES, context_id, vllm_control
+
 __all__ = [
     "CHUNK_VERSION_KEY",
     "FLAVORS",
@@ -122,6 +127,7 @@ class DynamoFlavor(str, enum.Enum):
     SGLANG14_SHIM = "sglang14-shim"
     SGLANG16 = "sglang16"
     MOCKER = "mocker"
+    VLLM = "vllm"
     NONE = "none"
 
 
@@ -175,6 +181,9 @@ class FlavorRoutes:
     #: dynamo.sglang 1.4.x awaits the synchronous ``TokenizerManager.abort_request``: the abort is
     #: dispatched, then the route fails with "object NoneType can't be used in 'await' expression".
     abort_all_await_bug: bool = False
+    #: dynamo.vllm's engine routes (``_vllm_routes.vllm_control``); a request's id travels as the
+    #: frontend's context id (``CONTEXT_ID_HEADER``), which ``abort_request`` takes.
+    vllm: bool = False
 
 
 ROUTES: Mapping[DynamoFlavor, FlavorRoutes] = {
@@ -208,6 +217,10 @@ ROUTES: Mapping[DynamoFlavor, FlavorRoutes] = {
     ),
     DynamoFlavor.SGLANG16: FlavorRoutes(sglang=True, native=True),
     DynamoFlavor.MOCKER: FlavorRoutes(sglang=False, logprobs=False),
+    # Top and prompt logprobs, stop strings: not declared until the GPU capture shows what the 1.4.2
+    # frontend makes of dynamo.vllm's answers (docs/vllm.md). RETRACT preempts the paused requests
+    # (vLLM's keep + clear_cache), so a load completes with them parked.
+    DynamoFlavor.VLLM: FlavorRoutes(sglang=False, vllm=True, update_while_parked=True),
     DynamoFlavor.NONE: FlavorRoutes(sglang=False),
 }
 FLAVORS = tuple(f.value for f in DynamoFlavor)
@@ -551,6 +564,9 @@ class DynamoWire:
     #: Unpinned requests go to the frontend's native ``/generate`` (detected at connect: the frontend
     #: serves the route and the workers advertise ``sglang_generate`` and name themselves in it).
     native_generate: bool = False
+    #: ``vllm`` workers: their ``--weight-transfer-config`` backend (``nccl``: distributed loads;
+    #: ``ipc``: tensor loads), which Dynamo does not show: the launcher says it.
+    transfer_backend: str | None = None
 
     @property
     def pinning(self) -> bool:
@@ -564,21 +580,32 @@ class DynamoWire:
     def aborts_by_id(self) -> bool:
         """Our worker and the shim abort one request by id inside the engine (the request still
         answers with its partial tokens); stock dynamo.sglang has no route for it, so the fleet
-        cancels the client's HTTP call instead (the tokens are lost with it)."""
-        return self.routes.rollout_routes
+        cancels the client's HTTP call instead (the tokens are lost with it). dynamo.vllm aborts
+        by the frontend's context id (``abort_request``)."""
+        return self.routes.rollout_routes or self.routes.vllm
+
+    def _control_surface(self) -> tuple[set[PauseMode], set[WeightTransport]]:
+        """The pause modes and weight transports the workers' engine routes serve."""
+        routes = self.routes
+        if routes.vllm:
+            transports = {WeightTransport.DISK}
+            transports |= {t for b, t in (("nccl", WeightTransport.DISTRIBUTED), ("ipc", WeightTransport.TENSOR))
+                           if self.transfer_backend == b}  # fmt: skip
+            return set(VLLM_PAUSE_MODES), transports
+        if not routes.sglang:
+            return set(), set()
+        transports = {WeightTransport.DISK, WeightTransport.DISTRIBUTED}
+        if routes.tensors:
+            transports.add(WeightTransport.TENSOR)
+        return set(PauseMode), transports
 
     def capabilities(self) -> Capabilities:
         routes = self.routes
-        sg = routes.sglang
-        transports = set()
-        if sg:
-            transports = {WeightTransport.DISK, WeightTransport.DISTRIBUTED}
-            if routes.tensors:
-                transports.add(WeightTransport.TENSOR)
+        pause_modes, transports = self._control_surface()
         return Capabilities(
-            pause_modes=set(PauseMode) if sg else set(),
+            pause_modes=pause_modes,
             weight_transports=transports,
-            memory_release=sg and self.memory_saver,
+            memory_release=(routes.sglang or routes.vllm) and self.memory_saver,
             logprobs=routes.logprobs,
             top_logprobs=routes.top_logprobs,
             prompt_logprobs=routes.prompt_logprobs,
@@ -642,8 +669,9 @@ class DynamoWire:
         if stream:
             body["stream"] = True
         # The request id travels in nvext.annotations (x-dynamo-request-id is deprecated on 1.4.2
-        # and takes UUIDs only).
-        return HttpRequest("POST", f"{self.frontend_url}/v1/completions", json=body)
+        # and takes UUIDs only); dynamo.vllm aborts by the context id, ours made a UUID.
+        headers = {CONTEXT_ID_HEADER: context_id(request.request_id)} if self.routes.vllm else {}
+        return HttpRequest("POST", f"{self.frontend_url}/v1/completions", json=body, headers=headers)
 
     def stream(self, request: GenerateRequest, worker: Worker | None) -> HttpRequest:
         # Always /v1/completions: the native /generate route (1.6) is not used for streams.
@@ -886,7 +914,7 @@ class DynamoWire:
     def _engine(self, worker: Worker, route: str, body: Mapping[str, Any] | None = None) -> HttpRequest:
         return HttpRequest("POST", f"{worker.control_url}/engine/{route}", json=dict(body or {}))
 
-    def control(self, op: Operation, worker: Worker) -> HttpRequest | None:
+    def control(self, op: Operation, worker: Worker) -> HttpRequest | tuple[HttpRequest, ...] | None:
         match op:
             case Live():
                 return HttpRequest("GET", f"{worker.control_url}/live", timeout=5.0, idempotent=True)
@@ -903,14 +931,18 @@ class DynamoWire:
                 return HttpRequest("POST", f"{self.frontend_url}/v1/completions", json=body, timeout=self.probe_timeout)
             case BeginWeightUpdate() | EndWeightUpdate():
                 return None
-            case AbortRequest(request_id=rid):
-                return self._engine(worker, "rollout/abort", {"rid": rid}) if self.aborts_by_id else None
+            case AbortRequest(request_id=rid) if self.routes.rollout_routes:
+                return self._engine(worker, "rollout/abort", {"rid": rid})
             case GetVersion():
                 if not self.routes.rollout_routes:
                     return None
                 return HttpRequest(
                     "POST", f"{worker.control_url}/engine/rollout/weight_version", json={}, idempotent=True
                 )
+        if self.routes.vllm:
+            return vllm_control(op, worker)
+        if isinstance(op, AbortRequest):
+            return None  # no route aborts one request: the fleet cancels its own call
         if not self.routes.sglang:
             return self._engine(worker, f"control/{op.name}")  # the mocker answers 404: ControlFailed
         return self._sglang_control(op, worker)

@@ -1,15 +1,15 @@
 """Launch a Dynamo fleet (frontend + workers), print its URLs, keep it up until Ctrl-C.
 
     rollout-backends launch dynamo --model-path DIR --workers 2 \
-        --router-mode kv [--worker-kind reference] [--gpus 0 1] [-- <extra dynamo.sglang args>]
+        --router-mode kv [--worker-kind reference] [--gpus 0 1] [-- <extra worker args>]
 
-Workers run dynamo.sglang (GPU) unless --worker-kind says reference (our Dynamo worker over the
-CPU reference engine) or mocker (dynamo.mocker, CPU); the first line printed says which. The
-defaults are those of DynamoFleetConfig (Python), read from it. Prints each URL and a connect:
-line that rollout_backends.open_backend opens. Everything it started is stopped on Ctrl-C or
-SIGTERM, and the temporary run folder is removed unless --keep-run-dir, or unless the start
-failed (its logs stay; the error names them); --log-dir logs always stay. -- ends our flags; what
-follows is passed verbatim to every dynamo.sglang worker.
+Workers run dynamo.sglang (GPU) unless --worker-kind says vllm (dynamo.vllm, vLLM 0.26; GPU),
+reference (our Dynamo worker over the CPU reference engine) or mocker (dynamo.mocker, CPU); the
+first line printed says which. The defaults are those of DynamoFleetConfig (Python), read from it.
+Prints each URL and a connect: line that rollout_backends.open_backend opens. Everything it started
+is stopped on Ctrl-C or SIGTERM, and the temporary run folder is removed unless --keep-run-dir, or
+unless the start failed (its logs stay; the error names them); --log-dir logs always stay. -- ends
+our flags; what follows is passed verbatim to every dynamo.sglang / dynamo.vllm / mocker worker.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import attrs
 
 from rollout_backends.launch import HelpFormatter, run_launcher_cli, split_passthrough, stderr_progress
 
+from ._commands import MOCKER_ENGINE_TYPES
 from ._launcher import ROUTER_MODES, WORKER_KIND_DESCRIPTIONS, DynamoFleetConfig, launch_dynamo_fleet
 
 __all__ = ["build_parser", "config_from_args", "main", "parse_args"]
@@ -49,6 +50,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--page-size", type=int, default=_F.page_size.default, help="KV block size (tokens; >= 2 for the KV router)"
     )
+    p.add_argument(
+        "--mocker-engine-type", choices=MOCKER_ENGINE_TYPES, default="sglang", help="mocker: the scheduler it simulates"
+    )
+    p.add_argument(
+        "--transfer-backend",
+        choices=("nccl", "ipc"),
+        default=None,
+        help="vllm workers' --weight-transfer-config backend: nccl (distributed loads) or ipc (tensor loads); "
+        "default: none (disk loads only)",
+    )
     p.add_argument("--no-kv-events", action="store_true", help="approximate KV routing (--no-router-kv-events)")
     p.add_argument("--router-predicted-ttl-secs", type=float, default=None, help="predict-on-route TTL (default: off)")
     p.add_argument(
@@ -58,7 +69,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="SGLang --stream-interval of sglang workers (0: SGLang's own, 1)",
     )
     p.add_argument(
-        "--gpus", nargs="+", default=None, help="CUDA_VISIBLE_DEVICES per sglang worker, e.g. 0 1 (default: 0, 1, ...)"
+        "--gpus",
+        nargs="+",
+        default=None,
+        help="CUDA_VISIBLE_DEVICES per sglang or vllm worker, e.g. 0 1 (default: 0, 1, ...)",
     )
     p.add_argument("--host", default=_F.host.default, help="address every process binds")
     p.add_argument("--http-port", type=int, default=None, help="the frontend's HTTP port (default: a free port)")
@@ -109,7 +123,12 @@ def config_from_args(args: argparse.Namespace) -> DynamoFleetConfig:
         etcd_endpoints=tuple(args.etcd_endpoint),
         start_etcd=args.start_etcd,
         weight_version=args.weight_version,
-        sglang_args=tuple(args.extra_worker_args),
+        mocker_engine_type=args.mocker_engine_type,
+        transfer_backend=args.transfer_backend,
+        # The arguments after ``--`` go to the workers of the kind launched.
+        mocker_args=tuple(args.extra_worker_args) if args.worker_kind == "mocker" else (),
+        vllm_args=tuple(args.extra_worker_args) if args.worker_kind == "vllm" else (),
+        sglang_args=tuple(args.extra_worker_args) if args.worker_kind not in ("mocker", "vllm") else (),
     )
 
 

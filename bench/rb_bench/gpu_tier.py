@@ -99,8 +99,17 @@ __all__ = [
 ]
 
 ENGINES = ("sglang", "reference")
-#: The backends under test, by name, and their CLI short names.
-BACKENDS: Mapping[str, str] = {"direct": "sglang-direct", "smg": "sglang-smg-rr", "dynamo": "dynamo-rr"}
+#: The backends under test, by name, and their CLI short names. ``vllm`` and ``dynamo_vllm`` (vLLM 0.26
+#: direct and behind Dynamo) are started by ``rb_bench.vllm_tier``, which runs this tier for them.
+BACKENDS: Mapping[str, str] = {
+    "direct": "sglang-direct",
+    "smg": "sglang-smg-rr",
+    "dynamo": "dynamo-rr",
+    "vllm": "vllm-direct",
+    "dynamo_vllm": "dynamo-vllm-rr",
+}
+#: What ``--backends`` runs unless told: the SGLang engines.
+DEFAULT_BACKENDS = ("direct", "smg", "dynamo")
 ORACLE = "oracle"
 DIST_CHECK = "distributed_update_matches_fresh"
 #: SGLang flags that work on the H200 image (see the GPU notes): FA3 is not carried, flashinfer's
@@ -159,7 +168,7 @@ class TierConfig:
     budget_s: float = 540.0
     select: tuple[str, ...] | None = None
     exclude: tuple[str, ...] = ()
-    backends: tuple[str, ...] = tuple(BACKENDS)
+    backends: tuple[str, ...] = DEFAULT_BACKENDS
     #: Run the three suites at once (each backend has its own servers; only the oracle is shared).
     parallel: bool = True
     mem_fraction: float = 0.12
@@ -620,13 +629,14 @@ class _Tier:
             commands=commands,
         )
 
-    async def _start_dynamo(self) -> _Running:
+    async def _start_dynamo(self, key: str = "dynamo", config: Any = None) -> _Running:
+        """A Dynamo fleet: ``config`` (a ``DynamoFleetConfig``; default: this tier's dynamo.sglang one)."""
         from rollout_backends.adapters.dynamo import DynamoFleetConfig, launch_dynamo_fleet
 
         c = self.cfg
-        name = BACKENDS["dynamo"]
+        name = BACKENDS[key]
         sglang_args = (*SGLANG_FLAGS, "--mem-fraction-static", str(c.mem_fraction), *self._sglang_extra())
-        config = DynamoFleetConfig(
+        config = config or DynamoFleetConfig(
             model_path=str(self.base),
             served_model_name="tiny",
             workers=1,
@@ -651,9 +661,9 @@ class _Tier:
 
         commands = {n: " ".join(fleet.supervisor.process(n).spec.argv) for n in fleet.supervisor.names}
         return _Running(
-            key="dynamo",
+            key=key,
             name=name,
-            description=self._describe("dynamo"),
+            description=self._describe(key),
             factory=factory,
             close=close,
             workers=1,
@@ -661,15 +671,20 @@ class _Tier:
             commands=commands,
         )
 
+    async def _start(self, key: str) -> _Running:
+        """Start one backend (or the oracle): what ``rb_bench.vllm_tier`` overrides."""
+        if key == "dynamo":
+            return await self._start_dynamo()
+        if key == ORACLE:
+            return await self._start_sglang(ORACLE, self.alt, 1)
+        if key not in ("direct", "smg"):
+            raise ValueError(f"{BACKENDS[key]} is started by python -m rb_bench.vllm_tier")
+        return await self._start_sglang(key, self.base, 2 if key == "smg" else 1)
+
     async def _start_one(self, key: str) -> None:
         run = self.result.oracle if key == ORACLE else self.result.runs[key]
         try:
-            if key == "dynamo":
-                rb = await self._start_dynamo()
-            elif key == ORACLE:
-                rb = await self._start_sglang(ORACLE, self.alt, 1)
-            else:
-                rb = await self._start_sglang(key, self.base, 2 if key == "smg" else 1)
+            rb = await self._start(key)
         except asyncio.CancelledError:
             run.start_error = "start-up cut short (budget exhausted or cancelled)"
             raise
@@ -1394,7 +1409,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--budget-s", type=float, default=540.0, help="hard limit for the whole run, teardown included")
     ap.add_argument("--check", action="append", default=None, metavar="PATTERN", help="run only these checks")
     ap.add_argument("--exclude", action="append", default=[], metavar="PATTERN", help="leave these checks out")
-    ap.add_argument("--backends", default=",".join(BACKENDS), help=f"subset of {','.join(BACKENDS)}")
+    ap.add_argument("--backends", default=",".join(DEFAULT_BACKENDS), help=f"subset of {','.join(DEFAULT_BACKENDS)}")
     ap.add_argument("--sequential", action="store_true", help="run the backends' suites one after the other")
     ap.add_argument("--mem-fraction", type=float, default=0.12, help="--mem-fraction-static of each SGLang engine")
     ap.add_argument("--max-total-tokens", type=int, default=65536, help="KV pool of each SGLang engine (tokens)")
@@ -1413,6 +1428,11 @@ def _parser() -> argparse.ArgumentParser:
 
 def config_from_args(argv: Sequence[str] | None = None) -> TierConfig:
     args = _parser().parse_args(argv)
+    others = [b for b in _csv(args.backends) if b not in DEFAULT_BACKENDS]
+    if others:  # vLLM's backends have their own runner (a typo is caught here too)
+        raise ValueError(
+            f"--backends takes {sorted(DEFAULT_BACKENDS)}, got {others} (vLLM: python -m rb_bench.vllm_tier)"
+        )
     engine: str = args.engine
     base = DEFAULT_TOLERANCES[engine]
     tol = Tolerances(

@@ -267,7 +267,7 @@ def test_launcher_command_lines() -> None:
 
 def test_launcher_config_validation() -> None:
     with pytest.raises(InvalidRequest):
-        DynamoFleet(model_path="/m", worker_kind="vllm")
+        DynamoFleet(model_path="/m", worker_kind="trtllm")  # vllm is a worker kind since issue 31
     with pytest.raises(InvalidRequest):
         DynamoFleet(model_path="/m", router_mode="kv", kv_events=False, router_predicted_ttl_secs=5)
     with pytest.raises(InvalidRequest):
