@@ -28,7 +28,7 @@ import json
 import math
 import re
 import struct
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from operator import countOf
 from typing import Any, TypeGuard
 
@@ -459,31 +459,57 @@ _TOKEN_ID = re.compile(r"token_id:(\d+)")
 
 
 def _completion_top_logprobs(
-    lp_obj: object, n: int, k: int, worker: str | None
+    lp_obj: object, ids: Sequence[int], k: int, worker: str | None
 ) -> tuple[tuple[tuple[int, float], ...], ...]:
-    """``choices[0].logprobs.top_logprobs`` of 1.4.2 (per token, ``[{"token": "token_id:<id>",
-    "logprob", "bytes"}]``: ``return_tokens_as_token_ids`` names tokens by id) -> per token, the
-    ``(id, logprob)`` pairs, most likely first (ties by id)."""
+    """``choices[0].logprobs.top_logprobs`` (``return_tokens_as_token_ids`` names tokens by id) -> per
+    token, the ``(id, logprob)`` pairs, most likely first (ties by id). Per token, 1.4.2 sends a list
+    ``[{"token": "token_id:<id>", "logprob", "bytes"}]``, 1.6.1 OpenAI's legacy completions object
+    ``{"token_id:<id>": logprob}`` (both measured on CPU).
+
+    A sampled token outside the worker's top ``k`` comes last as a ``k + 1``-th entry: the frontend's
+    ``convert_backend_top_logprobs`` (``lib/llm/src/protocols/openai.rs`` in ai-dynamo/dynamo)
+    "ensures the selected token is present in the list", OpenAI's convention. It is the chosen token,
+    not an alternative, so it is dropped here; at temperature > 0 it came on most requests and each
+    failed as a ContractViolation (``docs/miles.md``, "Top logprobs through Dynamo")."""
     tops = lp_obj.get("top_logprobs") if isinstance(lp_obj, dict) else None
+    n = len(ids)
     if not isinstance(tops, list) or len(tops) != n:
         got = len(tops) if isinstance(tops, list) else type(tops).__name__
         raise ContractViolation(f"choices[0].logprobs.top_logprobs has {got} entries for {n} tokens", worker=worker)
     out = []
     for i, position in enumerate(tops):
-        if not isinstance(position, list) or not 0 < len(position) <= k:
-            raise ContractViolation(f"top_logprobs[{i}] is not a list of 1..{k} entries", worker=worker)
-        pairs = []
-        for e in position:
-            m = _TOKEN_ID.fullmatch(str(e.get("token"))) if isinstance(e, dict) else None
-            lp = e.get("logprob") if isinstance(e, dict) else None
-            if m is None or not isinstance(lp, (int, float)) or isinstance(lp, bool) or math.isnan(lp):
-                raise ContractViolation(
-                    f"top_logprobs[{i}] has an entry that is not a token id and logprob", worker=worker
-                )
-            pairs.append((int(m.group(1)), _f32(float(lp))))
+        pairs = _top_pairs(position, i, worker)
+        if not 0 < len(pairs) <= k + 1:
+            raise ContractViolation(
+                f"top_logprobs[{i}] has {len(pairs)} entries, not 1..{k} (+ the chosen token)", worker=worker
+            )
+        if len(pairs) == k + 1:
+            # Only the frontend's appended chosen token may make it k + 1, and only where the worker's k lack it.
+            if pairs[-1][0] != ids[i] or any(t == ids[i] for t, _ in pairs[:-1]):
+                why = f"has {k + 1} entries, the last not the chosen token {ids[i]} alone"
+                raise ContractViolation(f"top_logprobs[{i}] {why}", worker=worker)
+            pairs.pop()
         pairs.sort(key=lambda p: (-p[1], p[0]))
         out.append(tuple(pairs))
     return tuple(out)
+
+
+def _top_pairs(position: object, i: int, worker: str | None) -> list[tuple[int, float]]:
+    """One position's top logprobs, in the order sent: a list of ``{"token", "logprob"}`` (1.4.2) or
+    an object ``{token: logprob}`` (1.6.1); each token named ``token_id:<id>``."""
+    if isinstance(position, dict):
+        named: list[tuple[object, object]] = list(position.items())
+    elif isinstance(position, list):
+        named = [(e.get("token"), e.get("logprob")) if isinstance(e, dict) else (None, None) for e in position]
+    else:
+        raise ContractViolation(f"top_logprobs[{i}] is a {type(position).__name__}, not a list", worker=worker)
+    pairs = []
+    for token, lp in named:
+        m = _TOKEN_ID.fullmatch(str(token))
+        if m is None or not isinstance(lp, (int, float)) or isinstance(lp, bool) or math.isnan(lp):
+            raise ContractViolation(f"top_logprobs[{i}] has an entry that is not a token id and logprob", worker=worker)
+        pairs.append((int(m.group(1)), _f32(float(lp))))
+    return pairs
 
 
 def _chunk_version(engine_data: object, worker: str | None) -> str | None:
@@ -796,7 +822,7 @@ class DynamoWire:
                 out.append(_f32(float(lp)))
             logprobs = tuple(out)
             if request.sampling.top_logprobs:
-                top = _completion_top_logprobs(lp_obj, len(ids), request.sampling.top_logprobs, worker)
+                top = _completion_top_logprobs(lp_obj, ids, request.sampling.top_logprobs, worker)
         usage = data.get("usage") if isinstance(data.get("usage"), dict) else {}
         assert isinstance(usage, dict)
         details = usage.get("prompt_tokens_details") if isinstance(usage.get("prompt_tokens_details"), dict) else {}
@@ -1106,7 +1132,7 @@ class _CompletionStream:
             self.lps.extend(lps)
             self.tokens.extend(lp_obj.get("tokens") or ())
             if request.sampling.top_logprobs:
-                top = _completion_top_logprobs(lp_obj, len(ids), request.sampling.top_logprobs, self.worker)
+                top = _completion_top_logprobs(lp_obj, ids, request.sampling.top_logprobs, self.worker)
                 self.tops.extend(lp_obj.get("top_logprobs") or ())
         if request.sampling.max_new_tokens == 0:  # re-scoring: the one token generated is not the caller's
             return TokenChunk(request_id=request.request_id, index=0, output_ids=())

@@ -578,6 +578,35 @@ def test_top_logprobs_by_token_id() -> None:
     assert "return_tokens_as_token_ids" not in w.generate(attrs.evolve(req, sampling=SamplingParams()), None).json
 
 
+def test_top_logprobs_drop_the_chosen_token_the_frontend_appends() -> None:
+    """A sampled token outside the worker's top k comes as a k + 1-th entry (the frontend's
+    ``convert_backend_top_logprobs``; at temperature > 0 this failed as a ContractViolation): dropped;
+    a k + 1-th entry that is not the chosen token alone is still the frontend's breach. 1.4.2 sends
+    lists of entries, 1.6.1 objects."""
+    w = _wire()
+    req = GenerateRequest(input_ids=[1, 2], sampling=SamplingParams(max_new_tokens=2, temperature=1.0, top_logprobs=2))
+
+    def entry(tid: int, lp: float) -> dict[str, Any]:
+        return {"token": f"token_id:{tid}", "logprob": lp}
+
+    ans = _answer([297, 5], [-4.5, -0.2])
+    tops = [[entry(377, -1.6), entry(237, -1.9), entry(297, -4.5)], [entry(5, -0.2), entry(3, -0.9)]]
+    ans["choices"][0]["logprobs"]["top_logprobs"] = tops
+    g = w.parse_generation(req, HttpResponse.from_json(ans), 0.1)
+    assert g.top_logprobs is not None
+    assert [[t for t, _ in top] for top in g.top_logprobs] == [[377, 237], [5, 3]]
+    # 1.6.1 sends each position as OpenAI's legacy completions object {token: logprob}
+    ans["choices"][0]["logprobs"]["top_logprobs"] = [{e["token"]: e["logprob"] for e in pos} for pos in tops]
+    assert w.parse_generation(req, HttpResponse.from_json(ans), 0.1).top_logprobs == g.top_logprobs
+    for bad in (
+        [entry(377, -1.6), entry(237, -1.9), entry(300, -4.5)],  # the extra one is not the chosen token
+        [entry(297, -1.6), entry(237, -1.9), entry(297, -4.5)],  # the chosen token is in the top k already
+    ):
+        ans["choices"][0]["logprobs"]["top_logprobs"] = [bad, tops[1]]
+        with pytest.raises(ContractViolation, match=r"top_logprobs\[0\]"):
+            w.parse_generation(req, HttpResponse.from_json(ans), 0.1)
+
+
 def test_stop_strings_matched_by_the_frontend() -> None:
     """1.4.2 matches stop strings on its decoded text: finish "stop", nvext.stop_reason the string,
     the text cut before it (measured); without ignore_eos only (it drops them with ignore_eos)."""
