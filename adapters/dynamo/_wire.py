@@ -105,6 +105,7 @@ __all__ = [
     "DynamoWire",
     "FlavorRoutes",
     "MATCHED_STOP_KEY",
+    "SESSION_HEADER",
     "STOP_ANNOTATION",
     "completion_body",
     "generate_instances",
@@ -221,6 +222,11 @@ def to_flavor(value: DynamoFlavor | str) -> DynamoFlavor:
         raise InvalidRequest("flavor", f"must be one of {FLAVORS}, got {value!r}") from None
 
 
+#: The header the frontend's session affinity keys on (``--router-session-affinity-ttl-secs``; 1.4.2
+#: and 1.6.1, every router mode): requests with one key stay on the worker the first was routed to,
+#: until the key idles past the TTL (measured on CPU, ``docs/miles.md``, "Session affinity").
+#: ``GenerateRequest.routing_key`` travels in it, as SGLang's wire sends it in ``X-SMG-Routing-Key``.
+SESSION_HEADER = "x-dynamo-session-id"
 #: Router modes that honour ``nvext.backend_instance_id`` (measured on 1.4.2: round-robin ignores it).
 PINNING_MODES = ("kv", "direct")
 EXTRA_FIELDS = ("completion_token_ids", "worker_id", "timing", "engine_data", "stop_reason")
@@ -359,6 +365,11 @@ def completion_body(
         nvext["backend_instance_id"] = instance_id
     body["nvext"] = nvext
     return body
+
+
+def _session(request: GenerateRequest) -> dict[str, str]:
+    """The routing key as the frontend's session id (a pinned request's worker wins over it)."""
+    return {SESSION_HEADER: request.routing_key} if request.routing_key else {}
 
 
 def native_body(request: GenerateRequest) -> dict[str, Any]:
@@ -654,7 +665,9 @@ class DynamoWire:
     def generate(self, request: GenerateRequest, worker: Worker | None) -> HttpRequest:
         self._refuse_unservable(request)
         if self.native_generate and worker is None and request.prompt_logprobs_start is None:
-            return HttpRequest("POST", f"{self.frontend_url}/generate", json=native_body(request))
+            return HttpRequest(
+                "POST", f"{self.frontend_url}/generate", json=native_body(request), headers=_session(request)
+            )
         return self._completion_request(request, worker, stream=False)
 
     def _completion_request(self, request: GenerateRequest, worker: Worker | None, *, stream: bool) -> HttpRequest:
@@ -669,7 +682,7 @@ class DynamoWire:
             body["stream"] = True
         # The request id travels in nvext.annotations (x-dynamo-request-id is deprecated on 1.4.2
         # and takes UUIDs only).
-        return HttpRequest("POST", f"{self.frontend_url}/v1/completions", json=body)
+        return HttpRequest("POST", f"{self.frontend_url}/v1/completions", json=body, headers=_session(request))
 
     def stream(self, request: GenerateRequest, worker: Worker | None) -> HttpRequest:
         # Always /v1/completions: the native /generate route (1.6) is not used for streams.
