@@ -480,8 +480,8 @@ def _completion_top_logprobs(
     A sampled token outside the worker's top ``k`` comes last as a ``k + 1``-th entry: the frontend's
     ``convert_backend_top_logprobs`` (``lib/llm/src/protocols/openai.rs`` in ai-dynamo/dynamo)
     "ensures the selected token is present in the list", OpenAI's convention. It is the chosen token,
-    not an alternative, so it is dropped here; at temperature > 0 it came on most requests and each
-    failed as a ContractViolation (``docs/miles.md``, "Top logprobs through Dynamo")."""
+    not an alternative, so it is dropped here; at temperature > 0 nearly every request had such a
+    position and failed as a ContractViolation (``docs/miles.md``, "Top logprobs through Dynamo")."""
     tops = lp_obj.get("top_logprobs") if isinstance(lp_obj, dict) else None
     n = len(ids)
     if not isinstance(tops, list) or len(tops) != n:
