@@ -6,6 +6,8 @@ with no change to Miles:
 * the data plane: ``POST /generate`` (Miles' exact payload, ``X-SMG-Routing-Key`` header) and
   ``POST /v1/chat/completions`` with SGLang's extensions (``input_ids`` in, ``choices[i].meta_info``
   out) for the session server, ``logprobs`` + ``top_logprobs`` answered as SGLang's OpenAI server does;
+  batched ``/generate`` as SGLang serves it; on both, Miles' external-rollout version contract in
+  Stitch's words (``weight_version`` constraints, HTTP 409, start/end stamps: ``_versioning``);
 * the router's worker list: ``GET /workers`` (SMG shape) and ``GET /list_workers`` (Miles router
   shape), each worker listed at ``<facade>/w/<worker>`` so Miles' abort loop
   ``POST <worker url>/abort_request {"abort_all": true}`` reaches it;
