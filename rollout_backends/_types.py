@@ -320,7 +320,8 @@ class GenerateRequest:
     #: A key that routers may use to keep related requests (one group's samples) together.
     routing_key: str | None = None
     #: Serve only on a worker whose installed weight version is this label or one installed after
-    #: it; "after" is the order of the fleet's history of installed labels (``VersionBook.history``).
+    #: it; "after" is the order of the fleet's history of installed labels (``VersionBook.history``);
+    #: a decimal label the fleet never installed compares as a number with decimal labels.
     #: No such worker: ``NoCompatibleVersion`` (retryable). Needs ``Capabilities.version_constraints``.
     min_version: str | None = None
     #: Serve only on a worker whose installed weight version is exactly this label (else

@@ -90,7 +90,9 @@ __all__ = [
     "TensorsBody",
     "TextOptions",
     "UnknownKeys",
+    "BATCH_LIST_KEYS",
     "answer_body",
+    "batch_field",
     "check_depth",
     "decode_text",
     "trim_at_stop",
@@ -107,6 +109,7 @@ __all__ = [
     "parse_sampling",
     "request_body",
     "sampling_params_body",
+    "split_batch",
 ]
 
 #: The header smg's consistent-hashing policy routes on (Miles sends it; harmless elsewhere).
@@ -715,6 +718,67 @@ def parse_request(
         prefill_only=prefill_only,
         stream=bool(stream),
     )
+
+
+#: Top-level keys a batch body may give per prompt, as a list (SGLang 0.5.16's
+#: ``GenerateReqInput._normalize_batch_inputs``: ``rid``, ``sampling_params``, the logprob options,
+#: ``extra_key``); as a scalar or object they apply to every prompt.
+BATCH_LIST_KEYS = ("rid", "sampling_params", "return_logprob", "logprob_start_len", "top_logprobs_num", "extra_key")
+
+
+def split_batch(body: Mapping[str, Any]) -> list[dict[str, Any]] | None:
+    """A batched ``/generate`` body -> one single-prompt body per prompt, in order; ``None`` for a
+    single prompt. A batch is ``input_ids`` as a list of lists or ``text`` as a list of strings
+    (SGLang 0.5.16's ``GenerateReqInput._determine_batch_size``), answered by SGLang as a JSON list
+    in the same order. Per prompt: a list value of :data:`BATCH_LIST_KEYS` gives its own item
+    (``sampling_params`` a dict is shared); a string ``rid`` becomes ``"{rid}_{i}"``, a list of rids
+    must match the batch and hold no duplicates (SGLang's ``_normalize_rid``,
+    ``_validate_rid_uniqueness``, its words). Lists of another length are refused (SGLang only checks
+    ``rid``, and indexes past the end of the others). Each body is then parsed as one request;
+    :func:`batch_field` names an item's refusal as the batch spelled it."""
+    ids, text = body.get("input_ids"), body.get("text")
+    if type(ids) is list and ids and type(ids[0]) is list:
+        key, prompts = "input_ids", ids
+    elif type(text) is list:
+        key, prompts = "text", text
+    else:
+        return None
+    n = len(prompts)
+    if n == 0:
+        raise InvalidRequest(key, "an empty batch (a list of no prompts)")
+    for name in BATCH_LIST_KEYS:
+        v = body.get(name)
+        if type(v) is list and len(v) != n:
+            if name == "rid":
+                raise InvalidRequest(
+                    name, "The specified rids length mismatch with the batch_size for batch processing."
+                )
+            raise InvalidRequest(name, f"has {len(v)} entries for a batch of {n} prompts")
+    rid = body.get("rid")
+    if type(rid) is list:
+        dup = sorted({r for r in rid if type(r) is str and rid.count(r) > 1})
+        if dup:
+            raise InvalidRequest("rid", f"Duplicate request IDs detected within the request: {dup}")
+    items = []
+    for i, prompt in enumerate(prompts):
+        item = {**body, key: prompt}
+        for name in BATCH_LIST_KEYS:
+            if type(body.get(name)) is list:
+                item[name] = body[name][i]
+        if type(rid) is str:
+            item["rid"] = f"{rid}_{i}"
+        items.append(item)
+    return items
+
+
+def batch_field(field: str, index: int, batch: Mapping[str, Any]) -> str:
+    """A batch item's refusal (``input_ids[3]``, ``sampling_params.top_p``) as the batch spelled it
+    (``input_ids[1][3]``, ``sampling_params[1].top_p``) where the key was given per prompt."""
+    head = re.match(r"[A-Za-z_]+", field)
+    name = head.group(0) if head is not None else ""
+    if name in ("input_ids", "text") or (name in BATCH_LIST_KEYS and type(batch.get(name)) is list):
+        return f"{name}[{index}]{field[len(name) :]}"
+    return field
 
 
 # -- Generation -> answer ------------------------------------------------------------------------

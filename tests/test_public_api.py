@@ -55,7 +55,7 @@ EXPECTED_SGLANG_NATIVE = {
     "ParseRules", "TextOptions", "UnknownKeys", "answer_body", "check_depth", "decode_text", "error_body",
     "error_field", "error_message", "finish_reason_body", "meta_info", "named_field", "native_field",
     "our_field", "parse_answer", "parse_request", "parse_sampling", "request_body",
-    "sampling_params_body", "StopStrings", "trim_at_stop",
+    "sampling_params_body", "StopStrings", "trim_at_stop", "BATCH_LIST_KEYS", "batch_field", "split_batch",
 }  # fmt: skip
 
 EXPECTED_TESTING = {

@@ -247,6 +247,9 @@ class DynamoFrontend:
     router_predicted_ttl_secs: float | None = None  #: predict-on-route (needs KV events)
     overlap_score_credit: float | None = None  #: ``--router-kv-overlap-score-credit``
     router_temperature: float | None = None  #: ``--router-temperature`` (0 = argmin)
+    #: ``--router-session-affinity-ttl-secs``: requests with one routing key (``x-dynamo-session-id``,
+    #: ``DynamoWire.SESSION_HEADER``) stay on one worker until the key idles this long; ``None``: off.
+    session_affinity_ttl_secs: int | None = None
     #: serve SGLang's native ``/generate`` (``DYN_SGLANG_ENABLE_GENERATE=1``; a 1.4.x frontend
     #: has no such route and ignores the variable).
     native_generate: bool = True
@@ -277,6 +280,8 @@ class DynamoFrontend:
                 argv += ["--router-kv-overlap-score-credit", str(self.overlap_score_credit)]
             if self.router_temperature is not None:
                 argv += ["--router-temperature", str(self.router_temperature)]
+        if self.session_affinity_ttl_secs is not None:
+            argv += ["--router-session-affinity-ttl-secs", str(self.session_affinity_ttl_secs)]
         argv += self.extra_args
         env = self.planes.env(ctx.bind_host, ctx.advertise_host, namespace=self.namespace)
         env["DYN_ENABLE_RL"] = "true"

@@ -114,6 +114,9 @@ class DynamoFleetConfig:
     router_predicted_ttl_secs: float | None = None  #: predict-on-route (needs KV events)
     overlap_score_credit: float | None = None  #: ``--router-kv-overlap-score-credit``
     router_temperature: float | None = None  #: ``--router-temperature`` (0 = argmin)
+    #: Session affinity (any router mode): a routing key's requests stay on one worker until the key
+    #: idles this many seconds (``--router-session-affinity-ttl-secs``); ``None``: off.
+    session_affinity_ttl_secs: int | None = None
     migration_limit: int = 0  #: keep 0 for RL: a migrated request splices two workers' tokens
     #: 1.6.x: the frontend serves native ``/generate`` and ``connect()`` uses it where it is
     #: better (our reference workers); False keeps every request on ``/v1/completions``.
@@ -164,6 +167,10 @@ class DynamoFleetConfig:
             raise InvalidRequest("page_size", f"must be >= 2 for the KV router (got {self.page_size})")
         if self.router_predicted_ttl_secs is not None and not self.kv_events:
             raise InvalidRequest("router_predicted_ttl_secs", "predict-on-route needs kv_events=True (Dynamo refuses)")
+        ttl = self.session_affinity_ttl_secs
+        if ttl is not None and (isinstance(ttl, bool) or not isinstance(ttl, int) or not 1 <= ttl <= 31_536_000):
+            # the frontend's own bounds (frontend_args.py: 1 s to a year)
+            raise InvalidRequest("session_affinity_ttl_secs", f"must be an int in [1, 31536000] or None, got {ttl!r}")
         if self.discovery not in ("file", "etcd"):
             raise InvalidRequest("discovery", f"must be 'file' or 'etcd', got {self.discovery!r}")
         if self.discovery == "etcd" and not self.etcd_endpoints and not self.start_etcd:

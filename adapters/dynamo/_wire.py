@@ -31,7 +31,7 @@ import json
 import math
 import re
 import struct
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from operator import countOf
 from typing import Any, TypeGuard
 
@@ -110,6 +110,7 @@ __all__ = [
     "DynamoWire",
     "FlavorRoutes",
     "MATCHED_STOP_KEY",
+    "SESSION_HEADER",
     "STOP_ANNOTATION",
     "completion_body",
     "generate_instances",
@@ -234,6 +235,11 @@ def to_flavor(value: DynamoFlavor | str) -> DynamoFlavor:
         raise InvalidRequest("flavor", f"must be one of {FLAVORS}, got {value!r}") from None
 
 
+#: The header the frontend's session affinity keys on (``--router-session-affinity-ttl-secs``; 1.4.2
+#: and 1.6.1, every router mode): requests with one key stay on the worker the first was routed to,
+#: until the key idles past the TTL (measured on CPU, ``docs/miles.md``, "Session affinity").
+#: ``GenerateRequest.routing_key`` travels in it, as SGLang's wire sends it in ``X-SMG-Routing-Key``.
+SESSION_HEADER = "x-dynamo-session-id"
 #: Router modes that honour ``nvext.backend_instance_id`` (measured on 1.4.2: round-robin ignores it).
 PINNING_MODES = ("kv", "direct")
 EXTRA_FIELDS = ("completion_token_ids", "worker_id", "timing", "engine_data", "stop_reason")
@@ -374,6 +380,11 @@ def completion_body(
     return body
 
 
+def _session(request: GenerateRequest) -> dict[str, str]:
+    """The routing key as the frontend's session id (a pinned request's worker wins over it)."""
+    return {SESSION_HEADER: request.routing_key} if request.routing_key else {}
+
+
 def native_body(request: GenerateRequest) -> dict[str, Any]:
     """The 1.6.x frontend's native ``/generate`` body: SGLang's own (``sampling_params`` as the SGLang
     adapter sends them); ``stream`` must be true (the frontend answers 501 otherwise)."""
@@ -472,31 +483,57 @@ _TOKEN_ID = re.compile(r"token_id:(\d+)")
 
 
 def _completion_top_logprobs(
-    lp_obj: object, n: int, k: int, worker: str | None
+    lp_obj: object, ids: Sequence[int], k: int, worker: str | None
 ) -> tuple[tuple[tuple[int, float], ...], ...]:
-    """``choices[0].logprobs.top_logprobs`` of 1.4.2 (per token, ``[{"token": "token_id:<id>",
-    "logprob", "bytes"}]``: ``return_tokens_as_token_ids`` names tokens by id) -> per token, the
-    ``(id, logprob)`` pairs, most likely first (ties by id)."""
+    """``choices[0].logprobs.top_logprobs`` (``return_tokens_as_token_ids`` names tokens by id) -> per
+    token, the ``(id, logprob)`` pairs, most likely first (ties by id). Per token, 1.4.2 sends a list
+    ``[{"token": "token_id:<id>", "logprob", "bytes"}]``, 1.6.1 OpenAI's legacy completions object
+    ``{"token_id:<id>": logprob}`` (both measured on CPU).
+
+    A sampled token outside the worker's top ``k`` comes last as a ``k + 1``-th entry: the frontend's
+    ``convert_backend_top_logprobs`` (``lib/llm/src/protocols/openai.rs`` in ai-dynamo/dynamo)
+    "ensures the selected token is present in the list", OpenAI's convention. It is the chosen token,
+    not an alternative, so it is dropped here; at temperature > 0 nearly every request had such a
+    position and failed as a ContractViolation (``docs/miles.md``, "Top logprobs through Dynamo")."""
     tops = lp_obj.get("top_logprobs") if isinstance(lp_obj, dict) else None
+    n = len(ids)
     if not isinstance(tops, list) or len(tops) != n:
         got = len(tops) if isinstance(tops, list) else type(tops).__name__
         raise ContractViolation(f"choices[0].logprobs.top_logprobs has {got} entries for {n} tokens", worker=worker)
     out = []
     for i, position in enumerate(tops):
-        if not isinstance(position, list) or not 0 < len(position) <= k:
-            raise ContractViolation(f"top_logprobs[{i}] is not a list of 1..{k} entries", worker=worker)
-        pairs = []
-        for e in position:
-            m = _TOKEN_ID.fullmatch(str(e.get("token"))) if isinstance(e, dict) else None
-            lp = e.get("logprob") if isinstance(e, dict) else None
-            if m is None or not isinstance(lp, (int, float)) or isinstance(lp, bool) or math.isnan(lp):
-                raise ContractViolation(
-                    f"top_logprobs[{i}] has an entry that is not a token id and logprob", worker=worker
-                )
-            pairs.append((int(m.group(1)), _f32(float(lp))))
+        pairs = _top_pairs(position, i, worker)
+        if not 0 < len(pairs) <= k + 1:
+            raise ContractViolation(
+                f"top_logprobs[{i}] has {len(pairs)} entries, not 1..{k} (+ the chosen token)", worker=worker
+            )
+        if len(pairs) == k + 1:
+            # Only the frontend's appended chosen token may make it k + 1, and only where the worker's k lack it.
+            if pairs[-1][0] != ids[i] or any(t == ids[i] for t, _ in pairs[:-1]):
+                why = f"has {k + 1} entries, the last not the chosen token {ids[i]} alone"
+                raise ContractViolation(f"top_logprobs[{i}] {why}", worker=worker)
+            pairs.pop()
         pairs.sort(key=lambda p: (-p[1], p[0]))
         out.append(tuple(pairs))
     return tuple(out)
+
+
+def _top_pairs(position: object, i: int, worker: str | None) -> list[tuple[int, float]]:
+    """One position's top logprobs, in the order sent: a list of ``{"token", "logprob"}`` (1.4.2) or
+    an object ``{token: logprob}`` (1.6.1); each token named ``token_id:<id>``."""
+    if isinstance(position, dict):
+        named: list[tuple[object, object]] = list(position.items())
+    elif isinstance(position, list):
+        named = [(e.get("token"), e.get("logprob")) if isinstance(e, dict) else (None, None) for e in position]
+    else:
+        raise ContractViolation(f"top_logprobs[{i}] is a {type(position).__name__}, not a list", worker=worker)
+    pairs = []
+    for token, lp in named:
+        m = _TOKEN_ID.fullmatch(str(token))
+        if m is None or not isinstance(lp, (int, float)) or isinstance(lp, bool) or math.isnan(lp):
+            raise ContractViolation(f"top_logprobs[{i}] has an entry that is not a token id and logprob", worker=worker)
+        pairs.append((int(m.group(1)), _f32(float(lp))))
+    return pairs
 
 
 def _chunk_version(engine_data: object, worker: str | None) -> str | None:
@@ -655,7 +692,9 @@ class DynamoWire:
     def generate(self, request: GenerateRequest, worker: Worker | None) -> HttpRequest:
         self._refuse_unservable(request)
         if self.native_generate and worker is None and request.prompt_logprobs_start is None:
-            return HttpRequest("POST", f"{self.frontend_url}/generate", json=native_body(request))
+            return HttpRequest(
+                "POST", f"{self.frontend_url}/generate", json=native_body(request), headers=_session(request)
+            )
         return self._completion_request(request, worker, stream=False)
 
     def _completion_request(self, request: GenerateRequest, worker: Worker | None, *, stream: bool) -> HttpRequest:
@@ -670,7 +709,9 @@ class DynamoWire:
             body["stream"] = True
         # The request id travels in nvext.annotations (x-dynamo-request-id is deprecated on 1.4.2
         # and takes UUIDs only); dynamo.vllm aborts by the context id, ours made a UUID.
-        headers = {CONTEXT_ID_HEADER: context_id(request.request_id)} if self.routes.vllm else {}
+        headers = _session(request)
+        if self.routes.vllm:
+            headers = {**headers, CONTEXT_ID_HEADER: context_id(request.request_id)}
         return HttpRequest("POST", f"{self.frontend_url}/v1/completions", json=body, headers=headers)
 
     def stream(self, request: GenerateRequest, worker: Worker | None) -> HttpRequest:
@@ -824,7 +865,7 @@ class DynamoWire:
                 out.append(_f32(float(lp)))
             logprobs = tuple(out)
             if request.sampling.top_logprobs:
-                top = _completion_top_logprobs(lp_obj, len(ids), request.sampling.top_logprobs, worker)
+                top = _completion_top_logprobs(lp_obj, ids, request.sampling.top_logprobs, worker)
         usage = data.get("usage") if isinstance(data.get("usage"), dict) else {}
         assert isinstance(usage, dict)
         details = usage.get("prompt_tokens_details") if isinstance(usage.get("prompt_tokens_details"), dict) else {}
@@ -1138,7 +1179,7 @@ class _CompletionStream:
             self.lps.extend(lps)
             self.tokens.extend(lp_obj.get("tokens") or ())
             if request.sampling.top_logprobs:
-                top = _completion_top_logprobs(lp_obj, len(ids), request.sampling.top_logprobs, self.worker)
+                top = _completion_top_logprobs(lp_obj, ids, request.sampling.top_logprobs, self.worker)
                 self.tops.extend(lp_obj.get("top_logprobs") or ())
         if request.sampling.max_new_tokens == 0:  # re-scoring: the one token generated is not the caller's
             return TokenChunk(request_id=request.request_id, index=0, output_ids=())

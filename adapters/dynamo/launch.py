@@ -63,6 +63,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-kv-events", action="store_true", help="approximate KV routing (--no-router-kv-events)")
     p.add_argument("--router-predicted-ttl-secs", type=float, default=None, help="predict-on-route TTL (default: off)")
     p.add_argument(
+        "--session-affinity-ttl-secs",
+        type=int,
+        default=None,
+        help="keep a routing key's requests (x-dynamo-session-id; Miles' sessions) on one worker until the key "
+        "idles this long (the frontend's --router-session-affinity-ttl-secs; default: off)",
+    )
+    p.add_argument(
         "--stream-interval",
         type=int,
         default=_F.stream_interval.default,
@@ -115,6 +122,7 @@ def config_from_args(args: argparse.Namespace) -> DynamoFleetConfig:
         page_size=args.page_size,
         kv_events=not args.no_kv_events,
         router_predicted_ttl_secs=args.router_predicted_ttl_secs,
+        session_affinity_ttl_secs=args.session_affinity_ttl_secs,
         stream_interval=args.stream_interval or None,
         gpus=tuple(args.gpus or ()),
         host=args.host,
