@@ -242,7 +242,7 @@ async def _pause_round(rec: Recorder, mode: str, query: str) -> None:
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(newcomer, 60.0)
 
-    body = _gen(f"paused-{mode}", PROMPT, max_tokens=200, logprobs=0)
+    body = _gen(f"paused-{mode}", PROMPT, max_tokens=LONG, logprobs=0)  # still running at the pause
     await _in_flight(rec, f"in_flight_{mode}", body, during)
     _trim_metrics(rec)
 
@@ -300,7 +300,7 @@ async def dynamo_scenario(rec: Recorder, system: str, alt: Path, base: Path) -> 
         ("retract", {"mode": "keep", "clear_cache": True}),
         ("in_place", {"mode": "keep", "clear_cache": False}),
     ):
-        long, headers = comp(f"paused-{mode}", max_tokens=200)
+        long, headers = comp(f"paused-{mode}", max_tokens=LONG)  # still running at the pause
         task = asyncio.ensure_future(c(f"in_flight_{mode}", "POST", "/v1/completions", long, headers=headers))
         await asyncio.sleep(0.4)
         await c(f"pause_{mode}", "POST", f"{system}/engine/pause_generation", body)
