@@ -25,7 +25,7 @@ import re
 import signal
 import socket
 import sys
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
 
 import attrs
@@ -685,13 +685,16 @@ def run_launcher_cli(
     serve: Callable[[_T, Callable[[], Awaitable[None]]], Awaitable[Any]],
     *,
     preflight: Callable[[_T], None] | None = None,
+    flags: Collection[str] | None = None,
 ) -> int:
     """``main`` of a fleet launcher's command line. ``serve(config, until_signalled)`` starts the
     fleet, prints where it is, then awaits ``until_signalled()``: it says the fleet is ready, waits
     for SIGINT/SIGTERM (one sent during start-up counts) and returns, so the fleet's context stops
-    everything. ``preflight(config)`` runs first: its ``InvalidRequest`` names a config field that
-    is also a flag (``model_path`` is ``--model-path``), and says so as the flag. Errors are one line
-    (``one_line_error``). Exit status: 0, 1 on an error, 2 on a bad configuration, 130 on an interrupt."""
+    everything. ``preflight(config)`` runs first: its ``InvalidRequest`` names a config field, said
+    as the flag where it is one (``model_path`` is ``--model-path``). ``flags``: the command's flags
+    by destination (``vars(args)``); a field not among them (the interpreter, ``python``) is said as
+    the field; ``None``: every field is a flag. Errors are one line (``one_line_error``). Exit
+    status: 0, 1 on an error, 2 on a bad configuration, 130 on an interrupt."""
     try:
         config = make_config()
     except Exception as exc:  # InvalidRequest from the config's checks
@@ -701,7 +704,8 @@ def run_launcher_cli(
         try:
             preflight(config)
         except InvalidRequest as exc:
-            print(f"error: --{exc.field.replace('_', '-')}: {exc.reason}", file=sys.stderr)
+            name = exc.field if flags is not None and exc.field not in flags else f"--{exc.field.replace('_', '-')}"
+            print(f"error: {name}: {exc.reason}", file=sys.stderr)
             return 2
 
     async def run() -> None:

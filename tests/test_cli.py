@@ -24,11 +24,14 @@ from rollout_backends.adapters.dynamo import launch as dynamo_launch
 from rollout_backends.adapters.reference import make_model, serve
 from rollout_backends.adapters.sglang import SGLangFleetConfig
 from rollout_backends.adapters.sglang import launch as sglang_launch
+from rollout_backends.adapters.vllm import VllmFleetConfig
+from rollout_backends.adapters.vllm import launch as vllm_launch
 from rollout_backends.integrations.miles import facade
 
 PARSERS: dict[str, Callable[[], argparse.ArgumentParser]] = {
     "launch sglang": sglang_launch.build_parser,
     "launch dynamo": dynamo_launch.build_parser,
+    "launch vllm": vllm_launch.build_parser,
     "serve-reference": serve.build_parser,
     "make-model": make_model.build_parser,
     "facade": facade.build_parser,
@@ -124,15 +127,16 @@ def test_help_never_shows_a_key_from_the_environment(monkeypatch: pytest.MonkeyP
 
 @pytest.mark.parametrize(
     ("launcher", "config"),
-    [(sglang_launch, SGLangFleetConfig), (dynamo_launch, DynamoFleetConfig)],
-    ids=["sglang", "dynamo"],
+    [(sglang_launch, SGLangFleetConfig), (dynamo_launch, DynamoFleetConfig), (vllm_launch, VllmFleetConfig)],
+    ids=["sglang", "dynamo", "vllm"],
 )
 def test_the_command_line_defaults_are_the_python_ones(launcher: Any, config: Any) -> None:
     # One set of defaults: every flag left out gives the config's own default, field for field.
     from_cli = launcher.config_from_args(launcher.parse_args(["--model-path", "/m"]))
     assert from_cli == config(model_path="/m")
-    # ... and the engine named by the launcher is the one it runs (the CPU kinds are asked for).
-    assert from_cli.worker_kind == "sglang"
+    # ... and the engine named by the launcher is the one it runs (the CPU kinds are asked for;
+    # launch vllm has no other kind).
+    assert getattr(from_cli, "worker_kind", "sglang") == "sglang"
 
 
 def test_the_router_defaults_are_the_routers_own() -> None:
@@ -150,6 +154,8 @@ def test_the_router_defaults_are_the_routers_own() -> None:
         ),
         (DynamoFleetConfig(model_path="/m", worker_kind="mocker", router_mode="kv"), ["mocker", "router mode kv"]),
         (DynamoFleetConfig(model_path="/m"), ["1 x sglang", "dynamo.sglang", "router mode round-robin"]),
+        (DynamoFleetConfig(model_path="/m", worker_kind="vllm"), ["1 x vllm worker", "dynamo.vllm (vLLM 0.26"]),
+        (VllmFleetConfig(model_path="/m", workers=2), ["2 x vllm servers", "vllm serve (vLLM 0.26", "no router"]),
     ],
 )
 def test_the_start_line_names_the_worker_kind_and_the_router(config: Any, says: list[str]) -> None:
@@ -194,9 +200,10 @@ def _one_error_line(capsys: pytest.CaptureFixture[str]) -> str:
     [
         ["launch", "sglang", "--worker-kind", "reference"],
         ["launch", "dynamo", "--worker-kind", "mocker"],
+        ["launch", "vllm"],
         ["serve-reference", "--port", "0"],
     ],
-    ids=["launch-sglang", "launch-dynamo", "serve-reference"],
+    ids=["launch-sglang", "launch-dynamo", "launch-vllm", "serve-reference"],
 )
 @pytest.mark.parametrize("model", ["missing-dir", "a-file", "Qwen/Qwen2.5-0.5B"])
 def test_a_model_that_is_not_a_directory_is_one_line_before_anything_starts(
@@ -237,17 +244,32 @@ def test_a_busy_port_is_one_line(argv: list[str], tmp_path: Path, capsys: pytest
     assert "already in use" in line and port in line, line
 
 
+@pytest.mark.parametrize(
+    ("argv", "engine", "says"),
+    [
+        (["launch", "sglang"], "sglang", ["--worker-kind: ", "'sglang' workers run SGLang", "'reference' runs"]),
+        (["launch", "dynamo", "--worker-kind", "vllm"], "vllm", ["--worker-kind: ", "run dynamo.vllm", "'mocker'"]),
+        # No flag picks the interpreter: the error names the field, not a flag the command lacks.
+        (["launch", "vllm"], "vllm", ["error: python: ", "the servers run vllm serve under this interpreter"]),
+    ],
+    ids=["launch-sglang", "launch-dynamo-vllm", "launch-vllm"],
+)
 def test_an_engine_that_is_not_installed_is_one_line(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+    argv: list[str],
+    engine: str,
+    says: list[str],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     import importlib.util
 
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "sglang" else real(name, *a))
-    assert main(["launch", "sglang", "--model-path", str(tmp_path)]) == 2
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == engine else real(name, *a))
+    assert main([*argv, "--model-path", str(tmp_path)]) == 2
     line = _one_error_line(capsys)
-    assert line.startswith("error: --worker-kind: ") and "cannot import sglang" in line, line
-    assert "'sglang' workers run SGLang" in line and "'reference' runs the CPU reference engine" in line, line
+    assert line.startswith("error: ") and f"cannot import {engine} (pip install {engine})" in line, line
+    assert all(s in line for s in says), line
 
 
 @pytest.mark.slow
@@ -281,6 +303,26 @@ async def test_a_failed_dynamo_start_keeps_the_log_its_error_names(tmp_path: Pat
     log = Path(re.search(r"last lines of (\S+?):?\n", str(exc_info.value))[1])  # type: ignore[index]
     assert log.is_file(), f"the log the error names is gone: {log}"
     assert not (log.parent.parent / "kv").exists()  # what is not a log still goes
+
+
+def test_a_failed_vllm_start_is_one_line_naming_a_log_that_stays(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import tempfile
+
+    import attrs
+
+    # An interpreter that exits at once: the server fails at start-up, with nothing imported.
+    real = vllm_launch.config_from_args
+    monkeypatch.setattr(vllm_launch, "config_from_args", lambda a: attrs.evolve(real(a), python="/bin/false"))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where the launcher's log folder goes
+    assert main(["launch", "vllm", "--model-path", str(tmp_path), "--startup-timeout", "60"]) == 1
+    out = capsys.readouterr()
+    assert out.out.startswith("fleet:   1 x vllm server: vllm serve"), out.out
+    errors = [line for line in out.err.splitlines() if line.startswith(("error", "Traceback", "  "))]
+    assert len(errors) == 1 and "exited with code" in errors[0], out.err
+    log = Path(re.search(r"log: (\S+)", errors[0])[1])  # type: ignore[index]
+    assert log.is_file() and log.is_relative_to(tmp_path), f"the log the error names is gone: {log}"
 
 
 # -- demo ---------------------------------------------------------------------------------------------

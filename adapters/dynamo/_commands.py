@@ -150,6 +150,34 @@ class DynamoWorkerCommand:
         env["PYTHONHASHSEED"] = "0"  # block hashes must agree between workers and the router
         return argv, env
 
+    def _sglang(
+        self, ctx: NodeContext, py: str, endpoint: str, extra: dict[str, Any], ports: list[tuple[str, int]]
+    ) -> tuple[list[str], dict[str, str | None]]:
+        """``dynamo.sglang``'s (or the shim's) command line and environment; adds its ports."""
+        sglang_port, nccl = ctx.port("sglang"), ctx.port("nccl")
+        argv = [
+            py, "-m", self.module or (SGLANG_SHIM if self.sglang_shim else "dynamo.sglang"),
+            "--model-path", self.model_path, "--served-model-name", self.model_name,
+            "--page-size", str(self.page_size),
+            "--host", ctx.bind_host, "--port", str(sglang_port), "--nccl-port", str(nccl),
+            "--namespace", self.namespace, "--endpoint", endpoint, SGLANG_RL_FLAG,
+            *self.planes.args(),
+        ]  # fmt: skip
+        env: dict[str, str | None] = dict(SGLANG_ENGINE_ROUTES_ENV)
+        if self.tp != 1:
+            argv += ["--tp", str(self.tp)]
+        ports += [(ctx.bind_host, sglang_port), (ctx.bind_host, nccl)]
+        if self.kv_events:
+            kv = ctx.port("kv_events", below=PORT_CEILING, any_interface=True)  # tcp://*
+            argv += ["--kv-events-config", kv_events_config(kv)]
+            extra["kv_events_port"] = kv
+        if self.stream_interval is not None:
+            argv += ["--stream-interval", str(self.stream_interval)]
+        env["PYTHONHASHSEED"] = "0"  # block hashes must agree between workers and the router
+        if ctx.gpu_ids:
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(ctx.gpu_ids)
+        return argv, env
+
     def build(self, ctx: NodeContext) -> Launch:
         system = ctx.port("system", below=PORT_CEILING)
         rpc = ctx.port("rpc", below=PORT_CEILING)
@@ -191,28 +219,8 @@ class DynamoWorkerCommand:
             ]  # fmt: skip
             env["OMP_NUM_THREADS"] = str(self.reference_threads)
         elif self.kind == "sglang":
-            sglang_port, nccl = ctx.port("sglang"), ctx.port("nccl")
-            argv = [
-                py, "-m", self.module or (SGLANG_SHIM if self.sglang_shim else "dynamo.sglang"),
-                "--model-path", self.model_path, "--served-model-name", self.model_name,
-                "--page-size", str(self.page_size),
-                "--host", ctx.bind_host, "--port", str(sglang_port), "--nccl-port", str(nccl),
-                "--namespace", self.namespace, "--endpoint", endpoint, SGLANG_RL_FLAG,
-                *self.planes.args(),
-            ]  # fmt: skip
-            env.update(SGLANG_ENGINE_ROUTES_ENV)
-            if self.tp != 1:
-                argv += ["--tp", str(self.tp)]
-            ports += [(ctx.bind_host, sglang_port), (ctx.bind_host, nccl)]
-            if self.kv_events:
-                kv = ctx.port("kv_events", below=PORT_CEILING, any_interface=True)  # tcp://*
-                argv += ["--kv-events-config", kv_events_config(kv)]
-                extra["kv_events_port"] = kv
-            if self.stream_interval is not None:
-                argv += ["--stream-interval", str(self.stream_interval)]
-            env["PYTHONHASHSEED"] = "0"  # block hashes must agree between workers and the router
-            if ctx.gpu_ids:
-                env["CUDA_VISIBLE_DEVICES"] = ",".join(ctx.gpu_ids)
+            argv, more = self._sglang(ctx, py, endpoint, extra, ports)
+            env.update(more)
         elif self.kind == "vllm":
             argv, more = self._vllm(ctx, py, endpoint, extra)
             env.update(more)

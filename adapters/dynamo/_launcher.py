@@ -194,11 +194,13 @@ class DynamoFleetConfig:
 
     def preflight(self) -> None:
         """What can be found wrong before anything starts: the model is a directory on this host,
-        and SGLang is installed for ``sglang`` workers (``InvalidRequest`` naming the field)."""
+        and the engine is installed for ``sglang`` and ``vllm`` workers (``InvalidRequest`` naming
+        the field)."""
         require_model_dir(self.model_path)
-        if self.worker_kind == "sglang":
+        if self.worker_kind in GPU_KINDS:
+            engine = self.worker_kind
             instead = "worker kind 'reference' runs the CPU reference engine, 'mocker' Dynamo's mocker"
-            require_module("sglang", "worker_kind", f"'sglang' workers run dynamo.sglang; {instead}", self.python)
+            require_module(engine, "worker_kind", f"'{engine}' workers run dynamo.{engine}; {instead}", self.python)
 
 
 #: The config's name before every engine's was named ``<Engine>FleetConfig`` (docs, tests and

@@ -65,6 +65,26 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="sglang --mem-fraction-static (default: SGLang's alone on a GPU, 0.8/n for n workers sharing one)",
     )
+    _add_server_flags(p)
+    _add_router_flags(p)
+    p.add_argument("--log-dir", default=None, help="where <process>.log files go (default: a temporary folder)")
+    p.add_argument(
+        "--keep-run-dir",
+        action="store_true",
+        help="keep the temporary log folder on exit (it is removed after a clean stop; kept, and its path "
+        "printed, when the start failed; --log-dir is always kept)",
+    )
+    p.add_argument(
+        "--startup-timeout",
+        type=float,
+        default=None,
+        help="seconds to wait for the workers (default: 900 for sglang, 180 for reference)",
+    )
+    return p
+
+
+def _add_server_flags(p: argparse.ArgumentParser) -> None:
+    """The flags that go to every SGLang worker (and the reference engine where it has them)."""
     p.add_argument("--page-size", type=int, default=_F.page_size.default, help="KV page size (tokens)")
     p.add_argument(
         "--attention-backend",
@@ -94,6 +114,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--admin-api-key", default=None, help="key of the workers' control routes (default: none; never printed)"
     )
+
+
+def _add_router_flags(p: argparse.ArgumentParser) -> None:
+    """The router's flags (smg, or none)."""
     p.add_argument("--router", choices=ROUTERS, default=_F.router.default, help="the router in front of the workers")
     policies = sorted({q for qs in ROUTER_POLICIES.values() for q in qs})
     p.add_argument("--policy", default=_F.router_policy.default, help=f"router policy, one of {', '.join(policies)}")
@@ -112,20 +136,6 @@ def build_parser() -> argparse.ArgumentParser:
         "one extra router argument, repeatable: --router-arg=--worker-warmup-secs --router-arg=0 (default: none)"
     )
     p.add_argument("--router-arg", action="append", default=[], help=router_arg_help)
-    p.add_argument("--log-dir", default=None, help="where <process>.log files go (default: a temporary folder)")
-    p.add_argument(
-        "--keep-run-dir",
-        action="store_true",
-        help="keep the temporary log folder on exit (it is removed after a clean stop; kept, and its path "
-        "printed, when the start failed; --log-dir is always kept)",
-    )
-    p.add_argument(
-        "--startup-timeout",
-        type=float,
-        default=None,
-        help="seconds to wait for the workers (default: 900 for sglang, 180 for reference)",
-    )
-    return p
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:

@@ -264,8 +264,10 @@ class VllmWire:
             seeded_sampling=self.batch_invariant,
             begin_end_update=False,  # each load is one start/update/finish on the engine (see control)
             version_source=VersionSource.STAMPED,  # vLLM 0.26 keeps no weight version
-            cached_tokens=self.cached_tokens,
+            cached_tokens=self.cached_tokens,  # the servers' --enable-prompt-tokens-details (connect says)
+            # Generation names its server (its own URL), router or not.
             worker_pinning=True,
+            progress_probe=True,  # Progress: a 1-token generation on the server itself (_progress)
             version_constraints=True,
             version_spans=VersionSource.STAMPED,
             stream_version_spans=False,

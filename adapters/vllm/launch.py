@@ -3,11 +3,14 @@
     rollout-backends launch vllm --model-path DIR --workers 2 --gpus 0 1 \
         [--transfer-backend nccl|ipc] [--sleep-mode] [-- <extra vllm serve args>]
 
-Each server is ``vllm serve`` (0.26) with ``VLLM_SERVER_DEV_MODE=1`` (the RL routes the adapter
-drives); there is no router: the backend hands unpinned requests to each server in turn. Prints a
-``connect:`` line that ``rollout_backends.open_backend`` opens. Everything it started is stopped on
-Ctrl-C or SIGTERM. ``--`` ends our flags; what follows goes verbatim to every server. Behind Dynamo:
-``rollout-backends launch dynamo --worker-kind vllm``.
+Each server is vllm serve (vLLM 0.26; GPU) with VLLM_SERVER_DEV_MODE=1 (the RL routes the adapter
+drives); there is no router: the backend hands unpinned requests to each server in turn. The first
+line printed says what starts. The defaults are those of VllmFleetConfig (Python), read from it.
+Prints each URL and a connect: line that rollout_backends.open_backend opens. Everything it started
+is stopped on Ctrl-C or SIGTERM, and the temporary log folder is removed unless --keep-run-dir, or
+unless the start failed (its logs stay; the error names them); --log-dir logs always stay. -- ends
+our flags; what follows goes verbatim to every server. Behind Dynamo: rollout-backends launch
+dynamo --worker-kind vllm.
 """
 
 from __future__ import annotations
@@ -16,28 +19,34 @@ import argparse
 import sys
 from collections.abc import Awaitable, Callable, Sequence
 
+import attrs
+
 from rollout_backends.launch import HelpFormatter, run_launcher_cli, split_passthrough, stderr_progress
 
 from ._launcher import VllmFleetConfig, launch_vllm_fleet
+from ._wire import TRANSFER_BACKENDS
 
 __all__ = ["build_parser", "config_from_args", "main", "parse_args"]
 
 PROG = "rollout-backends launch vllm"
 
+#: The config's fields: every flag's default is the field's (one set of defaults, CLI and Python).
+_F = attrs.fields(VllmFleetConfig)
+
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=PROG, description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--model-path", required=True, help="model directory every server loads")
-    p.add_argument("--workers", type=int, default=1, help="number of servers")
+    p.add_argument("--workers", type=int, default=_F.workers.default, help="number of servers")
     p.add_argument(
         "--gpus", nargs="+", default=None, help="CUDA_VISIBLE_DEVICES per server, e.g. 0 1 (default: all on 0)"
     )
-    p.add_argument("--host", default="127.0.0.1", help="address every server binds")
+    p.add_argument("--host", default=_F.host.default, help="address every server binds")
     p.add_argument("--served-model-name", default=None, help="the model name the servers report (default: the path)")
-    p.add_argument("--tp", type=int, default=1, help="tensor parallel size of each server")
+    p.add_argument("--tp", type=int, default=_F.tp.default, help="tensor parallel size of each server")
     p.add_argument(
         "--transfer-backend",
-        choices=("nccl", "ipc"),
+        choices=tuple(TRANSFER_BACKENDS),
         default=None,
         help="--weight-transfer-config backend: nccl (distributed updates) or ipc (tensor updates); default: none",
     )
@@ -46,12 +55,24 @@ def build_parser() -> argparse.ArgumentParser:
         "--gpu-memory-utilization", type=float, default=None, help="per server (default: vLLM's, split when shared)"
     )
     p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
-    p.add_argument("--attention-backend", default="TRITON_ATTN", help="--attention-backend ('' leaves it out)")
+    p.add_argument(
+        "--attention-backend", default=_F.attention_backend.default, help="--attention-backend ('' leaves it out)"
+    )
     p.add_argument("--cuda-graphs", action="store_true", help="do not pass --enforce-eager (slower start-up)")
     p.add_argument("--batch-invariant", action="store_true", help="VLLM_BATCH_INVARIANT=1 (batch-invariant kernels)")
     p.add_argument("--seed", type=int, default=None, help="--seed (default: vLLM's)")
+    p.add_argument(
+        "--weight-version", default=_F.weight_version.default, help="the version label the fleet starts with"
+    )
     p.add_argument("--log-dir", default=None, help="where <process>.log files go (default: a temporary folder)")
-    p.add_argument("--startup-timeout", type=float, default=900.0, help="seconds to wait for the servers")
+    p.add_argument(
+        "--keep-run-dir",
+        action="store_true",
+        help="keep the temporary log folder on exit; it is removed after a clean stop (a failed start keeps it)",
+    )
+    p.add_argument(
+        "--startup-timeout", type=float, default=_F.startup_timeout_s.default, help="seconds to wait for the servers"
+    )
     return p
 
 
@@ -78,24 +99,33 @@ def config_from_args(args: argparse.Namespace) -> VllmFleetConfig:
         enforce_eager=not args.cuda_graphs,
         batch_invariant=args.batch_invariant,
         seed=args.seed,
+        weight_version=args.weight_version,
         extra_args=tuple(args.extra_server_args),
         log_dir=args.log_dir,
         startup_timeout_s=args.startup_timeout,
     )
 
 
-async def _run(config: VllmFleetConfig, until_signalled: Callable[[], Awaitable[None]]) -> None:
-    async with launch_vllm_fleet(config, progress=stderr_progress) as fleet:
+async def _run(
+    config: VllmFleetConfig, args: argparse.Namespace, until_signalled: Callable[[], Awaitable[None]]
+) -> None:
+    print(f"fleet:   {config.describe()}", flush=True)
+    async with launch_vllm_fleet(config, progress=stderr_progress, keep_run_dir=args.keep_run_dir) as fleet:
         for url in fleet.worker_urls:
             print(f"server:  {url}", flush=True)
-        print(f"logs:    {fleet.log_dir}", flush=True)
+        print(f"logs:    {fleet.log_dir}{' (kept)' if args.keep_run_dir and args.log_dir is None else ''}", flush=True)
         print(f"connect: {fleet.connect_url()}", flush=True)
         await until_signalled()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    return run_launcher_cli(lambda: config_from_args(args), _run)
+    return run_launcher_cli(
+        lambda: config_from_args(args),
+        lambda config, until: _run(config, args, until),
+        preflight=VllmFleetConfig.preflight,
+        flags=vars(args),
+    )
 
 
 if __name__ == "__main__":

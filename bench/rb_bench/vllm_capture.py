@@ -108,6 +108,20 @@ async def _in_flight(
 
 async def vllm_scenario(rec: Recorder, alt: Path, base: Path) -> None:
     """Every route the vLLM adapter sends, and its answers in the states it meets them in."""
+    await _reads_and_generations(rec)
+    await _aborts(rec)
+    for mode, query in (
+        ("abort", "mode=abort&clear_cache=false"),
+        ("retract", "mode=keep&clear_cache=true"),
+        ("in_place", "mode=keep&clear_cache=false"),
+    ):
+        await _pause_round(rec, mode, query)
+    await _loads_and_sleep(rec, alt, base)
+    await _failed_load(rec, base)
+
+
+async def _reads_and_generations(rec: Recorder) -> None:
+    """The read-only routes, then generations: greedy, top-k, prompt logprobs, stops, a stream, bad input."""
     c = rec.call
     for path in ("/health", "/is_paused", "/is_sleeping", "/v1/models", "/get_world_size"):
         await c(path.strip("/"), "GET", path)
@@ -143,6 +157,11 @@ async def vllm_scenario(rec: Recorder, alt: Path, base: Path) -> None:
         ("bad_negative_token", _gen("bad6", [1, -2])),
     ):
         await c(name, "POST", GEN, body)
+
+
+async def _aborts(rec: Recorder) -> None:
+    """Aborts of one request, of all, and of a stream, each while it runs."""
+    c = rec.call
     long = _gen("long-1", PROMPT, max_tokens=LONG, logprobs=0)
     await _in_flight(
         rec,
@@ -162,12 +181,12 @@ async def vllm_scenario(rec: Recorder, alt: Path, base: Path) -> None:
         _gen("long-3", PROMPT, stream=True, max_tokens=LONG, logprobs=0),
         lambda: c("abort_stream", "POST", "/abort_requests", {"request_ids": ["generate-tokens-long-3"]}),
     )
-    for mode, query in (
-        ("abort", "mode=abort&clear_cache=false"),
-        ("retract", "mode=keep&clear_cache=true"),
-        ("in_place", "mode=keep&clear_cache=false"),
-    ):
-        await _pause_round(rec, mode, query)
+
+
+async def _loads_and_sleep(rec: Recorder, alt: Path, base: Path) -> None:
+    """Loads from disk (the alt weights and back), an unknown RPC, sleep and wake-up, an unconfigured
+    transfer."""
+    c = rec.call
     await c("reload_alt", "POST", "/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": str(alt)}})
     await c("greedy_alt", "POST", GEN, _gen("greedy-alt", PROMPT, logprobs=0), note="differs from greedy")
     await c(
@@ -182,9 +201,14 @@ async def vllm_scenario(rec: Recorder, alt: Path, base: Path) -> None:
     await c("wake_up", "POST", "/wake_up")
     await c("greedy_after_wake", "POST", GEN, _gen("greedy-3", PROMPT, logprobs=0), note="equals greedy")
     await c("start_weight_update_unconfigured", "POST", "/start_weight_update", note="no --weight-transfer-config")
+
+
+async def _failed_load(rec: Recorder, base: Path) -> None:
+    """A load from a missing checkpoint, then one from the good path: does it serve again?"""
     # Last, as it may leave the engine unable to serve: a load from a missing checkpoint fails inside
     # vLLM's layerwise reload (get_all_weights is a generator: the path is read after the layers were
     # set up), then does a reload from the good path bring it back?
+    c = rec.call
     missing = str(base.parent / "no-such-checkpoint")
     rpc = "/collective_rpc"
     await c("reload_missing", "POST", rpc, {"method": "reload_weights", "kwargs": {"weights_path": missing}})
@@ -218,7 +242,7 @@ async def _pause_round(rec: Recorder, mode: str, query: str) -> None:
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(newcomer, 60.0)
 
-    body = _gen(f"paused-{mode}", PROMPT, max_tokens=200, logprobs=0)
+    body = _gen(f"paused-{mode}", PROMPT, max_tokens=LONG, logprobs=0)  # still running at the pause
     await _in_flight(rec, f"in_flight_{mode}", body, during)
     _trim_metrics(rec)
 
@@ -276,7 +300,7 @@ async def dynamo_scenario(rec: Recorder, system: str, alt: Path, base: Path) -> 
         ("retract", {"mode": "keep", "clear_cache": True}),
         ("in_place", {"mode": "keep", "clear_cache": False}),
     ):
-        long, headers = comp(f"paused-{mode}", max_tokens=200)
+        long, headers = comp(f"paused-{mode}", max_tokens=LONG)  # still running at the pause
         task = asyncio.ensure_future(c(f"in_flight_{mode}", "POST", "/v1/completions", long, headers=headers))
         await asyncio.sleep(0.4)
         await c(f"pause_{mode}", "POST", f"{system}/engine/pause_generation", body)

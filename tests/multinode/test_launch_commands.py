@@ -113,7 +113,7 @@ def test_planes_validation() -> None:
     with pytest.raises(InvalidRequest, match="event_plane"):
         DynamoPlanes(etcd_endpoints=["http://e:1"], event_plane="kafka")
     with pytest.raises(InvalidRequest, match="kind"):
-        DynamoWorkerCommand(kind="vllm", model_path="/m", namespace="n", planes=ETCD)
+        DynamoWorkerCommand(kind="trtllm", model_path="/m", namespace="n", planes=ETCD)  # not a kind we launch
 
 
 def test_generate_instances_filters_namespace() -> None:

@@ -32,6 +32,7 @@ from rollout_backends.kit import (
     InitWeightGroup,
     MockTransport,
     Pause,
+    Progress,
     ReleaseMemory,
     ResumeMemory,
     SetVersion,
@@ -57,6 +58,18 @@ def test_pause_modes_map_onto_vllm_pause_queries() -> None:
     assert wire.capabilities().pause_modes == set(PauseMode)
     # Without the dev routes nothing is declared.
     assert not VllmWire(entry_url="http://h:1", dev_routes=False).capabilities().pause_modes
+
+
+@pytest.mark.parametrize("router", [False, True], ids=["servers", "router"])
+def test_progress_probe_is_a_generation_on_the_server_itself(router: bool) -> None:
+    # Declared (Capabilities.progress_probe is off unless declared): the probe goes to the worker's
+    # own URL, never to a router in front, so each server answers for itself.
+    wire = VllmWire(entry_url="http://router:9" if router else "http://h:1", router=router)
+    caps = wire.capabilities()
+    assert caps.progress_probe and caps.worker_pinning
+    probe = wire.control(Progress(), W)
+    assert isinstance(probe, HttpRequest) and probe.url == "http://h:1/inference/v1/generate"
+    assert probe.json["sampling_params"]["max_tokens"] == 1
 
 
 def test_abort_by_vllm_request_id_and_all() -> None:
