@@ -660,8 +660,9 @@ class _Tier:
             gpus=self.cfg.gpus_of(key) if c.sglang else (),
             sglang_args=sglang_args if c.sglang else (),
             ready_timeout=self._startup_timeout(),
-            **({"python": c.dynamo16_python, "sglang_shim": c.dynamo16_shim} if key == "dynamo16" else {}),
         )
+        if key == "dynamo16" and c.dynamo16_python:  # the second install: its interpreter, stock workers
+            config = attrs.evolve(config, python=c.dynamo16_python, sglang_shim=c.dynamo16_shim)
         t = time.monotonic()
         cm = launch_dynamo_fleet(config, log_dir=self.logs / name)
         fleet = await cm.__aenter__()
