@@ -46,7 +46,9 @@ PART3=(smg==1.13.0 grpcio-health-checking==1.85.1)
 # (see DYN161_EXTRA) travels with it. Its own requirements are not installed (aisimulate does not
 # build from PyPI; the sglang extra pins sglang 0.5.21, torch 2.13).
 DYN161=(ai-dynamo==1.6.1 ai-dynamo-runtime==1.6.1 blake3==1.0.11)
-DYN161_EXTRA=(${DYN161_EXTRA:-})
+# redis: dynamo/common/multimodal/shared_image_cache.py imports it at module level, and the decode
+# handler imports that (found by tools/gpu/cpu-import-check.sh; 1.6.1 requires redis >= 6.2, < 9).
+DYN161_EXTRA=(${DYN161_EXTRA:-redis==8.2.0})
 # SGLang 0.5.17 over part1: only the packages whose pins differ from 0.5.16's (read from the wheels'
 # METADATA; SGL0517_EXTRA adds more).
 SGL0517=(sglang==0.5.17)
@@ -118,8 +120,8 @@ sgl0517_specs() {  # sglang 0.5.17 plus each of its pinned requirements whose pi
   "$PY" -m pip download -q --no-deps "${TAGS[@]}" -d "$WHEEL_CACHE" sglang==0.5.17
   meta=$(unzip -p "$WHEEL_CACHE"/sglang-0.5.17-*.whl 'sglang-0.5.17.dist-info/METADATA')
   echo sglang==0.5.17
-  # "Requires-Dist: name==X" without an extra marker, where part1 carries the name at another version.
-  printf '%s\n' "$meta" | sed -n 's/^Requires-Dist: \([A-Za-z0-9_.-]*\)==\([^ ;]*\)$/\1 \2/p' |
+  # "Requires-Dist: name[extras]==X" without a marker, where part1 carries the name at another version.
+  printf '%s\n' "$meta" | sed -n 's/^Requires-Dist: \([A-Za-z0-9_.-]*\)\(\[[^]]*\]\)\{0,1\}==\([^ ;]*\)$/\1 \3/p' |
   while read -r name ver; do
     for pin in "${PART1[@]}"; do
       local pname=${pin%%==*} pver=${pin#*==}

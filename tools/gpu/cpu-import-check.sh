@@ -22,7 +22,7 @@ if [ "${1:-}" = "--make-env" ]; then
     tokenizers==0.23.2 huggingface-hub==1.33.0 numpy==2.5.2 safetensors==0.8.0 triton==3.6.0 \
     sentencepiece tiktoken==0.14.0 aiohttp httpx anyio uvloop pillow psutil requests regex pyyaml tqdm \
     filelock cloudpickle einops msgpack ninja numba py-cpuinfo protobuf prometheus-client six \
-    "setuptools<81" opencv-python-headless jinja2 click rich typer scipy grpcio werkzeug accelerate
+    "setuptools<81" opencv-python-headless jinja2 click rich typer scipy grpcio werkzeug accelerate nvidia-ml-py
   exit 0
 fi
 
@@ -50,6 +50,10 @@ torch.cuda.device_count = lambda: 1
 torch.cuda.get_device_capability = lambda device=None: (9, 0)
 torch.cuda.get_device_name = lambda device=None: "NVIDIA H200 (stub)"
 torch.cuda.current_device = lambda: 0
+torch.cuda.get_device_properties = lambda device=None: type(
+    "Props", (), {"major": 9, "minor": 0, "name": "NVIDIA H200 (stub)", "total_memory": 141 << 30,
+                  "multi_processor_count": 132, "L2_cache_size": 60 << 20}
+)()
 PY
 
 PYTHONPATH="$stub:$sites" LD_LIBRARY_PATH="$stub${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" CUDA_HOME=/nonexistent \
