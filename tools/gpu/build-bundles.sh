@@ -67,6 +67,9 @@ VLLM=(  # vLLM 0.26.0 (pins torch 2.11.0) and what it imports that the image lac
   compressed-tensors==0.17.0 cachetools==8.0.2 cbor2==6.3.0 ijson==3.6.0 python-json-logger==4.2.0
   watchfiles==1.3.0 prometheus-fastapi-instrumentator==8.1.0
   model-hosting-container-standards==0.1.16 jmespath==1.1.0 supervisor==4.3.0
+  # vllm/distributed/weight_transfer/ipc_engine.py imports ray at module level (the ipc weight
+  # transfer of issue 31's one-GPU tier); ray imports jsonschema (part1's versions)
+  ray==2.60.0 jsonschema==4.26.0 referencing==0.37.0 rpds-py==2026.9.1 jsonschema-specifications==2025.9.1
 )
 
 TAGS=(--only-binary=:all: --python-version 3.12 --implementation cp --abi cp312 --abi abi3 --abi none
@@ -89,7 +92,8 @@ prune_common() {  # what no run loads: scripts, byte code; debug symbols of the 
   find "$stage" -name __pycache__ -prune -exec rm -rf {} +
   # shared/gpu/build-wheelhouse.sh: dynamo's Rust core 173 -> 134 MB, xgrammar's bindings 53 -> 2 MB.
   for so in "$stage"/dynamo/_core.abi3.so "$stage"/xgrammar/libxgrammar_bindings.so "$stage"/smg/smg_rs.abi3.so \
-            "$stage"/vllm/_C_stable_libtorch.abi3.so "$stage"/vllm/vllm_flash_attn/_vllm_fa3_C.abi3.so; do
+            "$stage"/vllm/_C_stable_libtorch.abi3.so "$stage"/vllm/vllm_flash_attn/_vllm_fa3_C.abi3.so \
+            "$stage"/ray/_raylet.so; do
     if [ -e "$so" ]; then strip --strip-unneeded "$so"; fi
   done
   rm -rf "$stage"/xgrammar/lib
@@ -109,7 +113,11 @@ prune_vllm() {
   # ImportError for _moe_C / _qutlass_C): FA2 (305 MB, pre-Hopper), the MoE kernels (dense models
   # only), FlashMLA / QuTLASS (MLA models, FP4), the Rust frontend binary (VLLM_RUST_FRONTEND only),
   # DeepGEMM and the SM100 FMHA sources (FP8 GEMM, Blackwell).
-  local v=$1/vllm
+  local v=$1/vllm r=$1/ray
+  # ray: only `import ray` is needed (the ipc engine's http mode starts no cluster): its cluster
+  # binaries (gcs_server, raylet), Java jars, RLlib / Data / Serve and the dashboard's web client go.
+  rm -rf "$r"/jars "$r"/core/src/ray/gcs/gcs_server "$r"/core/src/ray/raylet/raylet "$r"/rllib "$r"/data \
+         "$r"/serve "$r"/dashboard/client
   rm -rf "$v"/vllm_flash_attn/_vllm_fa2_C.abi3.so "$v"/_moe_C_stable_libtorch.abi3.so "$v"/_qutlass_C.abi3.so \
          "$v"/_flashmla_C.abi3.so "$v"/_flashmla_extension_C.abi3.so "$v"/vllm-rs \
          "$v"/third_party/deep_gemm "$v"/third_party/fmha_sm100
@@ -192,7 +200,7 @@ build() {
            pack sgl0517 /tmp/site-sgl0517 "sglang.srt.entrypoints.http_server" /tmp/site-sgl0517:/tmp/site ;;
     vllm)  SPECS=("${VLLM[@]}"); install_stage vllm "${SPECS[@]}"; prune_vllm "$(stage_of vllm)"
            prune_common "$(stage_of vllm)"
-           pack vllm /tmp/site-vllm "vllm.entrypoints.openai.api_server vllm.v1.worker.gpu_worker vllm.model_executor.models.qwen2" /tmp/site-vllm ;;
+           pack vllm /tmp/site-vllm "vllm.entrypoints.openai.api_server vllm.v1.worker.gpu_worker vllm.model_executor.models.qwen2 vllm.distributed.weight_transfer.ipc_engine" /tmp/site-vllm ;;
     *) echo "build-bundles: unknown bundle $name (part1 part2 part3 dyn161 sgl0517 vllm)" >&2; exit 2 ;;
   esac
 }

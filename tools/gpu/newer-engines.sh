@@ -116,7 +116,7 @@ print(d.__file__, c.__file__, sglang.__file__)' || return 1
 
 case "$stage" in
   dyn16)
-    need part1 part2 dyn161
+    need part1 dyn161   # ai-dynamo 1.6.1 brings its own runtime: part2 (1.4.2) is not needed
     models
     rc=0
     which=${2:-both}
