@@ -1,7 +1,29 @@
-"""Run ``dynamo.sglang`` (ai-dynamo 1.4.x) with in-process patches, no change to Dynamo's code.
+"""Run ``dynamo.sglang`` with in-process patches for what upstream still lacks, no change to Dynamo's code.
 
 ``python -m rollout_backends.adapters.dynamo._sglang_shim <dynamo.sglang args>`` behaves like
-``python -m dynamo.sglang <args>`` except:
+``python -m dynamo.sglang <args>`` except for the patches below. Which apply is decided once, at
+start, from the installed ai-dynamo's own code (:func:`detect_upstream`: signatures and source
+lines, never a version string); each patch names the upstream line it works around, and
+``tests/dynamo/test_sglang_shim.py`` has an *upstream watch* per patch that fails when that line
+changes in the installed version (so a fix upstream is noticed and the patch dropped).
+
+=====  ==============================  ===============  ==================================================
+patch  what                            ai-dynamo 1.4.2  ai-dynamo 1.6.1
+=====  ==============================  ===============  ==================================================
+1      per-token logprobs (cursor)     applied          fixed upstream (no cursor argument): not applied
+2      chunks are checked deltas       applied          applied (``output_ids`` still passed through)
+3      engine_data version / finish    applied          applied (no weight_version; abort -> "cancelled")
+4      worker-side text                applied          applied (the 1.6.1 frontend's decoder no longer
+                                                        panics, but loses a split character)
+5      rollout/* engine routes         applied          not applied: the 1.6.x flavor (``sglang16``) uses
+                                                        native routes, stamps versions, declares no
+                                                        abort-with-partial-tokens
+6a     top logprobs gate               applied          gone upstream (``logprobs >= 1`` passed through)
+6b     prompt logprobs                 applied          returned upstream (``engine_data.prompt_logprobs``)
+7      control results (msgspec)       applied          no ``call_tokenizer_manager`` in 1.6.x
+8      stop strings in the worker      applied          not applied: ``sglang16`` declares no stop strings
+                                                        (refused by the wire, naming ``sampling.stop``)
+=====  ==============================  ===============  ==================================================
 
 1. **Per-token logprobs.** ``dynamo.sglang`` forces SGLang's ``incremental_streaming_output``, under
    which SGLang 0.5.16 slices ``meta_info.output_token_logprobs`` / ``output_top_logprobs`` to the
@@ -66,6 +88,7 @@ subprocesses are not involved. Each feature-detects and is a no-op where the lay
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import inspect
 import json
 import logging
@@ -74,7 +97,10 @@ import runpy
 import sys
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
+
+import attrs
 
 from rollout_backends import InvalidRequest
 from rollout_backends.sglang_native import StopStrings, native_field
@@ -141,7 +167,7 @@ class _StopMatch:
 class _Request:
     """What the patches know of one in-flight request (keyed by the frontend's context id)."""
 
-    __slots__ = ("abort_in_engine", "abort_requested", "detok", "rid", "sglang_rid", "stops")
+    __slots__ = ("abort_in_engine", "abort_requested", "detok", "prompt_logprobs", "rid", "sglang_rid", "stops")
 
     def __init__(
         self,
@@ -156,6 +182,7 @@ class _Request:
         self.sglang_rid: str | None = None
         self.abort_requested = False
         self.stops = stops
+        self.prompt_logprobs = True  #: patch 6b: put SGLang's prompt logprobs on the final chunk
 
 
 class Requests:
@@ -174,21 +201,29 @@ class Requests:
         abort_in_engine: Callable[[str], Any],
         *,
         worker_text: bool = True,
+        stop_strings: bool = True,
+        prompt_logprobs: bool = True,
     ) -> _Request:
         """Register a request; ``InvalidRequest`` (naming ``sampling.stop``) for stop strings this
-        worker cannot match."""
+        worker cannot match (no tokenizer, or patch 8 not applied on this ai-dynamo)."""
         rid = rid_from_annotations(request)
-        stop_strings = stop_strings_from_annotations(request)
+        strings = stop_strings_from_annotations(request)
         stops = None
-        if stop_strings:
+        if strings and not stop_strings:
+            # Never dropped silently: the wire sends the annotation only to fleets that declare it.
+            raise InvalidRequest(
+                "sampling.stop", "this dynamo.sglang matches no stop strings (shim patch 8 not applied)"
+            )
+        if strings:
             if codec is None:
                 raise InvalidRequest("sampling.stop", "this worker has no tokenizer.json: stop strings cannot match")
-            stops = _StopMatch(StopStrings.of(stop_strings, codec.count_tokens), codec.decode)
+            stops = _StopMatch(StopStrings.of(strings, codec.count_tokens), codec.decode)
         detok = None
         if codec is not None and worker_text and not (request.get("stop_conditions") or {}).get("stop"):
             skip = bool((request.get("output_options") or {}).get("skip_special_tokens") or False)
             detok = IncrementalDetokenizer(codec.decode, request.get("token_ids") or (), skip_special_tokens=skip)
         r = _Request(rid, detok, abort_in_engine, stops)
+        r.prompt_logprobs = prompt_logprobs
         self.by_context[context_id] = r
         if rid is not None:
             self.by_rid[rid] = r
@@ -285,8 +320,11 @@ def _as_delta(res: dict[str, Any], seen: int) -> dict[str, Any]:
     return {**res, "output_ids": ids[len(ids) - new :], "meta_info": fixed_meta}
 
 
-def patch_token_stream(handler_cls: Any = None) -> bool:
-    """Wrap ``generate`` and ``_process_token_stream`` (patches 2-4 and the abort bookkeeping). Idempotent."""
+def patch_token_stream(
+    handler_cls: Any = None, *, stop_strings: bool = True, prompt_logprobs: bool = True, worker_text: bool = True
+) -> bool:
+    """Wrap ``generate`` and ``_process_token_stream`` (patches 2-4, 6b and 8 where ``prompt_logprobs``
+    / ``stop_strings``, and the abort bookkeeping). Idempotent."""
     if handler_cls is None:
         from dynamo.sglang.request_handlers.llm.decode_handler import DecodeWorkerHandler as handler_cls
     orig_stream = handler_cls._process_token_stream
@@ -297,7 +335,11 @@ def patch_token_stream(handler_cls: Any = None) -> bool:
     async def generate(self: Any, request: dict[str, Any], context: Any, *args: Any, **kwargs: Any) -> Any:
         key = _context_id(context)
         try:
-            REQUESTS.begin(key, request, _text_codec(self), _abort_in_engine(self), worker_text=worker_text_enabled())
+            REQUESTS.begin(
+                key, request, _text_codec(self), _abort_in_engine(self),
+                worker_text=worker_text and worker_text_enabled(), stop_strings=stop_strings,
+                prompt_logprobs=prompt_logprobs,
+            )  # fmt: skip
         except InvalidRequest as exc:
             # The wire reads it as InvalidRequest naming the field; nothing reaches SGLang.
             yield refusal_chunk(InvalidRequest(native_field(exc.field), exc.reason), request, native=False)
@@ -327,7 +369,8 @@ def patch_token_stream(handler_cls: Any = None) -> bool:
                 if meta.get("weight_version") is not None:
                     seen["weight_version"] = meta["weight_version"]
                 prompt_lps = meta.get("input_token_logprobs")
-                if "prompt_logprobs" not in seen and isinstance(prompt_lps, list) and prompt_lps:
+                wants = req is None or req.prompt_logprobs
+                if wants and "prompt_logprobs" not in seen and isinstance(prompt_lps, list) and prompt_lps:
                     # [logprob, id, text] per prompt position from 0, the first logprob None; the
                     # adapter checks the count against the prompt.
                     seen["prompt_logprobs"] = [e[0] if isinstance(e, (list, tuple)) and e else None for e in prompt_lps]
@@ -457,15 +500,95 @@ def patch_control_results(mixin_cls: Any = None) -> bool:
 
 
 def allow_top_logprobs() -> None:
-    """Let 1.4.2 pass ``logprobs >= 1`` to SGLang (patch 6); an explicit setting is kept."""
+    """Let 1.4.2 pass ``logprobs >= 1`` to SGLang (patch 6a); an explicit setting is kept."""
     os.environ.setdefault(TOP_LOGPROBS_ENV, "1")
 
 
+# -- what the installed ai-dynamo still lacks, read once from its own code -----------------------
+
+#: dynamo.sglang files read by :func:`detect_upstream` (relative to the ``dynamo`` package).
+DECODE_HANDLER = "sglang/request_handlers/llm/decode_handler.py"
+HANDLER_BASE = "sglang/request_handlers/handler_base.py"
+
+
+def dynamo_source(relpath: str) -> str | None:
+    """The text of ``dynamo/<relpath>`` as installed, or ``None``; read, not imported (dynamo.sglang's
+    handlers import SGLang, which a CPU machine lacks)."""
+    spec = importlib.util.find_spec("dynamo")
+    for root in (spec.submodule_search_locations or []) if spec is not None else []:
+        path = Path(root) / relpath
+        if path.is_file():
+            return path.read_text(encoding="utf-8")
+    return None
+
+
+@attrs.frozen(kw_only=True)
+class Upstream:
+    """What the installed ai-dynamo does where a patch hooks in (``detect_upstream``)."""
+
+    #: ``extract_from_sglang_meta(meta_info, num_output_logprobs_so_far)`` slices per-chunk logprobs
+    #: as cumulative (1.4.x, ``dynamo/common/backend/logprobs.py``); 1.6.x takes no cursor.
+    logprob_cursor: bool
+    #: ``logprobs >= 1`` refused unless ``DYN_SGL_ALLOW_TOP_LOGPROBS`` (1.4.x's
+    #: ``DYN_SGL_ALLOW_TOP_LOGPROBS_ENV``); 1.6.x passes top-k through.
+    top_logprobs_gate: bool
+    #: The decode handler puts SGLang's prompt logprobs in ``engine_data`` itself (1.6.x:
+    #: ``extract_prompt_logprobs_from_sglang_meta`` called in ``_process_token_stream``).
+    returns_prompt_logprobs: bool
+    #: 1.4.x's ``call_tokenizer_manager`` route (``RLMixin._normalize_result``); 1.6.x serves native
+    #: routes (``dynamo/sglang/engine_routes.py``) and the adapter's ``sglang16`` flavor.
+    tokenizer_manager_route: bool
+
+
+def detect_upstream() -> Upstream:
+    import dynamo.common.backend.logprobs as lp
+
+    params = list(inspect.signature(lp.extract_from_sglang_meta).parameters.values())
+    cursor = len(params) >= 2 and params[1].kind in (params[1].POSITIONAL_ONLY, params[1].POSITIONAL_OR_KEYWORD)
+    decode = dynamo_source(DECODE_HANDLER) or ""
+    base = dynamo_source(HANDLER_BASE) or ""
+    return Upstream(
+        logprob_cursor=cursor,
+        top_logprobs_gate=hasattr(lp, "DYN_SGL_ALLOW_TOP_LOGPROBS_ENV"),
+        returns_prompt_logprobs="extract_prompt_logprobs_from_sglang_meta" in decode,
+        tokenizer_manager_route="class RLMixin" in base and "_normalize_result" in base,
+    )
+
+
+def plan(up: Upstream) -> dict[str, str | None]:
+    """Each patch group -> ``None`` (apply) or why it is not applied on this ai-dynamo."""
+    legacy = None if up.tokenizer_manager_route else "1.6.x flavor sglang16: native routes, capabilities declared"
+    return {
+        "logprobs": None if up.logprob_cursor else "fixed upstream (extract_from_sglang_meta takes no cursor)",
+        "top_logprobs": None if up.top_logprobs_gate else "no gate upstream (top-k passed through)",
+        "prompt_logprobs": "returned upstream (engine_data.prompt_logprobs)" if up.returns_prompt_logprobs else None,
+        "token_stream": None,  # patches 2, 3: still lacking in 1.4.2 and 1.6.1 (see the upstream watches)
+        # Patch 4: the frontend's own decoder (Rust) panics on a UTF-8 split (1.4.2) or loses the
+        # character (1.6.1); test_watch_patch_4_... checks the installed frontend still does.
+        "worker_text": None,
+        "stop_strings": legacy,
+        "routes": legacy,
+        "control_results": None if up.tokenizer_manager_route else "no call_tokenizer_manager upstream",
+    }
+
+
 def main() -> None:
-    allow_top_logprobs()
-    patch_logprobs()
-    patch_token_stream()
-    for patch in (patch_routes, patch_control_results):
+    up = detect_upstream()
+    todo = plan(up)
+    for name, why in todo.items():
+        logger.info("shim %s: %s", name, "applied" if why is None else f"not applied, {why}")
+    if todo["top_logprobs"] is None:
+        allow_top_logprobs()
+    if todo["logprobs"] is None:
+        patch_logprobs()
+    patch_token_stream(
+        stop_strings=todo["stop_strings"] is None,
+        prompt_logprobs=todo["prompt_logprobs"] is None,
+        worker_text=todo["worker_text"] is None,
+    )
+    for name, patch in (("routes", patch_routes), ("control_results", patch_control_results)):
+        if todo[name] is not None:
+            continue
         try:
             patch()
         except (ImportError, AttributeError) as exc:  # another layout: the adapter falls back

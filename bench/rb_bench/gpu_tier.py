@@ -107,9 +107,12 @@ BACKENDS: Mapping[str, str] = {
     "dynamo": "dynamo-rr",
     "vllm": "vllm-direct",
     "dynamo_vllm": "dynamo-vllm-rr",
+    "dynamo16": "dynamo16-rr",  # a second Dynamo install (--dynamo16-python), stock dynamo.sglang
 }
-#: What ``--backends`` runs unless told: the SGLang engines.
+#: What ``--backends`` runs unless told: the SGLang engines (and ``dynamo16`` with --dynamo16-python).
 DEFAULT_BACKENDS = ("direct", "smg", "dynamo")
+#: What this runner starts itself (``DEFAULT_BACKENDS`` and the second Dynamo fleet).
+OWN_BACKENDS = (*DEFAULT_BACKENDS, "dynamo16")
 ORACLE = "oracle"
 DIST_CHECK = "distributed_update_matches_fresh"
 #: SGLang flags that work on the H200 image (see the GPU notes): FA3 is not carried, flashinfer's
@@ -169,6 +172,11 @@ class TierConfig:
     select: tuple[str, ...] | None = None
     exclude: tuple[str, ...] = ()
     backends: tuple[str, ...] = DEFAULT_BACKENDS
+    #: The interpreter of the ``dynamo16`` fleet's processes (frontend and workers): one that imports
+    #: another ai-dynamo (1.6.1), e.g. a script that puts its site first on PYTHONPATH (GPU), or
+    #: ``.venv-dynamo16/bin/python`` (CPU). Its workers run stock ``dynamo.sglang`` unless ``dynamo16_shim``.
+    dynamo16_python: str | None = None
+    dynamo16_shim: bool = False
     #: Run the three suites at once (each backend has its own servers; only the oracle is shared).
     parallel: bool = True
     mem_fraction: float = 0.12
@@ -193,6 +201,8 @@ class TierConfig:
         unknown = [b for b in self.backends if b not in BACKENDS]
         if unknown or not self.backends:
             raise ValueError(f"--backends takes {sorted(BACKENDS)}, got {list(self.backends)}")
+        if "dynamo16" in self.backends and not self.dynamo16_python:
+            raise ValueError("the dynamo16 backend needs --dynamo16-python")
         if not 0 < self.mem_fraction < 1:
             raise ValueError(f"--mem-fraction must be in (0, 1), got {self.mem_fraction}")
         if self.budget_s < TEARDOWN_RESERVE_S + 10:
@@ -555,9 +565,13 @@ class _Tier:
             return f"1 {kind} server, no router{where}"
         if key == "smg":
             return f"2 {kind} workers behind smg (round_robin){where}"
-        if key == "dynamo":
-            worker = "dynamo.sglang (our shim)" if self.cfg.sglang else "Dynamo reference worker"
-            return f"Dynamo frontend (round-robin) + 1 {worker}{where}"
+        if key in ("dynamo", "dynamo16"):
+            shim = key == "dynamo" or self.cfg.dynamo16_shim
+            worker = (
+                f"dynamo.sglang ({'our shim' if shim else 'stock'})" if self.cfg.sglang else "Dynamo reference worker"
+            )
+            which = f" of {self.cfg.dynamo16_python}" if key == "dynamo16" else ""
+            return f"Dynamo frontend{which} (round-robin) + 1 {worker}{where}"
         return f"1 {kind} server on the alt weights (seed 1), radix cache off{where}: the fresh-engine oracle"
 
     def _stage(self, name: str, t: float) -> None:
@@ -643,10 +657,12 @@ class _Tier:
             worker_kind="sglang" if c.sglang else "reference",
             router_mode="round-robin",
             page_size=16,
-            gpus=self.cfg.gpus_of("dynamo") if c.sglang else (),
+            gpus=self.cfg.gpus_of(key) if c.sglang else (),
             sglang_args=sglang_args if c.sglang else (),
             ready_timeout=self._startup_timeout(),
         )
+        if key == "dynamo16" and c.dynamo16_python:  # the second install: its interpreter, stock workers
+            config = attrs.evolve(config, python=c.dynamo16_python, sglang_shim=c.dynamo16_shim)
         t = time.monotonic()
         cm = launch_dynamo_fleet(config, log_dir=self.logs / name)
         fleet = await cm.__aenter__()
@@ -673,8 +689,8 @@ class _Tier:
 
     async def _start(self, key: str) -> _Running:
         """Start one backend (or the oracle): what ``rb_bench.vllm_tier`` overrides."""
-        if key == "dynamo":
-            return await self._start_dynamo()
+        if key in ("dynamo", "dynamo16"):
+            return await self._start_dynamo(key)
         if key == ORACLE:
             return await self._start_sglang(ORACLE, self.alt, 1)
         if key not in ("direct", "smg"):
@@ -1409,7 +1425,12 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--budget-s", type=float, default=540.0, help="hard limit for the whole run, teardown included")
     ap.add_argument("--check", action="append", default=None, metavar="PATTERN", help="run only these checks")
     ap.add_argument("--exclude", action="append", default=[], metavar="PATTERN", help="leave these checks out")
-    ap.add_argument("--backends", default=",".join(DEFAULT_BACKENDS), help=f"subset of {','.join(DEFAULT_BACKENDS)}")
+    ap.add_argument(
+        "--backends", default=None, help=f"subset of {','.join(OWN_BACKENDS)} (default: {','.join(DEFAULT_BACKENDS)})"
+    )
+    ap.add_argument("--dynamo16-python", default=None, metavar="CMD",
+                    help="interpreter of a second Dynamo fleet (e.g. ai-dynamo 1.6.1): adds dynamo16")  # fmt: skip
+    ap.add_argument("--dynamo16-shim", action="store_true", help="run that fleet's workers through our shim")
     ap.add_argument("--sequential", action="store_true", help="run the backends' suites one after the other")
     ap.add_argument("--mem-fraction", type=float, default=0.12, help="--mem-fraction-static of each SGLang engine")
     ap.add_argument("--max-total-tokens", type=int, default=65536, help="KV pool of each SGLang engine (tokens)")
@@ -1428,11 +1449,11 @@ def _parser() -> argparse.ArgumentParser:
 
 def config_from_args(argv: Sequence[str] | None = None) -> TierConfig:
     args = _parser().parse_args(argv)
-    others = [b for b in _csv(args.backends) if b not in DEFAULT_BACKENDS]
+    second = ("dynamo16",) if args.dynamo16_python else ()
+    backends = _csv(args.backends) if args.backends else (*DEFAULT_BACKENDS, *second)
+    others = [b for b in backends if b not in OWN_BACKENDS]
     if others:  # vLLM's backends have their own runner (a typo is caught here too)
-        raise ValueError(
-            f"--backends takes {sorted(DEFAULT_BACKENDS)}, got {others} (vLLM: python -m rb_bench.vllm_tier)"
-        )
+        raise ValueError(f"--backends takes {sorted(OWN_BACKENDS)}, got {others} (vLLM: python -m rb_bench.vllm_tier)")
     engine: str = args.engine
     base = DEFAULT_TOLERANCES[engine]
     tol = Tolerances(
@@ -1448,7 +1469,9 @@ def config_from_args(argv: Sequence[str] | None = None) -> TierConfig:
         budget_s=args.budget_s,
         select=tuple(args.check) if args.check else None,
         exclude=tuple(args.exclude),
-        backends=_csv(args.backends),
+        backends=backends,
+        dynamo16_python=args.dynamo16_python,
+        dynamo16_shim=args.dynamo16_shim,
         parallel=not args.sequential,
         mem_fraction=args.mem_fraction,
         max_total_tokens=args.max_total_tokens,

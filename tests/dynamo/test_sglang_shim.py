@@ -554,3 +554,171 @@ def test_a_stop_string_on_the_last_token_of_a_length_finish_is_not_a_match(tiny_
     h.source = sched.stream
     outs = _collect(h, {"token_ids": [5, 6, 7, 8], "annotations": ['stop-strings:["an"]']})
     assert [t for o in outs for t in o["token_ids"]] == ids and outs[-1]["engine_data"]["matched_stop"] == "an"
+
+
+# -- upstream watches: each fails when the installed ai-dynamo changes where a patch hooks in --------
+# The shim decides once which patches apply (``detect_upstream`` / ``plan``); these read the installed
+# dynamo.sglang's own code (no SGLang needed) so a fix upstream, or a new layout, is noticed.
+
+#: What ``plan(detect_upstream())`` must say per installed ai-dynamo (None = the patch applies).
+#: A release not listed here fails ``test_the_patch_plan_is_known_for_the_installed_ai_dynamo``: read
+#: its dynamo.sglang against each patch and add it.
+_LEGACY = "1.6.x flavor sglang16: native routes, capabilities declared"
+EXPECTED_PLAN: dict[str, dict[str, str | None]] = {
+    "1.4.2": dict.fromkeys(
+        (
+            "logprobs",
+            "top_logprobs",
+            "prompt_logprobs",
+            "token_stream",
+            "worker_text",
+            "stop_strings",
+            "routes",
+            "control_results",
+        )
+    ),
+    "1.6.1": {
+        "logprobs": "fixed upstream (extract_from_sglang_meta takes no cursor)",
+        "top_logprobs": "no gate upstream (top-k passed through)",
+        "prompt_logprobs": "returned upstream (engine_data.prompt_logprobs)",
+        "token_stream": None,
+        "worker_text": None,
+        "stop_strings": _LEGACY,
+        "routes": _LEGACY,
+        "control_results": "no call_tokenizer_manager upstream",
+    },
+}
+
+
+def _installed_dynamo() -> str:
+    import importlib.metadata
+
+    return importlib.metadata.version("ai-dynamo")
+
+
+def _function_source(text: str, name: str) -> str:
+    """The source of the first ``def name`` (sync or async) in ``text``."""
+    import ast
+
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == name:
+            return ast.get_source_segment(text, node) or ""
+    raise AssertionError(f"no def {name} in the installed dynamo.sglang: the layout the shim hooks changed")
+
+
+def test_the_patch_plan_is_known_for_the_installed_ai_dynamo() -> None:
+    from rollout_backends.adapters.dynamo._sglang_shim import detect_upstream, plan
+
+    version = _installed_dynamo()
+    assert version in EXPECTED_PLAN, f"ai-dynamo {version}: check each shim patch against it (docs/versions.md)"
+    assert plan(detect_upstream()) == EXPECTED_PLAN[version]
+
+
+def test_watch_patch_2_upstream_passes_sglang_output_ids_through_unchecked() -> None:
+    """Patch 2: 1.4.2 and 1.6.1 forward each SGLang output's ``output_ids`` as the chunk's tokens
+    without holding them against the cumulative ``completion_tokens`` (SGLang 0.5.16's
+    ``_handle_abort_req`` answers a waiting-queue abort with a chunk that repeats its last token)."""
+    from rollout_backends.adapters.dynamo._sglang_shim import DECODE_HANDLER, dynamo_source
+
+    body = _function_source(dynamo_source(DECODE_HANDLER) or "", "_process_token_stream")
+    assert 'out["token_ids"] = output_ids' in body
+    assert 'output_ids = res.get("output_ids"' in body or "output_ids = res['output_ids']" in body
+    assert "output_ids[" not in body  # never cut back to what is new
+
+
+def test_watch_patch_3_upstream_sends_no_weight_version_and_reports_abort_as_cancelled() -> None:
+    """Patch 3: no ``weight_version`` in the chunks upstream builds; SGLang's ``abort`` becomes
+    Dynamo's ``cancelled`` (``dynamo/common/utils/engine_response.py``), which the frontend reports
+    as a stop."""
+    from dynamo.common.utils.engine_response import normalize_finish_reason
+
+    from rollout_backends.adapters.dynamo._sglang_shim import DECODE_HANDLER, dynamo_source
+
+    body = _function_source(dynamo_source(DECODE_HANDLER) or "", "_process_token_stream")
+    assert "weight_version" not in body
+    assert normalize_finish_reason("abort") == "cancelled"
+
+
+def test_watch_patch_5_upstream_serves_no_route_that_reads_the_weight_version() -> None:
+    """Patch 5: the engine routes upstream registers can set a version but not read one."""
+    import re
+
+    from rollout_backends.adapters.dynamo._sglang_shim import HANDLER_BASE, dynamo_source
+
+    base = dynamo_source(HANDLER_BASE) or ""
+    paths = set(re.findall(r'"((?:control/)?[a-z_]*weight[a-z_]*)"', base))
+    assert paths, "no weight route found: the layout patch 5 reads changed"
+    assert not {p for p in paths if "get" in p or "info" in p}, paths
+
+
+def test_watch_patch_6a_top_logprobs_gate() -> None:
+    """Patch 6a: 1.4.x refuses ``logprobs >= 1`` unless the env it names is set (the shim sets it);
+    1.6.x passes top-k through (``build_sglang_logprob_kwargs``)."""
+    from rollout_backends.adapters.dynamo._sglang_shim import TOP_LOGPROBS_ENV, detect_upstream
+
+    if detect_upstream().top_logprobs_gate:
+        assert logprobs.DYN_SGL_ALLOW_TOP_LOGPROBS_ENV == TOP_LOGPROBS_ENV
+    else:
+        kwargs = logprobs.build_sglang_logprob_kwargs({"logprobs": 3})
+        assert kwargs.get("top_logprobs_num") == 3 and kwargs.get("return_logprob") is True
+
+
+def test_watch_patch_8_upstream_gives_sglang_no_stop_strings_on_the_token_path() -> None:
+    """Patch 8: ``_build_sampling_params`` (token path, SGLang run with ``skip_tokenizer_init``) passes
+    stop token ids only; the frontend matches stop strings on its own text and ends the stream
+    before the worker's final chunk (version, worker id)."""
+    import ast
+
+    from rollout_backends.adapters.dynamo._sglang_shim import DECODE_HANDLER, dynamo_source
+
+    fn = _function_source(dynamo_source(DECODE_HANDLER) or "", "_build_sampling_params")
+    token_branch = next(
+        n for n in ast.walk(ast.parse(fn)) if isinstance(n, ast.If) and "use_sglang_tokenizer" in ast.unparse(n.test)
+    )
+    token_path = "\n".join(ast.unparse(s) for s in token_branch.body)
+    assert "stop_token_ids" in token_path
+    assert "'stop'" not in token_path and "_openai_stop_sampling_params" not in token_path
+
+
+def test_a_stop_string_annotation_is_refused_where_patch_8_is_not_applied() -> None:
+    from rollout_backends import InvalidRequest
+    from rollout_backends.adapters.dynamo._sglang_shim import Requests
+    from rollout_backends.adapters.dynamo._wire import STOP_ANNOTATION
+
+    request = {"token_ids": [1, 2], "annotations": [f"{STOP_ANNOTATION}{json.dumps(['x'])}"]}
+    with pytest.raises(InvalidRequest) as e:
+        Requests().begin("c1", request, None, lambda rid: None, stop_strings=False)
+    assert e.value.field == "sampling.stop"
+
+
+async def test_watch_patch_4_the_frontends_own_decoder_on_a_utf8_split(tiny_model: Any) -> None:
+    """Patch 4: with worker-side text off, the installed frontend decodes on its own a sequence whose
+    window splits a UTF-8 character, and gets it wrong: 1.4.2 (``dynamo-tokenizers`` 1.5.4
+    ``DecodeStream::step``, ``lib.rs:423``) panics, HTTP 500; 1.6.1 answers 200 but loses the
+    character the first output bytes complete across the prompt boundary (measured 2026-12-05:
+    "ǌ��iet…" served as "��iet…"). Fails once the frontend serves the exact text (patch 4 can go)."""
+    import aiohttp
+
+    from rollout_backends.adapters.dynamo import DynamoFleetConfig, launch_dynamo_fleet
+    from rollout_backends.adapters.dynamo._detok import load_text_decoder
+
+    from .test_detok import expected_text
+    from .test_dynamo_reference import UTF8_SPLIT_PROMPT
+
+    cfg = DynamoFleetConfig(
+        model_path=str(tiny_model), workers=1, worker_kind="reference", worker_env={"ROLLOUT_DYN_WORKER_TEXT": "0"}
+    )
+    body = {"prompt": UTF8_SPLIT_PROMPT, "max_tokens": 32, "temperature": 0, "ignore_eos": True, "logprobs": 0,
+            "nvext": {"extra_fields": ["completion_token_ids"]}}  # fmt: skip
+    async with launch_dynamo_fleet(cfg) as running, aiohttp.ClientSession() as http:
+        url = f"{running.frontend_url}/v1/completions"
+        async with http.post(url, json={**body, "model": running.config.model_name}) as resp:
+            status, text = resp.status, await resp.text()
+    if status == 500:
+        return  # 1.4.x: the decoder's thread panicked
+    assert status == 200, text[:300]
+    data = json.loads(text)
+    decode = load_text_decoder(str(tiny_model))
+    assert decode is not None
+    exact = expected_text(decode, UTF8_SPLIT_PROMPT, data["nvext"]["completion_token_ids"])
+    assert data["choices"][0]["text"] != exact, "the frontend decoded the UTF-8 split exactly: patch 4 may go"

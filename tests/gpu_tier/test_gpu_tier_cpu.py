@@ -27,6 +27,7 @@ from rb_bench.gpu_tier import (
     TierConfig,
     _Running,
     _Tier,
+    config_from_args,
     main,
 )
 from rollout_backends.conformance import select_checks
@@ -55,6 +56,14 @@ def test_placement_and_sender_reasons(tmp_path: Path) -> None:
     assert three.gpus_of("smg") == ("0", "1") and three.sender_unavailable("smg") is None
     # reference workers broadcast over gloo: no GPU placement needed
     assert TierConfig(out=tmp_path, engine="reference").sender_unavailable("smg") is None
+
+
+def test_a_second_dynamo_fleet_needs_its_interpreter(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="--dynamo16-python"):
+        TierConfig(out=tmp_path, backends=("dynamo16",))
+    assert config_from_args(["--out", str(tmp_path)]).backends == DEFAULT_BACKENDS
+    cfg = config_from_args(["--out", str(tmp_path), "--dynamo16-python", "/opt/py16"])
+    assert cfg.backends == (*DEFAULT_BACKENDS, "dynamo16") and cfg.gpus_of("dynamo16") == ("0",)
 
 
 def test_cli_rejects_a_typo_before_starting_anything(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

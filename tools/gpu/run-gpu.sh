@@ -57,9 +57,11 @@ if [ -n "$whl" ]; then
   python3 -m pip install --quiet --no-deps --no-index --upgrade --target "$SITE" "$whl" 2>&1 | grep -v -i "warning" \
     || true
   log "installed $(basename "$whl") into $SITE"
-elif [ "$install_only" = 0 ]; then
+elif [ "$install_only" = 0 ] && ! ls "$SITE"/rollout_backends-*.dist-info >/dev/null 2>&1; then
   echo "run-gpu: no .gpu-wheels/rb/rollout_backends-*.whl here (pip wheel --no-deps -w .gpu-wheels/rb .)" >&2
   exit 2
+elif [ "$install_only" = 0 ]; then
+  log "using $(ls -d "$SITE"/rollout_backends-*.dist-info | xargs -n1 basename), installed by an earlier call"
 fi
 for w in "$ROOT"/.gpu-wheels/rb/extra/*.whl; do
   [ -e "$w" ] && python3 -m pip install --quiet --no-deps --no-index --upgrade --target "$SITE" "$w" && log "installed $(basename "$w")"
