@@ -26,7 +26,7 @@ import importlib.util
 import logging
 import sys
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -200,6 +200,8 @@ class ChatParsing:
     reasoning_config: Any = None
     #: ``OpenAIServingChat._reasoning_detector.reasoning_default``.
     reasoning_default: str | None = None
+    #: The scheduler's ``think_end_id``: the first id of the detector's ``think_end_token``.
+    think_end_id: int | None = None
 
     @classmethod
     def create(cls, tool_call_parser: str | None, reasoning_parser: str | None, tokenizer: Any) -> ChatParsing:
@@ -225,12 +227,24 @@ class ChatParsing:
                 f"unknown parser {reasoning_parser!r} (SGLang {sglang.version} has {sglang.reasoning_parsers})",
             )
         forced, config = sglang.detect_reasoning_pattern(getattr(tokenizer, "chat_template", None))
-        default = None
+        default, think_end = None, None
         if reasoning_parser is not None:
-            # serving_chat.__init__: a streaming detector, only for its ``reasoning_default``.
+            # serving_chat.__init__: a streaming detector, only for its ``reasoning_default``;
+            # Scheduler.__init__: think_end_id, for the usage's reasoning_tokens.
             detector = sglang.reasoning_parser(reasoning_parser, stream_reasoning=True, tokenizer=tokenizer).detector
             default = getattr(detector, "reasoning_default", None)
-        return cls(sglang, tool_call_parser, reasoning_parser, tokenizer, bool(forced), config, default)
+            end_ids = tokenizer.encode(detector.think_end_token, add_special_tokens=False)
+            think_end = int(end_ids[0]) if end_ids else None
+        return cls(sglang, tool_call_parser, reasoning_parser, tokenizer, bool(forced), config, default, think_end)
+
+    def reasoning_tokens(self, prepared: PreparedChat, output_ids: Sequence[int]) -> int:
+        """``usage.reasoning_tokens``: SGLang's scheduler counts, where the request asks for
+        reasoning (``require_reasoning``), the output tokens up to and including ``think_end_id``
+        (all of them while it has not come; ``Req.update_reasoning_tokens``)."""
+        if self.think_end_id is None or not self.reasoning_requested(prepared.request):
+            return 0
+        ids = list(output_ids)
+        return ids.index(self.think_end_id) + 1 if self.think_end_id in ids else len(ids)
 
     def prepare(self, body: Mapping[str, Any]) -> PreparedChat:
         """The request's parsing keys through SGLang's ``ChatCompletionRequest`` (its defaults and

@@ -548,16 +548,26 @@ class MilesFacade:
             "created": int(time.time()),
             "model": body.get("model") or self.model_name,
             "choices": [choice],
-            "usage": {
-                "prompt_tokens": gen.prompt_tokens,
-                "completion_tokens": len(gen.output_ids),
-                "total_tokens": gen.prompt_tokens + len(gen.output_ids),
-                "prompt_tokens_details": {"cached_tokens": gen.cached_tokens},
-            },
+            "usage": self._chat_usage(prepared, gen),
         }
         if gen.weight_version is not None:
             out["metadata"] = {"weight_version": gen.weight_version}
         return web.json_response(out)
+
+    def _chat_usage(self, prepared: PreparedChat | None, gen: Generation) -> dict[str, Any]:
+        """SGLang's ``UsageProcessor.calculate_response_usage`` as with ``--enable-cache-report``
+        (cached tokens listed where there are some)."""
+        completion = len(gen.output_ids)
+        reasoning = 0
+        if prepared is not None and self.chat_parsing is not None:
+            reasoning = self.chat_parsing.reasoning_tokens(prepared, gen.output_ids)
+        return {
+            "prompt_tokens": gen.prompt_tokens,
+            "total_tokens": gen.prompt_tokens + completion,
+            "completion_tokens": completion,
+            "prompt_tokens_details": {"cached_tokens": gen.cached_tokens} if gen.cached_tokens > 0 else None,
+            "reasoning_tokens": reasoning,
+        }
 
     def _chat_message(self, prepared: PreparedChat | None, text: str, finish: dict[str, Any]) -> dict[str, Any]:
         if prepared is None or self.chat_parsing is None:
