@@ -204,6 +204,18 @@ class ChatParsing:
     think_end_id: int | None = None
 
     @classmethod
+    def for_flags(
+        cls, tool_call_parser: str | None, reasoning_parser: str | None, tokenizer: Any
+    ) -> ChatParsing | None:
+        """The parsing the flags ask for (``None``: neither flag); a refusal names the flag."""
+        if tool_call_parser is None and reasoning_parser is None:
+            return None
+        if tokenizer is None:
+            flag = "--tool-call-parser" if tool_call_parser else "--reasoning-parser"
+            raise InvalidRequest(flag, "parses the generated text: needs a tokenizer (--tokenizer)")
+        return cls.create(tool_call_parser, reasoning_parser, tokenizer)
+
+    @classmethod
     def create(cls, tool_call_parser: str | None, reasoning_parser: str | None, tokenizer: Any) -> ChatParsing:
         """Checked names (a refusal names the flag); needs SGLang's parser modules importable."""
         try:

@@ -265,12 +265,7 @@ class MilesFacade:
     _inflight: set[str] = attrs.field(factory=set, init=False)
 
     def __attrs_post_init__(self) -> None:
-        if self.tool_call_parser is None and self.reasoning_parser is None:
-            return
-        if self.tokenizer is None:
-            flag = "--tool-call-parser" if self.tool_call_parser else "--reasoning-parser"
-            raise InvalidRequest(flag, "parses the generated text: needs a tokenizer (--tokenizer)")
-        self.chat_parsing = ChatParsing.create(self.tool_call_parser, self.reasoning_parser, self.tokenizer)
+        self.chat_parsing = ChatParsing.for_flags(self.tool_call_parser, self.reasoning_parser, self.tokenizer)
 
     # -- auth (SGLang's rules: 401 {"error": "Unauthorized"}) ---------------------------------
 

@@ -21,6 +21,7 @@ from rollout_backends import InvalidRequest, RolloutBackendError, open_backend
 from rollout_backends.launch import HelpFormatter
 from rollout_backends.sglang_native import UnknownKeys
 
+from ._chat_parsers import ChatParsing
 from ._facade import MilesFacade, start_facade
 
 __all__ = ["build_parser", "load_tokenizer", "main", "serve"]
@@ -131,6 +132,8 @@ async def serve(
 ) -> list[str]:
     """Serve until SIGINT/SIGTERM (or ``stop``); returns the lines it printed."""
     tokenizer = load_tokenizer(tokenizer_name(ns))
+    # Parser names are checked before the fleet is opened (MilesFacade checks them again).
+    ChatParsing.for_flags(getattr(ns, "tool_call_parser", None), getattr(ns, "reasoning_parser", None), tokenizer)
     backend = await open_backend(ns.backend)
     try:
         if ns.wait_ready > 0:
