@@ -1,0 +1,206 @@
+"""Miles' agentic session through the facade, over reference, SGLang (smg) and Dynamo fleets on CPU.
+
+``session_harness.SessionServer`` stands in for Miles' session server (v1): it sends the router the
+requests Miles' ``core.py`` builds (``input_ids`` it rendered itself, ``logprobs``,
+``return_meta_info``, ``no_stop_trim: false``, header ``X-SMG-Routing-Key``), keeps the trajectory,
+rolls back one step on a retry and assembles the training sample. The agent here is an OpenAI
+function-calling agent: it appends each assistant message as returned and a ``tool`` message
+answering its call. The model (``rb_bench.tool_call_model``) answers every turn with reasoning
+and a ``get_weather`` call, so the facade, started with SGLang's ``--reasoning-parser qwen3``
+and ``--tool-call-parser qwen25``, finishes turns with ``tool_calls``.
+
+The session: turn 1; turn 2 cut by ``max_tokens`` (``length``); turn 2 retried with another tool
+result (the session rolls back one step); turn 3; turn 4 aborted mid-generation by Miles' abort
+(``GET /workers``, ``POST <worker>/abort_request {"abort_all": true}``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import pytest_asyncio
+
+import rollout_backends as rb
+from rb_bench.tool_call_model import CALL_ARGUMENTS, PIECES, TOOL, make_tool_call_model
+from rollout_backends.integrations.miles import MilesFacade, start_facade
+from tests.miles.miles_shapes import Status, worker_base_urls
+from tests.miles.session_harness import SessionServer, assistant_echo, tool_result
+
+try:
+    from rollout_backends.integrations.miles._chat_parsers import load_sglang_parsers
+
+    load_sglang_parsers()
+    HAVE_PARSERS = True
+except ImportError:  # pragma: no cover - CI installs the extra (Makefile)
+    HAVE_PARSERS = False
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.asyncio(loop_scope="module"),
+    pytest.mark.skipif(not HAVE_PARSERS, reason="SGLang's parsers are not installed (extra sglang-parsers)"),
+]
+
+FLEETS = ["reference", "sglang", "dynamo"]
+#: "One worker per session": every turn after the first finds the previous turn's tokens cached on
+#: its worker. Needs the routing key to reach the fleet's router as a session key: smg's manual
+#: policy does (Miles' default with a session server). The in-process reference fleet routes round
+#: robin, and the Dynamo wire drops the key until H27b's session-affinity work (issue 27 item 3)
+#: lands: TURN "dynamo" ON THEN.
+SESSION_AFFINITY = {"reference": False, "sglang": True, "dynamo": False}
+SYSTEM = {"role": "system", "content": "You answer with the weather tool."}
+MAX_TOKENS = 64
+#: The fleets' KV page size (the defaults of the reference engine, SGLangFleetConfig, DynamoFleet).
+PAGE = 16
+
+
+@pytest.fixture(scope="module")
+def tool_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from rollout_backends.adapters.reference._backend import cached_tiny_model
+
+    return make_tool_call_model(tmp_path_factory.mktemp("tool-model"), cached_tiny_model())
+
+
+async def _fleet(kind: str, model: Path, logs: Path) -> AsyncIterator[Any]:
+    if kind == "reference":
+        backend = await rb.open_backend(f"reference://{model}?workers=2")
+        try:
+            yield backend
+        finally:
+            await backend.aclose()
+    elif kind == "sglang":
+        from rollout_backends.adapters.sglang import SGLangFleetConfig, launch_sglang_fleet
+
+        config = SGLangFleetConfig(
+            model_path=str(model), workers=2, worker_kind="reference", router="smg", router_policy="manual",
+            health_check_interval_s=1, log_dir=str(logs), startup_timeout_s=120,
+        )  # fmt: skip
+        async with launch_sglang_fleet(config) as fleet:
+            yield fleet.backend
+    else:
+        if importlib.util.find_spec("dynamo.frontend") is None:
+            pytest.skip("ai-dynamo is not installed")
+        from rollout_backends.adapters.dynamo import DynamoFleet, launch_dynamo_fleet
+
+        async with launch_dynamo_fleet(DynamoFleet(model_path=model, workers=2, worker_kind="reference")) as running:
+            yield await running.connect()
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module", params=FLEETS)
+async def facade_url(
+    request: pytest.FixtureRequest, tool_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> AsyncIterator[tuple[str, str]]:
+    from transformers import AutoTokenizer
+
+    kind = request.param
+    async for backend in _fleet(kind, tool_model, tmp_path_factory.mktemp(f"{kind}-logs")):
+        await backend.wait_ready(120)
+        facade = MilesFacade(
+            backend,
+            tokenizer=AutoTokenizer.from_pretrained(str(tool_model)),
+            model_path=str(tool_model),
+            tool_call_parser="qwen25",
+            reasoning_parser="qwen3",
+        )
+        running = await start_facade(facade, port=0)
+        try:
+            yield kind, running.url
+        finally:
+            await running.stop()
+
+
+async def _abort_all(client: httpx.AsyncClient, router: str) -> None:
+    """Miles' ``inference_rollout_train.abort``: every worker the router lists, ``abort_all``."""
+    for url in worker_base_urls((await client.get(f"{router}/workers")).json(), list_workers=False):
+        assert (await client.post(f"{url}/abort_request", json={"abort_all": True})).status_code == 200
+
+
+def _check_tool_turn(answer: dict[str, Any], chain: list[int]) -> None:
+    choice = answer["choices"][0]
+    message, meta = choice["message"], choice["meta_info"]
+    assert choice["finish_reason"] == "tool_calls" and choice["matched_stop"] is None
+    assert meta["finish_reason"] == {"type": "tool_calls", "matched": None}  # as SGLang leaves it
+    assert (message["content"], message["reasoning_content"]) == ("", "The tool knows.")
+    (call,) = message["tool_calls"]
+    assert call["function"] == {"name": "get_weather", "arguments": CALL_ARGUMENTS} and call["index"] == 0
+    assert call["id"].startswith("call_") and len(call["id"]) == 29
+    assert [e[1] for e in meta["output_token_logprobs"]] == chain  # the pieces, then eos
+    assert all(-0.01 < e[0] <= 0.0 for e in meta["output_token_logprobs"])
+
+
+async def _turn(session: SessionServer, messages: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+    body = {"model": "tiny", "messages": messages, "tools": [TOOL], "temperature": 0.0, "max_tokens": MAX_TOKENS,
+            "stream": True, "prompt_cache_key": session.session_id, **extra}  # fmt: skip
+    status, answer = await session.chat(body)
+    assert status == 200, answer
+    return answer
+
+
+async def test_a_tool_calling_session(facade_url: tuple[str, str], tool_model: Path) -> None:
+    from transformers import AutoTokenizer
+
+    kind, router = facade_url
+    tok = AutoTokenizer.from_pretrained(str(tool_model))
+    chain = [*(int(tok.convert_tokens_to_ids(p)) for p in PIECES), 0]
+    async with httpx.AsyncClient(timeout=120) as client:
+        session = SessionServer(client, router, tok)
+        user = {"role": "user", "content": f"What is the weather in Paris? ({kind})"}
+        a1 = await _turn(session, [SYSTEM, user])
+        _check_tool_turn(a1, chain)
+        history = [SYSTEM, user, assistant_echo(a1)]
+        a2 = await _turn(session, [*history, tool_result(a1, "sunny")], max_tokens=3)
+        assert a2["choices"][0]["finish_reason"] == "length" and a2["choices"][0]["meta_info"]["completion_tokens"] == 3
+        # The agent retries turn 2 with another tool result: the session drops turn 2's checkpoint.
+        history.append(tool_result(a1, "sunny, 21 C"))
+        a2 = await _turn(session, history)
+        _check_tool_turn(a2, chain)
+        assert len(session.records) == 2 and session.records[1][1] is a2
+        history += [assistant_echo(a2), tool_result(a2, "still sunny")]
+        a3 = await _turn(session, history)
+        _check_tool_turn(a3, chain)
+        history += [assistant_echo(a3), tool_result(a3, "done")]
+        task = asyncio.ensure_future(_turn(session, history, ignore_eos=True, max_tokens=2000))
+        await asyncio.sleep(1.0)  # the reference workers need ~15 ms a token on two busy cores
+        await _abort_all(client, router)
+        a4 = await asyncio.wait_for(task, 60)
+    assert a4["choices"][0]["finish_reason"] == "abort" and a4["choices"][0]["message"]["content"] is not None
+    assert 0 < a4["choices"][0]["meta_info"]["completion_tokens"] < 2000
+    _check_requests(session)
+    _check_samples(session, kind)
+
+
+def _check_requests(session: SessionServer) -> None:
+    """Each request as Miles' core.py builds it; each prompt extends the previous checkpoint."""
+    for sent in session.sent:
+        assert "stream" not in sent and sent["logprobs"] is True and sent["return_meta_info"] is True
+        assert sent["no_stop_trim"] is False and isinstance(sent["input_ids"], list)
+    prompts = [request["input_ids"] for request, _ in session.records]
+    for (_, answer), prompt, nxt in zip(session.records, prompts, prompts[1:], strict=False):
+        out = [e[1] for e in answer["choices"][0]["meta_info"]["output_token_logprobs"]]
+        assert nxt[: len(prompt) + len(out)] == prompt + out
+
+
+def _check_samples(session: SessionServer, kind: str) -> None:
+    turns = session.turn_samples()
+    assert [t.status for t in turns] == [Status.COMPLETED] * 3 + [Status.ABORTED]
+    sample = session.sample()
+    assert sample.tokens == session.token_ids and sample.status is Status.ABORTED
+    first_prompt = len(session.records[0][0]["input_ids"])
+    assert sample.response_length == len(sample.tokens) - first_prompt
+    assert len(sample.loss_mask) == len(sample.rollout_log_probs) == sample.response_length
+    assert sum(sample.loss_mask) == sum(t.response_length for t in turns)
+    generated = [lp for _, a in session.records for lp, *_ in a["choices"][0]["meta_info"]["output_token_logprobs"]]
+    assert [lp for lp, m in zip(sample.rollout_log_probs, sample.loss_mask, strict=True) if m] == generated
+    assert len(sample.weight_versions) == 4
+    if SESSION_AFFINITY[kind]:
+        # One worker per session: each turn finds the whole previous checkpoint (prompt + output)
+        # cached on its worker, to the page; on another worker only what that one saw earlier.
+        # (Measured on the round-robin reference fleet: turn 3 finds 64 of the 96 tokens.)
+        for (request, answer), turn in zip(session.records, turns[1:], strict=False):
+            checkpoint = len(request["input_ids"]) + answer["choices"][0]["meta_info"]["completion_tokens"]
+            assert turn.cached_tokens >= checkpoint // PAGE * PAGE, [(t.prompt_tokens, t.cached_tokens) for t in turns]
