@@ -1,6 +1,6 @@
 """Miles' agentic session through the facade, over reference, SGLang (smg) and Dynamo fleets on CPU.
 
-``session_harness.SessionServer`` stands in for Miles' session server (v1): it sends the router the
+``rb_bench.miles_session.SessionServer`` stands in for Miles' session server (v1): it sends the router the
 requests Miles' ``core.py`` builds (``input_ids`` it rendered itself, ``logprobs``,
 ``return_meta_info``, ``no_stop_trim: false``, header ``X-SMG-Routing-Key``), keeps the trajectory,
 rolls back one step on a retry and assembles the training sample. The agent here is an OpenAI
@@ -9,14 +9,14 @@ answering its call. The model (``rb_bench.tool_call_model``) answers every turn 
 and a ``get_weather`` call, so the facade, started with SGLang's ``--reasoning-parser qwen3``
 and ``--tool-call-parser qwen25``, finishes turns with ``tool_calls``.
 
-The session: turn 1; turn 2 cut by ``max_tokens`` (``length``); turn 2 retried with another tool
-result (the session rolls back one step); turn 3; turn 4 aborted mid-generation by Miles' abort
-(``GET /workers``, ``POST <worker>/abort_request {"abort_all": true}``).
+The session (``rb_bench.miles_session.tool_session``, which the GPU comparison runs too): turn 1;
+turn 2 cut by ``max_tokens`` (``length``); turn 2 retried with another tool result (the session
+rolls back one step); turn 3; turn 4 aborted mid-generation by Miles' abort (``GET /workers``,
+``POST <worker>/abort_request {"abort_all": true}``).
 """
 
 from __future__ import annotations
 
-import asyncio
 import importlib.util
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -27,10 +27,10 @@ import pytest
 import pytest_asyncio
 
 import rollout_backends as rb
+from rb_bench.miles_session import ABORT_TURN_TOKENS, SessionServer, Status, tool_session
 from rb_bench.tool_call_model import CALL_ARGUMENTS, PIECES, TOOL, make_tool_call_model
 from rollout_backends.integrations.miles import MilesFacade, start_facade
-from tests.miles.miles_shapes import Status, worker_base_urls
-from tests.miles.session_harness import SessionServer, assistant_echo, tool_result
+from tests.miles.miles_shapes import worker_base_urls
 
 try:
     from rollout_backends.integrations.miles._chat_parsers import load_sglang_parsers
@@ -53,8 +53,6 @@ FLEETS = ["reference", "sglang", "dynamo"]
 #: robin, and the Dynamo wire drops the key until H27b's session-affinity work (issue 27 item 3)
 #: lands: TURN "dynamo" ON THEN.
 SESSION_AFFINITY = {"reference": False, "sglang": True, "dynamo": False}
-SYSTEM = {"role": "system", "content": "You answer with the weather tool."}
-MAX_TOKENS = 64
 #: The fleets' KV page size (the defaults of the reference engine, SGLangFleetConfig, DynamoFleet).
 PAGE = 16
 
@@ -133,14 +131,6 @@ def _check_tool_turn(answer: dict[str, Any], chain: list[int]) -> None:
     assert all(-0.01 < e[0] <= 0.0 for e in meta["output_token_logprobs"])
 
 
-async def _turn(session: SessionServer, messages: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
-    body = {"model": "tiny", "messages": messages, "tools": [TOOL], "temperature": 0.0, "max_tokens": MAX_TOKENS,
-            "stream": True, "prompt_cache_key": session.session_id, **extra}  # fmt: skip
-    status, answer = await session.chat(body)
-    assert status == 200, answer
-    return answer
-
-
 async def test_a_tool_calling_session(facade_url: tuple[str, str], tool_model: Path) -> None:
     from transformers import AutoTokenizer
 
@@ -149,27 +139,16 @@ async def test_a_tool_calling_session(facade_url: tuple[str, str], tool_model: P
     chain = [*(int(tok.convert_tokens_to_ids(p)) for p in PIECES), 0]
     async with httpx.AsyncClient(timeout=120) as client:
         session = SessionServer(client, router, tok)
-        user = {"role": "user", "content": f"What is the weather in Paris? ({kind})"}
-        a1 = await _turn(session, [SYSTEM, user])
-        _check_tool_turn(a1, chain)
-        history = [SYSTEM, user, assistant_echo(a1)]
-        a2 = await _turn(session, [*history, tool_result(a1, "sunny")], max_tokens=3)
-        assert a2["choices"][0]["finish_reason"] == "length" and a2["choices"][0]["meta_info"]["completion_tokens"] == 3
-        # The agent retries turn 2 with another tool result: the session drops turn 2's checkpoint.
-        history.append(tool_result(a1, "sunny, 21 C"))
-        a2 = await _turn(session, history)
-        _check_tool_turn(a2, chain)
-        assert len(session.records) == 2 and session.records[1][1] is a2
-        history += [assistant_echo(a2), tool_result(a2, "still sunny")]
-        a3 = await _turn(session, history)
-        _check_tool_turn(a3, chain)
-        history += [assistant_echo(a3), tool_result(a3, "done")]
-        task = asyncio.ensure_future(_turn(session, history, ignore_eos=True, max_tokens=2000))
-        await asyncio.sleep(1.0)  # the reference workers need ~15 ms a token on two busy cores
-        await _abort_all(client, router)
-        a4 = await asyncio.wait_for(task, 60)
-    assert a4["choices"][0]["finish_reason"] == "abort" and a4["choices"][0]["message"]["content"] is not None
-    assert 0 < a4["choices"][0]["meta_info"]["completion_tokens"] < 2000
+        # The reference workers need ~15 ms a token on two busy cores: 1 s in, turn 4 is generating.
+        turns = await tool_session(session, [TOOL], kind, lambda: _abort_all(client, router))
+    for name in ("turn1", "turn2_retry", "turn3"):
+        _check_tool_turn(turns[name], chain)
+    cut = turns["turn2_length"]["choices"][0]
+    assert cut["finish_reason"] == "length" and cut["meta_info"]["completion_tokens"] == 3
+    assert [answer for _, answer in session.records][1] is turns["turn2_retry"]  # turn 2 rolled back
+    aborted = turns["turn4_abort"]["choices"][0]
+    assert aborted["finish_reason"] == "abort" and aborted["message"]["content"] is not None
+    assert 0 < aborted["meta_info"]["completion_tokens"] < ABORT_TURN_TOKENS
     _check_requests(session)
     _check_samples(session, kind)
 

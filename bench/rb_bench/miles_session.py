@@ -6,7 +6,7 @@ Restated, not copied, from radixark/miles ``31f1ca961a94`` (docs/miles.md, "The 
   ``logprobs``, ``return_meta_info`` forced true, ``no_stop_trim`` false, ``input_ids`` from the
   session), ``chat_completions`` (``POST {router}/v1/chat/completions`` with header
   ``X-SMG-Routing-Key: <session id>``; a non-200 answer goes back unrecorded), ``extract_completion``
-  (``tests.miles.miles_shapes.extract_completion``);
+  (:func:`extract_completion`);
 * ``linear_trajectory.py``: the first turn rendered by the chat template, later ones the stored
   tokens plus the appended messages' tokens; a request that diverges from the stored messages
   rolls back at most one generated assistant step (``MAX_ASSISTANT_ROLLBACK_STEPS = 1``), compared by
@@ -16,19 +16,51 @@ Restated, not copied, from radixark/miles ``31f1ca961a94`` (docs/miles.md, "The 
   request's ``input_ids`` + the output ids of ``meta_info.output_token_logprobs``, their logprobs,
   status from the OpenAI ``finish_reason``), merged turn after turn while the turn so far is
   COMPLETED, the tokens between two turns (the tool message) masked out with logprob 0.
+
+Used by tests/miles/test_session.py (CPU fleets) and by :mod:`rb_bench.miles_chat` (GPU).
 """
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import json
 import uuid
+from collections.abc import Awaitable, Callable
+from enum import Enum
 from typing import Any
 
 import attrs
 import httpx
 
-from tests.miles.miles_shapes import Status, extract_completion
+
+class Status(Enum):
+    """Miles' ``Sample.Status`` values the session assembly sets."""
+
+    PENDING = "pending"
+    COMPLETED = "completed"
+    TRUNCATED = "truncated"
+    ABORTED = "aborted"
+
+
+class UpstreamResponseError(AssertionError):
+    """Miles' session server refuses the router's answer (``core.UpstreamResponseError``)."""
+
+
+def extract_completion(response: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], list[int]]:
+    """``core.extract_completion``: ``meta_info.output_token_logprobs`` present, one per completion
+    token, ``content`` not null; returns the choice, the message and the output ids."""
+    choice = response.get("choices", [{}])[0]
+    meta = choice.get("meta_info")
+    if not isinstance(meta, dict) or "output_token_logprobs" not in meta:
+        raise UpstreamResponseError("meta_info and output_token_logprobs must be in choice")
+    message = choice.get("message") or {}
+    if message.get("content") is None:
+        raise UpstreamResponseError("assistant message content is None")
+    if len(meta["output_token_logprobs"]) != meta["completion_tokens"]:
+        raise UpstreamResponseError("len(output_token_logprobs) != completion_tokens")
+    return choice, message, [t[1] for t in meta["output_token_logprobs"]]
+
 
 MAX_ROLLBACK_STEPS = 1
 ROUTING_KEY_HEADER = "X-SMG-Routing-Key"
@@ -131,7 +163,7 @@ class SessionServer:
         appended = messages[len(self.messages) :]
         assert appended, "nothing appended to the session's messages"
         last = self.messages[-1]
-        base = [
+        base: list[dict[str, Any]] = [
             {"role": "system", "content": "dummy system"},
             {"role": "assistant", "content": "", "reasoning_content": " ", "tool_calls": last.get("tool_calls") or []},
         ]
@@ -216,3 +248,43 @@ def tool_result(answer: dict[str, Any], content: str) -> dict[str, Any]:
     call = answer["choices"][0]["message"]["tool_calls"][0]
     assert json.loads(call["function"]["arguments"]), call
     return {"role": "tool", "tool_call_id": call["id"], "content": content}
+
+
+SYSTEM = {"role": "system", "content": "You answer with the weather tool."}
+MAX_TOKENS = 64
+#: The aborted turn's budget: far more than the abort leaves it time for.
+ABORT_TURN_TOKENS = 2000
+
+
+async def _turn(
+    session: SessionServer, messages: list[dict[str, Any]], tools: list[Any], **extra: Any
+) -> dict[str, Any]:
+    """One agent call: what an OpenAI/litellm agent sends (a streaming flag and a litellm key among it)."""
+    body = {"model": "tiny", "messages": messages, "tools": tools, "temperature": 0.0, "max_tokens": MAX_TOKENS,
+            "stream": True, "prompt_cache_key": session.session_id, **extra}  # fmt: skip
+    status, answer = await session.chat(body)
+    if status != 200:
+        raise UpstreamResponseError(f"HTTP {status}: {answer}")
+    return answer
+
+
+async def tool_session(
+    session: SessionServer, tools: list[Any], tag: str, abort: Callable[[], Awaitable[None]], abort_after_s: float = 1.0
+) -> dict[str, dict[str, Any]]:
+    """The session the tests and the GPU comparison run, by name of turn: turn 1; turn 2 cut by
+    ``max_tokens`` (length); turn 2 retried with another tool result (one-step rollback); turn 3;
+    turn 4 aborted mid-generation by ``abort`` (Miles' abort loop) ``abort_after_s`` in."""
+    user = {"role": "user", "content": f"What is the weather in Paris? ({tag})"}
+    out: dict[str, dict[str, Any]] = {"turn1": await _turn(session, [SYSTEM, user], tools)}
+    history = [SYSTEM, user, assistant_echo(out["turn1"])]
+    out["turn2_length"] = await _turn(session, [*history, tool_result(out["turn1"], "sunny")], tools, max_tokens=3)
+    history.append(tool_result(out["turn1"], "sunny, 21 C"))
+    out["turn2_retry"] = await _turn(session, history, tools)
+    history += [assistant_echo(out["turn2_retry"]), tool_result(out["turn2_retry"], "still sunny")]
+    out["turn3"] = await _turn(session, history, tools)
+    history += [assistant_echo(out["turn3"]), tool_result(out["turn3"], "done")]
+    task = asyncio.ensure_future(_turn(session, history, tools, ignore_eos=True, max_tokens=ABORT_TURN_TOKENS))
+    await asyncio.sleep(abort_after_s)
+    await abort()
+    out["turn4_abort"] = await asyncio.wait_for(task, 120)
+    return out
