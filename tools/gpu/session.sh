@@ -23,7 +23,7 @@
 #   layers  where the Dynamo path's time goes (stock worker, worker text, stream
 #           interval, KV events, adapter vs raw), gsm8k at <= 256 new tokens    BUDGET 480 s
 set -uo pipefail
-stage=${1:?usage: session.sh client|main|layers|weightsync|tier|probes}
+stage=${1:?usage: session.sh client|main|layers|weightsync|tier|probes|miles-chat}
 : "${OUT:?set OUT}"
 root=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$root"
@@ -81,6 +81,11 @@ case "$stage" in
     python3 -m probes.prompt_logprobs "$OUT/prompt" --budget-s "${PROMPT_BUDGET:-150}" >"$OUT/prompt.log" 2>&1; tail -45 "$OUT/prompt.log"
     python3 -m probes.stream_capture "$OUT/prompt/model" "$OUT/capture" --budget-s "${CAPTURE_BUDGET:-260}" >"$OUT/capture.log" 2>&1
     tail -30 "$OUT/capture.log"; rm -rf "$OUT/prompt/model"
+    ;;
+  miles-chat)  # issue 27: Miles' session through the facade over SGLang and Dynamo vs stock SGLang, ~300 s
+    need sglang; need dynamo.frontend; need smg; need rb_bench.miles_chat
+    python3 -m rb_bench.miles_chat --out "$OUT/miles-chat" --gpus 0 --budget-s "${BUDGET:-420}" 2>&1 \
+      | tee "$OUT/miles-chat.log" | tail -30
     ;;
   tier)
     need sglang; need dynamo.frontend; need smg
