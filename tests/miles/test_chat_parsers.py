@@ -4,7 +4,8 @@
 text and SGLang 0.5.16's own answer for it (``OpenAIServingChat._build_chat_response``, see
 ``make_fixtures.py`` there). Here the same text is the token ids of a scripted generation behind
 the facade started with the same parser flags; the answers must be equal but for what SGLang draws
-at random or per request (tool-call ids ``call_<24 hex>``, the response ``id``, ``created``) and
+at random or per request (tool-call ids ``call_<24 hex>``, the response ``id``, ``created``), the
+version stamps of the external-rollout contract (``weight_version_start``/``_end``) and
 ``usage.reasoning_tokens``, which SGLang's scheduler counts outside that method (the GPU comparison
 covers it).
 """
@@ -77,6 +78,9 @@ def _normalized(answer: dict[str, Any]) -> dict[str, Any]:
     out = copy.deepcopy(answer)
     out.pop("id", None)
     out.pop("created", None)
+    # The external-rollout contract's stamps (Stitch's, not SGLang's; docs/miles.md).
+    out.pop("weight_version_start", None)
+    out.pop("weight_version_end", None)
     out["usage"].pop("reasoning_tokens", None)
     for choice in out["choices"]:
         choice.pop("meta_info", None)

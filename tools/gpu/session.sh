@@ -23,7 +23,7 @@
 #   layers  where the Dynamo path's time goes (stock worker, worker text, stream
 #           interval, KV events, adapter vs raw), gsm8k at <= 256 new tokens    BUDGET 480 s
 set -uo pipefail
-stage=${1:?usage: session.sh client|main|layers|weightsync|tier|probes|miles-chat}
+stage=${1:?usage: session.sh client|main|layers|weightsync|tier|capture|miles-chat}
 : "${OUT:?set OUT}"
 root=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$root"
@@ -76,11 +76,10 @@ case "$stage" in
     python3 -m rb_bench.weightsync --engine sglang --model-size qwen2.5-0.5b --model-path "$MODEL" \
       --gpus "$ws_gpus" --budget-s "${BUDGET:-270}" --out "$OUT/weightsync" 2>&1 | tee "$OUT/weightsync.log" | tail -40
     ;;
-  probes)  # raw SGLang / Dynamo answers for issue 17 (prompt logprobs, streaming), ~420 s
+  capture)  # raw SGLang /generate and Dynamo /v1/completions answers (the codec's fixtures), ~270 s
     need sglang; need dynamo.frontend
-    python3 -m probes.prompt_logprobs "$OUT/prompt" --budget-s "${PROMPT_BUDGET:-150}" >"$OUT/prompt.log" 2>&1; tail -45 "$OUT/prompt.log"
-    python3 -m probes.stream_capture "$OUT/prompt/model" "$OUT/capture" --budget-s "${CAPTURE_BUDGET:-260}" >"$OUT/capture.log" 2>&1
-    tail -30 "$OUT/capture.log"; rm -rf "$OUT/prompt/model"
+    python3 -m rb_bench.capture "$OUT/capture" --budget-s "${BUDGET:-260}" >"$OUT/capture.log" 2>&1
+    tail -30 "$OUT/capture.log"; rm -rf "$OUT/capture/model"
     ;;
   miles-chat)  # issue 27: Miles' session through the facade over SGLang and Dynamo vs stock SGLang, ~300 s
     need sglang; need dynamo.frontend; need smg; need rb_bench.miles_chat

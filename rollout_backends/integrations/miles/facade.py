@@ -181,6 +181,11 @@ async def serve(
 
 def main(argv: Sequence[str] | None = None) -> int:
     ns = build_parser().parse_args(argv)
+    from rollout_backends import BackendUnavailable
+    from rollout_backends.launch import port_in_use
+
+    if ns.port and port_in_use(ns.host, ns.port):  # before waiting for the fleet, not after
+        raise BackendUnavailable(f"port {ns.host}:{ns.port} is already in use; nothing was started")
     logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         asyncio.run(serve(ns))
