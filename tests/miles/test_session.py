@@ -48,11 +48,12 @@ pytestmark = [
 
 FLEETS = ["reference", "sglang", "dynamo"]
 #: "One worker per session": every turn after the first finds the previous turn's tokens cached on
-#: its worker. Needs the routing key to reach the fleet's router as a session key: smg's manual
-#: policy does (Miles' default with a session server). The in-process reference fleet routes round
-#: robin, and the Dynamo wire drops the key until H27b's session-affinity work (issue 27 item 3)
-#: lands: TURN "dynamo" ON THEN.
-SESSION_AFFINITY = {"reference": False, "sglang": True, "dynamo": False}
+#: its worker. The routing key reaches smg (policy manual, Miles' default with a session server) and
+#: Dynamo's frontend (session affinity, docs/miles.md "Session affinity"); the in-process reference
+#: fleet routes round robin and ignores it.
+SESSION_AFFINITY = {"reference": False, "sglang": True, "dynamo": True}
+#: Dynamo's session affinity keeps a session on its worker while it is used this often.
+AFFINITY_TTL_S = 600
 #: The fleets' KV page size (the defaults of the reference engine, SGLangFleetConfig, DynamoFleet).
 PAGE = 16
 
@@ -85,7 +86,10 @@ async def _fleet(kind: str, model: Path, logs: Path) -> AsyncIterator[Any]:
             pytest.skip("ai-dynamo is not installed")
         from rollout_backends.adapters.dynamo import DynamoFleet, launch_dynamo_fleet
 
-        async with launch_dynamo_fleet(DynamoFleet(model_path=model, workers=2, worker_kind="reference")) as running:
+        config = DynamoFleet(
+            model_path=model, workers=2, worker_kind="reference", session_affinity_ttl_secs=AFFINITY_TTL_S
+        )
+        async with launch_dynamo_fleet(config) as running:
             yield await running.connect()
 
 
@@ -177,9 +181,10 @@ def _check_samples(session: SessionServer, kind: str) -> None:
     assert [lp for lp, m in zip(sample.rollout_log_probs, sample.loss_mask, strict=True) if m] == generated
     assert len(sample.weight_versions) == 4
     if SESSION_AFFINITY[kind]:
-        # One worker per session: each turn finds the whole previous checkpoint (prompt + output)
-        # cached on its worker, to the page; on another worker only what that one saw earlier.
-        # (Measured on the round-robin reference fleet: turn 3 finds 64 of the 96 tokens.)
+        # One worker per session: each turn finds the previous checkpoint (prompt + output, but its
+        # last token, whose KV was never computed) cached on its worker, to the page; on another
+        # worker only what that one saw earlier. (Round robin, measured: turn 3 finds 64 of 97.)
         for (request, answer), turn in zip(session.records, turns[1:], strict=False):
             checkpoint = len(request["input_ids"]) + answer["choices"][0]["meta_info"]["completion_tokens"]
-            assert turn.cached_tokens >= checkpoint // PAGE * PAGE, [(t.prompt_tokens, t.cached_tokens) for t in turns]
+            wanted = (checkpoint - 1) // PAGE * PAGE
+            assert turn.cached_tokens >= wanted, [(t.prompt_tokens, t.cached_tokens) for t in turns]
