@@ -102,7 +102,8 @@ async def _backend(kind: str, cfg: Config, model: Path, logs: Path, timeout: flo
     sglang_args = (*SGLANG_FLAGS, "--mem-fraction-static", str(cfg.mem_fraction)) if cfg.sglang else ()
     config = DynamoFleetConfig(
         model_path=model, workers=2, worker_kind=cfg.engine, router_mode="round-robin", page_size=16,
-        gpus=cfg.gpus if cfg.sglang else (), sglang_args=sglang_args, ready_timeout=timeout,
+        session_affinity_ttl_secs=600, gpus=cfg.gpus if cfg.sglang else (), sglang_args=sglang_args,
+        ready_timeout=timeout,
     )  # fmt: skip
     async with launch_dynamo_fleet(config, log_dir=logs) as running:
         yield await running.connect()
