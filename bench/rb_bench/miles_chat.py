@@ -40,8 +40,8 @@ from typing import Any
 import attrs
 import httpx
 
-from rb_bench.miles_session import SessionServer, tool_session
-from rb_bench.tool_call_model import TOOL, make_tool_call_model
+from .miles_session import SessionServer, tool_session
+from .tool_call_model import TOOL, make_tool_call_model
 
 TOOL_PARSER, REASONING_PARSER = "qwen25", "qwen3"
 PARSER_FLAGS = ("--tool-call-parser", TOOL_PARSER, "--reasoning-parser", REASONING_PARSER, "--enable-cache-report")
@@ -236,7 +236,7 @@ def _markdown(doc: dict[str, Any]) -> str:
 
 
 async def run(cfg: Config) -> dict[str, Any]:
-    from rollout_backends.adapters.reference._model import make_tiny_model
+    from rollout_backends.adapters.reference import make_tiny_model
 
     t0 = time.monotonic()
     cfg.out.mkdir(parents=True, exist_ok=True)
