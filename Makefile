@@ -7,6 +7,10 @@ VENV ?= .venv
 PIP := $(VENV)/bin/pip
 CONSTRAINTS := constraints/cpu.txt
 PIP_FLAGS := --disable-pip-version-check -q -c $(CONSTRAINTS)
+# SGLang's own chat parsers (the facade's --tool-call-parser/--reasoning-parser), without the CUDA
+# torch and triton that these two wheels require; their light requirements are the extra
+# sglang-parsers. Versions: constraints/cpu.txt.
+SGLANG_PARSER_WHEELS := sglang xgrammar
 
 .PHONY: demo test lint typecheck pytest test-dynamo16 clean
 
@@ -18,7 +22,8 @@ $(VENV)/.stamp-demo: pyproject.toml $(CONSTRAINTS) | $(VENV)/bin/python
 	touch $@
 
 $(VENV)/.stamp-test: pyproject.toml $(CONSTRAINTS) tools/install-multinode-deps.sh | $(VENV)/bin/python
-	$(PIP) install $(PIP_FLAGS) -e '.[reference,sglang,dynamo,ray,dev]'
+	$(PIP) install $(PIP_FLAGS) -e '.[reference,sglang,dynamo,ray,dev,sglang-parsers]'
+	$(PIP) install $(PIP_FLAGS) --no-deps $(SGLANG_PARSER_WHEELS)
 	tools/install-multinode-deps.sh $(abspath $(VENV))/bin/python
 	touch $@ $(VENV)/.stamp-demo
 

@@ -18,6 +18,9 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
+# Miles' session-server check of a chat answer lives with the session stand-in (bench), one copy.
+from rb_bench.miles_session import extract_completion as extract_completion
+
 
 @dataclass
 class SpecInfo:
@@ -228,17 +231,3 @@ def worker_base_urls(response: dict[str, Any], *, list_workers: bool) -> list[st
         if url not in bases:
             bases.append(url)
     return bases
-
-
-def extract_completion(response: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], list[int]]:
-    """Miles' session server check of a chat answer; raises like ``UpstreamResponseError``."""
-    choice = response.get("choices", [{}])[0]
-    meta = choice.get("meta_info")
-    if not isinstance(meta, dict) or "output_token_logprobs" not in meta:
-        raise AssertionError("meta_info and output_token_logprobs must be in choice")
-    message = choice.get("message") or {}
-    if message.get("content") is None:
-        raise AssertionError("assistant message content is None")
-    if len(meta["output_token_logprobs"]) != meta["completion_tokens"]:
-        raise AssertionError("len(output_token_logprobs) != completion_tokens")
-    return choice, message, [t[1] for t in meta["output_token_logprobs"]]

@@ -194,7 +194,7 @@ async def test_worker_lists_and_abort_reach_every_worker(
 
 async def test_public_url_and_unsafe_worker_ids(tokenizer: Any, client: httpx.AsyncClient) -> None:
     backend = ScriptedBackend(("10.0.0.1:30000", "dynamo/instance 7"))
-    running = await start_facade(MilesFacade(backend, public_url="http://router.example:9"), port=0)
+    running = await start_facade(MilesFacade(backend, public_url="http://router.example:9", token_only=True), port=0)
     try:
         urls = (await client.get(f"{running.url}/list_workers")).json()["urls"]
         assert urls == ["http://router.example:9/w/10.0.0.1:30000", "http://router.example:9/w/worker-1"]
@@ -243,11 +243,12 @@ async def test_chat_completions_for_the_session_server(
     assert choice["finish_reason"] == "stop" and choice["meta_info"]["weight_version"] == "3"
     assert message["content"] == tokenizer.decode([40, 41], skip_special_tokens=True)  # stop token trimmed
     assert [e["logprob"] for e in choice["logprobs"]["content"]] == [-0.5, -0.25, -0.125]
-    assert body["usage"] == {
+    assert body["usage"] == {  # SGLang's shape with --enable-cache-report (no cached tokens: no details)
         "prompt_tokens": 4,
         "completion_tokens": 3,
         "total_tokens": 7,
-        "prompt_tokens_details": {"cached_tokens": 0},
+        "prompt_tokens_details": None,
+        "reasoning_tokens": 0,
     }
     (req,) = backend.requests
     assert list(req.input_ids) == [5, 6, 7, 8] and req.sampling.seed == 7 and req.routing_key == "session-1"
@@ -321,6 +322,7 @@ async def test_chat_top_logprobs_are_the_backends(client: httpx.AsyncClient, tok
         "max_tokens": 3,
         "logprobs": True,
         "top_logprobs": 3,
+        "return_meta_info": True,
     }
     try:
         resp = await client.post(f"{running.url}/v1/chat/completions", json=request)
@@ -351,6 +353,7 @@ async def test_chat_top_logprobs_on_the_reference_engine(
         "ignore_eos": True,
         "logprobs": True,
         "top_logprobs": k,
+        "return_meta_info": True,
     }
     try:
         resp = await client.post(f"{running.url}/v1/chat/completions", json=request)
@@ -669,7 +672,7 @@ async def test_per_worker_ports_serve_sglang_engines_http_surface(client: httpx.
     """What SGLangEngine calls on an external engine (``--rollout-external``), at a worker port's root."""
     backend = ScriptedBackend(("w0", "w1"))
     running = await start_facade(
-        MilesFacade(backend, server_info={"tp_size": 2}), port=0, worker_ports={"w0": 0, "w1": 0}
+        MilesFacade(backend, server_info={"tp_size": 2}, token_only=True), port=0, worker_ports={"w0": 0, "w1": 0}
     )
     try:
         w1 = running.worker_urls["w1"]
@@ -690,7 +693,7 @@ async def test_per_worker_ports_serve_sglang_engines_http_surface(client: httpx.
 async def test_the_router_answers_one_served_version_while_workers_disagree(client: httpx.AsyncClient) -> None:
     """The router's /model_info answers from one worker in SGLang: a version some worker serves."""
     backend = ScriptedBackend(("w0", "w1", "w2"))
-    running = await start_facade(MilesFacade(backend), port=0)
+    running = await start_facade(MilesFacade(backend, token_only=True), port=0)
 
     async def router_version() -> Any:
         return (await client.get(f"{running.url}/model_info")).json()["weight_version"]

@@ -50,7 +50,9 @@ CHAT_BAD: list[tuple[str, Any, str]] = [
     ("input_ids", [1, -1], "input_ids[1]"),
     ("input_ids", [1, VOCAB], "input_ids[1]"),
     ("input_ids", [[1], [2]], "input_ids"),
-    ("return_logprobs", True, "return_logprobs"),
+    ("tool_choice", "required", "tool_choice"),  # SGLang: "Tools cannot be empty if ..."
+    ("tool_choice", "sometimes", "tool_choice"),
+    ("stop_regex", "x+", "stop_regex"),  # SGLang honours it, the protocol cannot
     ("return_routed_experts", True, "return_routed_experts"),
     ("skip_special_tokens", "yes", "skip_special_tokens"),
 ]
@@ -195,17 +197,29 @@ def test_refusals_lose_nothing_and_the_facade_stays_healthy(facade: tuple[str, S
 
 
 async def test_the_lenient_switch_keeps_sglangs_ignore_unknown_keys_rule() -> None:
+    """/generate refuses unknown keys unless told to ignore them; chat ignores them, as SGLang's
+    ChatCompletionRequest (a pydantic model with the default extra="ignore") does, unless strict."""
     from aiohttp.test_utils import TestClient, TestServer
 
     body = {"input_ids": [1], "sampling_params": {"max_new_tokens": 2}, "my_extra": 1}
-    chat = {"messages": [], "input_ids": [1], "max_tokens": 2, "my_extra": 1}
+    # litellm's and newer OpenAI keys, and a typo of an SGLang key, all unknown to SGLang 0.5.16.
+    chat = {"messages": [], "input_ids": [1], "max_tokens": 2, "my_extra": 1, "prompt_cache_key": "k",
+            "safety_identifier": "u", "return_logprobs": True}  # fmt: skip
     for keys, status in ((UnknownKeys.REFUSE, 400), (UnknownKeys.IGNORE, 200)):
         app = MilesFacade(_backend(), model_path="tiny", unknown_keys=keys).app()
         async with TestClient(TestServer(app)) as c:
             r = await c.post("/generate", json=body)
             assert r.status == status, await r.text()
             r = await c.post("/v1/chat/completions", json=chat)
-            assert r.status == status, await r.text()
+            assert r.status == 200, await r.text()
+        strict = MilesFacade(_backend(), model_path="tiny", unknown_keys=keys, chat_unknown_keys=UnknownKeys.REFUSE)
+        async with TestClient(TestServer(strict.app())) as c:
+            r = await c.post("/v1/chat/completions", json=chat)
+            assert r.status == 400 and (await r.json())["error"]["param"] == "my_extra", await r.text()
+            known = {**{k: v for k, v in chat.items() if k in ("messages", "input_ids", "max_tokens")},
+                     "priority": 3, "cache_salt": "s", "reasoning": {"effort": "low"}}  # fmt: skip
+            r = await c.post("/v1/chat/completions", json=known)  # SGLang's own keys are known
+            assert r.status == 200, await r.text()
         # Unknown sampling keys are refused in both modes (SGLang's schema gate refuses them too).
         async with TestClient(TestServer(app)) as c:
             r = await c.post("/generate", json={"input_ids": [1], "sampling_params": {"max_new_token": 2}})

@@ -137,7 +137,7 @@ async def test_a_request_spanning_an_update_reports_both_versions_and_the_spans(
         assert (meta["weight_version"], meta["weight_version_start"], meta["weight_version_end"]) == ("3", 3, 4)
         assert meta["weight_versions"] == spans
         backend.script.append(spanning)
-        chat = {"input_ids": [5, 6, 7], "logprobs": True, "max_tokens": 8}
+        chat = {"input_ids": [5, 6, 7], "logprobs": True, "return_meta_info": True, "max_tokens": 8}
         out = (await client.post(f"{running.url}/v1/chat/completions", json=chat)).json()
         assert (out["weight_version_start"], out["weight_version_end"]) == (3, 4)
         assert out["metadata"] == {"weight_version": "3", "weight_versions": spans}

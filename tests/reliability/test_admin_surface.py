@@ -96,7 +96,7 @@ async def test_facade_refuses_control_without_the_admin_key(caplog: pytest.LogCa
 
     caplog.set_level(logging.DEBUG)
     backend = ReferenceBackend.create(workers=2)
-    facade = MilesFacade(backend, api_key=API_KEY, admin_api_key=ADMIN_KEY)
+    facade = MilesFacade(backend, api_key=API_KEY, admin_api_key=ADMIN_KEY, token_only=True)
     assert API_KEY not in repr(facade) and ADMIN_KEY not in repr(facade)
     running = await start_facade(facade, worker_ports={backend.workers[0]: 0})
     try:

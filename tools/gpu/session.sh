@@ -23,7 +23,7 @@
 #   layers  where the Dynamo path's time goes (stock worker, worker text, stream
 #           interval, KV events, adapter vs raw), gsm8k at <= 256 new tokens    BUDGET 480 s
 set -uo pipefail
-stage=${1:?usage: session.sh client|main|layers|weightsync|tier|capture}
+stage=${1:?usage: session.sh client|main|layers|weightsync|tier|capture|miles-chat}
 : "${OUT:?set OUT}"
 root=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$root"
@@ -80,6 +80,11 @@ case "$stage" in
     need sglang; need dynamo.frontend
     python3 -m rb_bench.capture "$OUT/capture" --budget-s "${BUDGET:-260}" >"$OUT/capture.log" 2>&1
     tail -30 "$OUT/capture.log"; rm -rf "$OUT/capture/model"
+    ;;
+  miles-chat)  # issue 27: Miles' session through the facade over SGLang and Dynamo vs stock SGLang, ~300 s
+    need sglang; need dynamo.frontend; need smg; need rb_bench.miles_chat
+    python3 -m rb_bench.miles_chat --out "$OUT/miles-chat" --gpus 0 --budget-s "${BUDGET:-420}" 2>&1 \
+      | tee "$OUT/miles-chat.log" | tail -30
     ;;
   tier)
     need sglang; need dynamo.frontend; need smg

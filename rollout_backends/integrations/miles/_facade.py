@@ -36,7 +36,6 @@ from aiohttp import web
 from rollout_backends import (
     BackendUnavailable,
     ContractViolation,
-    FinishReason,
     GenerateRequest,
     Generation,
     InvalidRequest,
@@ -74,6 +73,7 @@ from rollout_backends.sglang_native import (
     split_batch,
 )
 
+from ._chat_parsers import ChatParseFailed, ChatParsing, PreparedChat, plain_tool_rules
 from ._shapes import decode_tensor_payload
 from ._versioning import (
     WEIGHT_VERSION_KEY,
@@ -182,25 +182,37 @@ _CHAT_SAMPLING = {
     "regex": "regex",
     "ebnf": "ebnf",
 }
-#: Chat keys the protocol cannot honour: refused while set.
+#: Chat keys SGLang honours and the protocol cannot: refused while set (ignoring them would answer
+#: something else than SGLang does).
 _CHAT_REFUSED = {
     "lora_path": "LoRA is not part of the protocol",
     "return_routed_experts": "routed experts are not part of the protocol",
+    "routed_experts_start_len": "routed experts are not part of the protocol",
     "return_indexer_topk": "indexer top-k is not part of the protocol",
     "return_hidden_states": "hidden states are not part of the protocol",
+    "return_cached_tokens_details": "cached-token details are not part of the protocol",
     "response_format": "constrained decoding is not part of the protocol",
-    "tool_choice": "tool choice is not supported by the facade",
     "custom_logit_processor": "custom logit processors are not part of the protocol",
+    "stop_regex": "stop regexes are not part of the protocol; use stop_token_ids",
+    "session_id": "SGLang sessions are not part of the protocol",
+    "session_params": "SGLang sessions are not part of the protocol",
+    "bootstrap_host": "PD disaggregation is not part of the protocol",
+    "bootstrap_port": "PD disaggregation is not part of the protocol",
+    "bootstrap_room": "PD disaggregation is not part of the protocol",
 }
-#: Every key a chat completion may carry (OpenAI's, and SGLang's extensions); others are refused
-#: unless ``UnknownKeys.IGNORE``.
+#: Every key a chat completion may carry: SGLang 0.5.16's ``ChatCompletionRequest`` fields (placement
+#: and cache hints among them, which change no token: ignored), ``reasoning`` (its validator reads
+#: it) and OpenAI's. Others are dropped, as SGLang's pydantic model does (``extra="ignore"``), or
+#: refused naming them under ``UnknownKeys.REFUSE`` (``--strict-chat-keys``).
 _CHAT_KEYS = frozenset(
     {
         *_CHAT_SAMPLING, *_CHAT_REFUSED, "messages", "model", "n", "stream", "stream_options", "logprobs",
-        "top_logprobs", "tools", "parallel_tool_calls", "user", "metadata", "store", "reasoning_effort",
-        "service_tier", "chat_template_kwargs", "continue_final_message", "separate_reasoning",
-        "stream_reasoning", "rid", "return_meta_info", "return_prompt_token_ids", "input_ids",
-        WEIGHT_VERSION_KEY,
+        "top_logprobs", "tools", "tool_choice", "parallel_tool_calls", "user", "metadata", "store",
+        "reasoning_effort", "reasoning", "service_tier", "chat_template_kwargs", "continue_final_message",
+        "separate_reasoning", "stream_reasoning", "rid", "return_meta_info", "return_prompt_token_ids",
+        "input_ids", "stop_regex", "task", "priority", "extra_key", "cache_salt", "routed_dp_rank",
+        "data_parallel_rank", "disagg_prefill_dp_rank", "custom_params", "images_config",
+        "max_dynamic_patch", "min_dynamic_patch", "use_audio_in_video", WEIGHT_VERSION_KEY,
     }
 )  # fmt: skip
 
@@ -252,9 +264,23 @@ class MilesFacade:
     #: Unknown top-level keys: refused naming them (a ``return_logprobs`` typo is caught);
     #: ``UnknownKeys.IGNORE`` (``--ignore-unknown-keys``) keeps SGLang's rule of dropping them.
     unknown_keys: UnknownKeys = UnknownKeys.REFUSE
+    #: Unknown chat keys: dropped, as SGLang's ``ChatCompletionRequest`` does (agents send litellm's
+    #: and newer OpenAI keys); ``UnknownKeys.REFUSE`` (``--strict-chat-keys``) refuses them naming them.
+    chat_unknown_keys: UnknownKeys = UnknownKeys.IGNORE
+    #: SGLang's ``--tool-call-parser`` / ``--reasoning-parser`` names: chat answers carry
+    #: ``tool_calls`` / ``reasoning_content`` parsed by SGLang's own parsers (``_chat_parsers``).
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
+    #: Answer token ids only: without a tokenizer ``text`` / ``content`` would be empty, so
+    #: :func:`start_facade` refuses to start without one unless this says that is meant.
+    token_only: bool = False
+    chat_parsing: ChatParsing | None = attrs.field(default=None, init=False)
     _aborts: set[asyncio.Task[None]] = attrs.field(factory=set, init=False)
     #: Request ids in flight: a second request with one is refused (SGLang's rule), not merged.
     _inflight: set[str] = attrs.field(factory=set, init=False)
+
+    def __attrs_post_init__(self) -> None:
+        self.chat_parsing = ChatParsing.for_flags(self.tool_call_parser, self.reasoning_parser, self.tokenizer)
 
     # -- auth (SGLang's rules: 401 {"error": "Unauthorized"}) ---------------------------------
 
@@ -537,7 +563,10 @@ class MilesFacade:
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         body = await _json_body(request)
-        native = self._chat_native_body(body)
+        self._check_chat_keys(body)
+        prepared = self.chat_parsing.prepare(body) if self.chat_parsing is not None else None
+        skip_special = prepared.skip_special_tokens if prepared is not None else plain_tool_rules(body)
+        native = self._chat_native_body(body, skip_special_tokens=skip_special)
         want_logprobs = _opt_bool(body, "logprobs")
         constraint = parse_constraint(body, self.unknown_keys)
         try:
@@ -557,14 +586,17 @@ class MilesFacade:
         text = decode_text(self.tokenizer, gen, opts)
         meta = meta_info(gen, return_logprob=True)
         stamp_meta(meta, gen)
+        finish: dict[str, Any] = meta["finish_reason"]
         choice: dict[str, Any] = {
             "index": 0,
-            "message": {"role": "assistant", "content": text, "reasoning_content": None, "tool_calls": None},
+            "message": self._chat_message(prepared, text, finish),
             "logprobs": self._chat_logprobs(meta) if want_logprobs else None,
-            "finish_reason": gen.finish_reason.value,
-            "matched_stop": gen.matched_stop if gen.finish_reason is FinishReason.STOP else None,
+            # serving_chat: both from meta_info's finish_reason, which tool calls turn into
+            # {"type": "tool_calls", "matched": None} in place (so meta_info shows it too).
+            "finish_reason": finish["type"],
+            "matched_stop": finish.get("matched"),
         }
-        if _opt_bool(body, "return_meta_info") or want_logprobs:
+        if _opt_bool(body, "return_meta_info"):
             choice["meta_info"] = meta
         if parsed.return_prompt_token_ids:
             choice["prompt_token_ids"] = list(input_ids)
@@ -574,22 +606,44 @@ class MilesFacade:
             "created": int(time.time()),
             "model": body.get("model") or self.model_name,
             "choices": [choice],
-            "usage": {
-                "prompt_tokens": gen.prompt_tokens,
-                "completion_tokens": len(gen.output_ids),
-                "total_tokens": gen.prompt_tokens + len(gen.output_ids),
-                "prompt_tokens_details": {"cached_tokens": gen.cached_tokens},
-            },
+            "usage": self._chat_usage(prepared, gen),
         }
         stamp_top_level(out, gen)
         return web.json_response(out)
 
-    def _chat_native_body(self, body: Mapping[str, Any]) -> dict[str, Any]:
+    def _chat_usage(self, prepared: PreparedChat | None, gen: Generation) -> dict[str, Any]:
+        """SGLang's ``UsageProcessor.calculate_response_usage`` as with ``--enable-cache-report``
+        (cached tokens listed where there are some)."""
+        completion = len(gen.output_ids)
+        reasoning = 0
+        if prepared is not None and self.chat_parsing is not None:
+            reasoning = self.chat_parsing.reasoning_tokens(prepared, gen.output_ids)
+        return {
+            "prompt_tokens": gen.prompt_tokens,
+            "total_tokens": gen.prompt_tokens + completion,
+            "completion_tokens": completion,
+            "prompt_tokens_details": {"cached_tokens": gen.cached_tokens} if gen.cached_tokens > 0 else None,
+            "reasoning_tokens": reasoning,
+        }
+
+    def _chat_message(self, prepared: PreparedChat | None, text: str, finish: dict[str, Any]) -> dict[str, Any]:
+        if prepared is None or self.chat_parsing is None:
+            return {"role": "assistant", "content": text or "", "reasoning_content": None, "tool_calls": None}
+        try:
+            return self.chat_parsing.answer(prepared, text, finish)
+        except ChatParseFailed as exc:
+            raise _HttpError(500, str(exc)) from None
+
+    def _check_chat_keys(self, body: Mapping[str, Any]) -> None:
+        if self.chat_unknown_keys is UnknownKeys.REFUSE:
+            for key in body:
+                if key not in _CHAT_KEYS:
+                    raise InvalidRequest(key, "unknown field: a chat completion has no such key (a typo?)")
+
+    def _chat_native_body(self, body: Mapping[str, Any], *, skip_special_tokens: bool | None = None) -> dict[str, Any]:
         """A chat completion body (OpenAI's keys with SGLang's extensions) -> SGLang's ``/generate``
-        body, so the codec's one rule checks it; refusals name the chat key (:func:`_chat_field`)."""
-        for key in body:
-            if key not in _CHAT_KEYS and self.unknown_keys is UnknownKeys.REFUSE:
-                raise InvalidRequest(key, "unknown field: a chat completion has no such key (a typo?)")
+        body, so the codec's one rule checks it; refusals name the chat key (:func:`_chat_field`).
+        ``skip_special_tokens`` overrides the caller's where SGLang does (tools, some parsers)."""
         if _opt_bool(body, "stream"):
             raise InvalidRequest("stream", "streaming is not supported by the facade (Miles' session server fakes it)")
         n = body.get("n")
@@ -620,6 +674,8 @@ class MilesFacade:
         for key, native in _CHAT_SAMPLING.items():
             if body.get(key) is not None:
                 params.setdefault(native, body[key])
+        if skip_special_tokens is not None:
+            params["skip_special_tokens"] = skip_special_tokens
         if "max_new_tokens" not in params:
             # Up to the context where the backend declares it (the codec's room), else the default.
             has_ctx = self.backend.capabilities.max_context is not None
@@ -941,8 +997,12 @@ async def start_facade(
 ) -> RunningFacade:
     """Serve ``facade`` on ``host:port`` (0 = any free port), and each worker's app on its own port
     when ``worker_ports`` maps worker ids to ports."""
-    if facade.tokenizer is None:
-        logger.warning("facade has no tokenizer: /generate answers text='' (Miles' rewards need the text)")
+    if facade.tokenizer is None and not facade.token_only:
+        raise InvalidRequest(
+            "tokenizer",
+            "without one the facade answers empty text (Miles' rewards and its resume of aborted samples "
+            "read it): pass a tokenizer (CLI: --tokenizer or --model-path), or token_only=True (--token-only)",
+        )
     runners: list[web.AppRunner] = []
     try:
         runner, bound = await _serve(facade.app(), host, port)
