@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 
-
 #: torch's shared-memory daemon (``/proc`` truncates names to 15 characters): the first CPU tensor
 #: shared with the ``file_system`` strategy (a tensor weight update on CPU) starts one for this
 #: process, which ends with it. Not a process the code under test left behind.

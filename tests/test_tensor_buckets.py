@@ -114,9 +114,7 @@ def test_the_payload_loads_under_sglangs_rule_and_rebuilds_as_its_weight_updater
     # model_runner_components/weight_updater.py _update_weights_from_flattened_bucket, then
     # FlattenedTensorBucket.reconstruct_tensors: attribute reads and one slice per record.
     flat = obj["flattened_tensor"]
-    rebuilt = [
-        (m.name, flat[m.start_idx : m.end_idx].view(m.dtype).reshape(m.shape)) for m in obj["metadata"]
-    ]
+    rebuilt = [(m.name, flat[m.start_idx : m.end_idx].view(m.dtype).reshape(m.shape)) for m in obj["metadata"]]
     assert flat.dtype == torch.uint8 and flat.dim() == 1
     for (n, want), (m, t) in zip(named, rebuilt, strict=True):
         assert n == m and torch.equal(t, want)
@@ -192,7 +190,9 @@ class _Recorder:
         self.capabilities = rb.Capabilities(weight_transports=[rb.WeightTransport.TENSOR], flattened_buckets=flat)
         self.sent: list[tuple[Any, str | None]] = []
 
-    async def update_weights_from_tensors(self, named: Any, *, flush_cache: bool, load_format: str | None = None) -> None:
+    async def update_weights_from_tensors(
+        self, named: Any, *, flush_cache: bool, load_format: str | None = None
+    ) -> None:
         assert flush_cache is False
         self.sent.append((named, load_format))
 

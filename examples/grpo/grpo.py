@@ -109,6 +109,10 @@ class StepRecord:
     def mean_reward(self) -> float:
         return sum(self.rewards) / len(self.rewards)
 
+    @property
+    def step_s(self) -> float:
+        return self.rollout_s + self.memory_s + self.train_s + self.sync_s
+
 
 # -- the policy: the engines' model in torch -------------------------------------------------------
 
@@ -197,6 +201,14 @@ class Colocated:
     def __init__(self, policy: Policy, bucket_mib: float) -> None:
         self.policy = policy
         self.buckets = rb.TensorBuckets(int(bucket_mib * 2**20), dtype=policy.engine_dtype)
+        if policy.device.type == "cuda":
+            # CUDA-IPC handles name their GPU by index, which the engines (seeing only their own
+            # GPUs) may number differently; SGLang's patch names it by UUID, which its engines map
+            # back (they apply the same patch before loading). SGLang's own trainer helper does this.
+            with contextlib.suppress(ImportError):
+                from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
+
+                monkey_patch_torch_reductions()
 
     async def push(self, tx: rb.WeightUpdateTransaction) -> None:
         await tx.update_from_tensors(self.policy.named_weights(), buckets=self.buckets)
@@ -331,6 +343,7 @@ class GRPO:
             self.sync = Distributed(self.policy, backend, cfg.master_port)
         self.version = INITIAL
         self.k = 0
+        self.samples: list[Sample] = []  # the last step's
 
     async def setup(self) -> None:
         """Join the group, then push the policy's starting weights as ``initial``: from here on the
@@ -383,7 +396,7 @@ class GRPO:
 
     async def step(self) -> StepRecord:
         t0 = time.perf_counter()
-        samples = await self.rollout()
+        samples = self.samples = await self.rollout()
         t1 = time.perf_counter()
         release = isinstance(self.sync, Colocated) and self.backend.capabilities.memory_release
         if release:  # colocated: give the engines' memory to the trainer while it trains
