@@ -44,7 +44,7 @@ from typing import Any
 import attrs
 
 from . import REPO_ROOT, report
-from .fanout import MEM_FRACTION, RECIPE_FLAGS, gpu_memory
+from .fanout import MEM_FRACTION, RECIPE_FLAGS, _ready_printer, gpu_memory
 from .stats import Interval, judge, paired_ratio
 
 __all__ = [
@@ -144,7 +144,7 @@ class Side:
             log_dir=str(s.log_root / self.row.replace(" ", "-")),
             startup_timeout_s=s.startup_timeout_s,
         )
-        self._fleet = await start_sglang_fleet(cfg, progress=_printer(progress, self.row))
+        self._fleet = await start_sglang_fleet(cfg, progress=_ready_printer(progress, self.row))
         self.backend = self._fleet.backend
 
     async def _start_dynamo(self, progress: report.Progress) -> None:
@@ -170,7 +170,7 @@ class Side:
             ready_timeout=s.startup_timeout_s,
         )
         self._fleet = launch_dynamo_fleet(
-            cfg, log_dir=s.log_root / self.row.replace(" ", "-"), progress=_printer(progress, self.row)
+            cfg, log_dir=s.log_root / self.row.replace(" ", "-"), progress=_ready_printer(progress, self.row)
         )
         self._running = await self._fleet.__aenter__()
         self.backend = await self._running.connect()
@@ -184,17 +184,6 @@ class Side:
                 await fleet.__aexit__(None, None, None)
             else:
                 await fleet.aclose()
-
-
-def _printer(progress: report.Progress, what: str) -> Any:
-    last = [0.0]
-
-    def show(p: Any) -> None:
-        if time.monotonic() - last[0] >= 15.0 or all(p.ready.values()):
-            last[0] = time.monotonic()
-            progress(f"{what}: {p}")
-
-    return show
 
 
 # -- the run: lanes stepping in blocks ---------------------------------------------------------------

@@ -67,6 +67,7 @@ import attrs
 from rollout_backends import GenerateRequest, SamplingParams, WeightBucket, WeightGroup
 
 from . import report, with_bench_path
+from .fanout import _ready_printer
 from .stats import Interval, judge, paired_ratio
 
 __all__ = [
@@ -695,14 +696,7 @@ class _Run:
             log_dir=str(self.run_dir / "logs"),
             startup_timeout_s=max(10.0, self.left()),
         )
-        last = [0.0]
-
-        def show(p: Any) -> None:
-            if time.monotonic() - last[0] >= 15.0 or all(p.ready.values()):
-                last[0] = time.monotonic()
-                self.progress(f"engine: {p}")
-
-        self.fleet = await start_sglang_fleet(cfg, progress=show)
+        self.fleet = await start_sglang_fleet(cfg, progress=_ready_printer(self.progress, "engine"))
 
     def start_bare(self) -> None:
         """Start the bare receiver now (it imports torch and allocates while the engine starts)."""
