@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import pytest_asyncio
+import torch
 
 import rollout_backends as rb
 from rollout_backends.adapters.reference import ReferenceBackend, cached_tiny_model
@@ -57,6 +58,10 @@ async def test_colocated_loop_learns_and_keeps_versions_in_step(model: Path, tmp
     cfg = grpo.Config(backend=f"reference://{model}", model=str(model), steps=6, seed=0)
     async with grpo.opened(cfg) as loop:
         assert loop.backend.capabilities.memory_release  # the release -> train -> resume path runs
+        # the float32 trainer pushes the engines' bfloat16: its flat buffers hold 2 bytes a weight
+        weights = sum(p.numel() for _, p in loop.policy.named_weights())
+        assert loop.policy.engine_dtype == torch.bfloat16
+        assert 2 * weights <= loop.sync.buckets.allocated_bytes < 2 * weights + 256 * 64
         before = await loop.backend.generate(rb.GenerateRequest(input_ids=PROBES[0], sampling=GREEDY))
         records = [await loop.step() for _ in range(cfg.steps)]
         assert [r.version for r in records] == ["initial", *(f"step-{k}" for k in range(1, cfg.steps))]

@@ -119,15 +119,17 @@ class StepRecord:
 
 class Policy:
     def __init__(self, model_path: str, device: str, lr: float) -> None:
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoConfig, AutoModelForCausalLM
 
         self.path = Path(model_path)
         self.device = torch.device(device)
-        model: Any = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+        #: the dtype the engines hold, as the checkpoint's config says (bf16 for make-model's
+        #: models): what gets pushed. Read before loading: the loaded config says float32.
+        dtype = AutoConfig.from_pretrained(model_path).dtype or torch.bfloat16
+        self.engine_dtype: torch.dtype = dtype if isinstance(dtype, torch.dtype) else getattr(torch, str(dtype))
+        model: Any = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)  # fp32 master weights
         self.model: Any = model.to(self.device).train()
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=lr, betas=(0.9, 0.99), weight_decay=0.0)
-        #: the dtype the engines hold (bf16 for make-model's models): what gets pushed
-        self.engine_dtype = getattr(self.model.config, "dtype", None) or torch.bfloat16
 
     def named_weights(self) -> list[tuple[str, torch.Tensor]]:
         """The parameters under the checkpoint's names (tied weights once, as in the checkpoint)."""
