@@ -180,7 +180,7 @@ def test_weightsync_smoke_measures_every_cpu_transport_against_its_own_baseline(
     got = {m["transport"]: m for m in data["results"]}
     assert set(got) == {
         "raw broadcast", "gloo", "raw tensors", "tensors", "raw flat", "sglang api flat", "tensors flat",
-        "raw disk", "disk",
+        "tensors flat, one bucket", "raw disk", "disk",
     }  # fmt: skip
     for m in got.values():
         _measured(m)
@@ -196,6 +196,8 @@ def test_weightsync_smoke_measures_every_cpu_transport_against_its_own_baseline(
     family = ("raw broadcast", "gloo", "raw tensors", "tensors", "raw flat", "sglang api flat", "tensors flat")
     assert len({got[t]["nbytes"] for t in family}) == 1 and len({got[t]["buckets"] for t in family}) == 1
     assert got["tensors"]["buckets"] >= 2
+    one = got["tensors flat, one bucket"]
+    assert one["buckets"] == 1 and one["nbytes"] == got["tensors flat"]["nbytes"] and one["baseline"] is None
     assert got["disk"]["nbytes"] == got["raw disk"]["nbytes"]
     goals = {g["goal"]: g["met"] for g in data["targets"]}
     assert set(goals) == {
@@ -217,7 +219,7 @@ def test_weightsync_smoke_measures_every_cpu_transport_against_its_own_baseline(
 def test_weightsync_two_transport_smoke_reports_the_group_transport_as_not_run(tmp_path: Path) -> None:
     data = _smoke(tmp_path, "--transports", "tensors", "disk")
     got = {m["transport"]: m for m in data["results"]}
-    for t in ("raw tensors", "tensors", "raw flat", "sglang api flat", "tensors flat", "raw disk", "disk"):
+    for t in weightsync.FAMILIES["tensors"] + weightsync.FAMILIES["disk"]:
         _measured(got[t])
     for t in ("raw broadcast", "gloo"):  # in the table with the reason, not dropped
         assert got[t]["status"] == weightsync.NOT_SELECTED and not got[t]["rounds_s"], got[t]

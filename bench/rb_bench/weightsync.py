@@ -99,10 +99,11 @@ RAW_TENSORS = "raw tensors"
 RAW_FLAT = "raw flat"
 SGLANG_FLAT = "sglang api flat"
 FLAT = "tensors flat"
+FLAT_ONE = "tensors flat, one bucket"
 RAW_DISK = "raw disk"
 #: The rows of each ``--transports`` family, in table order (raw rows have no adapter in them).
 FAMILIES: Mapping[str, tuple[str, ...]] = {
-    "tensors": (RAW_TENSORS, "tensors", RAW_FLAT, SGLANG_FLAT, FLAT),
+    "tensors": (RAW_TENSORS, "tensors", RAW_FLAT, SGLANG_FLAT, FLAT, FLAT_ONE),
     "disk": (RAW_DISK, "disk"),
     "nccl": (RAW_BROADCAST, "nccl"),
     "gloo": (RAW_BROADCAST, "gloo"),
@@ -126,7 +127,19 @@ TIMES = "\N{MULTIPLICATION SIGN}"
 PACKAGES = ("torch", "sglang", "transformers", "safetensors", "aiohttp")
 _GROUP_TIMEOUT_S = 120.0
 #: Table order: each baseline above the adapter row measured against it (the run order differs).
-_ORDER = (RAW_BROADCAST, "nccl", "gloo", RAW_TENSORS, "tensors", RAW_FLAT, SGLANG_FLAT, FLAT, RAW_DISK, "disk")
+_ORDER = (
+    RAW_BROADCAST,
+    "nccl",
+    "gloo",
+    RAW_TENSORS,
+    "tensors",
+    RAW_FLAT,
+    SGLANG_FLAT,
+    FLAT,
+    FLAT_ONE,
+    RAW_DISK,
+    "disk",
+)
 
 
 # -- the plan: which rows run where (no torch needed; --dry-run prints it) --------------------------
@@ -723,7 +736,8 @@ class _Run:
             RAW_FLAT: lambda: self.prep_bare("flat"),
             SGLANG_FLAT: self.prep_sglang_flat,
             "tensors": self.prep_tensors,
-            FLAT: self.prep_flat,
+            FLAT: lambda: self.prep_flat(self.limit),
+            FLAT_ONE: lambda: self.prep_flat(nbytes(self.named_engine) + 256 * len(self.named_engine)),
             RAW_DISK: self.prep_raw_disk,
             "disk": self.prep_disk,
         }
@@ -807,20 +821,22 @@ class _Run:
         what = "update_weights_from_tensors per bucket, per tensor, " + ("CUDA IPC" if self.gpu else "shared memory")
         return Pusher(what, nbytes(self.named_engine), len(groups), push)
 
-    async def prep_flat(self) -> Pusher:
+    async def prep_flat(self, limit: int) -> Pusher:
+        """The library's flat path with buckets of at most ``limit`` bytes (FLAT_ONE: the whole
+        model in one bucket, one call, one handle, a model-sized buffer)."""
         from rollout_backends import TensorBuckets
 
         backend = self.fleet.backend
         if not backend.capabilities.flattened_buckets:
             raise RuntimeError("the engine does not declare flattened_buckets")
-        packer = TensorBuckets(self.limit)
+        packer = TensorBuckets(limit)
 
         async def push() -> None:
             for b in packer.pack(self.named_engine):
                 await backend.update_weights_from_tensors(b, flush_cache=False)
 
         what = "TensorBuckets.pack (reused buffers) + update_weights_from_tensors(FlatBucket) per bucket"
-        n = len(buckets(self.named_engine, self.limit))
+        n = len(packer.pack(self.named_engine))
         return Pusher(what, nbytes(self.named_engine), n, push, close=_async(packer.release))
 
     # -- disk
@@ -1247,6 +1263,7 @@ def comparisons(results: Sequence[Measurement]) -> list[str]:
     out = []
     for a, b, what in (
         (FLAT, "tensors", "flat buckets vs per-tensor, both through the library"),
+        (FLAT_ONE, FLAT, "the whole model in one flat bucket vs buckets of --bucket-mib"),
         (FLAT, RAW_FLAT, "library flat vs a bare process rebuilding the same buckets"),
         (SGLANG_FLAT, RAW_FLAT, "SGLang API flat vs a bare process rebuilding the same buckets"),
     ):
