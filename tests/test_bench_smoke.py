@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from rb_bench import fanout, overhead, report, weightsync, with_bench_path
+from rollout_backends.adapters.reference import cached_tiny_model
 
 RAW = ("raw aiohttp", "raw httpx", "miles httpx")
 
@@ -154,8 +155,9 @@ def test_markdown_section_is_replaced_in_place(tmp_path: Path) -> None:
 
 def _smoke(tmp_path: Path, *extra: str) -> dict[str, Any]:
     # Its own process: tensor hand-over switches torch's sharing strategy for the whole process.
+    model = ["--model-path", str(cached_tiny_model(0))]
     res = subprocess.run(
-        [sys.executable, "-m", "rb_bench.weightsync", "--smoke", "--out", str(tmp_path), *extra],
+        [sys.executable, "-m", "rb_bench.weightsync", "--smoke", "--out", str(tmp_path), *model, *extra],
         capture_output=True,
         text=True,
         timeout=120,
