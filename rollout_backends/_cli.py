@@ -1,10 +1,11 @@
-"""The ``rollout-backends`` command.
+"""The rollout-backends command.
 
 commands:
   demo                   a small rollout + weight update on the CPU reference engine
   demo --backend URL     the same against any backend URL (sglang://, dynamo://)
   launch sglang ...      start SGLang workers (+ smg router) and wait (Ctrl-C stops)
   launch dynamo ...      start a Dynamo frontend + workers and wait (Ctrl-C stops)
+  launch vllm ...        start vLLM servers and wait (Ctrl-C stops)
   serve-reference ...    the CPU reference engine behind SGLang's native HTTP API
   make-model OUT ...     write a seeded tiny Qwen2 model + tokenizer (nothing downloaded)
   facade ...             SGLang-compatible facade for Miles over any backend
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import sys
 import tempfile
 import time
@@ -74,34 +76,67 @@ async def _demo(args: argparse.Namespace) -> int:
                     ]
                 )
         _print_table(["sample", "tokens", "logprobs", "finish", "version", "worker"], rows)
-
-        if caps.supports_transport(rb.WeightTransport.DISK) and args.backend is None:
-            from rollout_backends.adapters.reference import make_tiny_model
-
+        skipped = _why_no_update(args, caps)
+        if skipped is None:
             with tempfile.TemporaryDirectory(prefix="rb-demo-") as tmp:
-                new_weights = make_tiny_model(tmp, seed=1)
-                greedy = rb.SamplingParams(temperature=0.0, max_new_tokens=8)
-                before = await backend.generate(rb.GenerateRequest(input_ids=prompts[0], sampling=greedy))
-                print("\nweight update transaction -> 'step-1' (pause retract, flush, load, label, resume)")
-                async with backend.weight_update("step-1") as tx:
-                    await tx.update_from_disk(str(new_weights))
-                after = await backend.generate(rb.GenerateRequest(input_ids=prompts[0], sampling=greedy))
-                _print_table(
-                    ["when", "greedy tokens (prompt 0)", "version"],
-                    [
-                        ["before", _short(before.output_ids), str(before.weight_version)],
-                        ["after", _short(after.output_ids), str(after.weight_version)],
-                    ],
-                )
-                print(f"fleet version now: {await backend.weight_version()}")
-    print(f"\ndone in {time.perf_counter() - t0:.1f}s")
+                await _weight_update(backend, args.weights or _new_tiny_weights(tmp), prompts[0])
+        else:
+            print(f"\nweight update: SKIPPED: {skipped}", file=sys.stderr, flush=True)
+    done = f"\ndone in {time.perf_counter() - t0:.1f}s"
+    print(done if skipped is None else f"{done} (without the weight update: see above)")
     return 0
 
 
+def _why_no_update(args: argparse.Namespace, caps: Any) -> str | None:
+    """Why the demo cannot show a weight update on this backend (``None``: it can)."""
+    from rollout_backends import WeightTransport
+
+    if not caps.supports_transport(WeightTransport.DISK):
+        declared = ", ".join(sorted(t.value for t in caps.weight_transports)) or "none"
+        return f"the backend does not declare weight updates from disk (its transports: {declared})"
+    if args.backend is not None and args.weights is None:
+        # Only the demo's own engine is known to load the tiny model it would make; another
+        # engine needs a checkpoint of its own architecture, readable where it runs.
+        return (
+            "--backend needs --weights DIR: a checkpoint of the served model's architecture that the "
+            "engines can read (the one they serve will do: the update then relabels the same weights)"
+        )
+    return None
+
+
+def _new_tiny_weights(folder: str) -> str:
+    """Other weights for the demo's own reference engines (same architecture, another seed)."""
+    from rollout_backends.adapters.reference import make_tiny_model
+
+    return str(make_tiny_model(folder, seed=1))
+
+
+async def _weight_update(backend: Any, weights: str, prompt: Sequence[int]) -> None:
+    """One weight-update transaction to ``step-1`` from ``weights``, with greedy tokens before and after."""
+    import rollout_backends as rb
+
+    greedy = rb.SamplingParams(temperature=0.0, max_new_tokens=8)
+    before = await backend.generate(rb.GenerateRequest(input_ids=prompt, sampling=greedy))
+    print(f"\nweight update transaction -> 'step-1' from {weights} (pause retract, flush, load, label, resume)")
+    async with backend.weight_update("step-1") as tx:
+        await tx.update_from_disk(weights)
+    after = await backend.generate(rb.GenerateRequest(input_ids=prompt, sampling=greedy))
+    _print_table(
+        ["when", "greedy tokens (prompt 0)", "version"],
+        [
+            ["before", _short(before.output_ids), str(before.weight_version)],
+            ["after", _short(after.output_ids), str(after.weight_version)],
+        ],
+    )
+    print(f"fleet version now: {await backend.weight_version()}")
+
+
 def _build_parser() -> argparse.ArgumentParser:
+    import rollout_backends
     from rollout_backends._launch import HelpFormatter
 
     p = argparse.ArgumentParser(prog="rollout-backends", description=__doc__, formatter_class=HelpFormatter)
+    p.add_argument("-V", "--version", action="version", version=f"rollout-backends {rollout_backends.__version__}")
     sub = p.add_subparsers(dest="command", required=True)
     d = sub.add_parser(
         "demo",
@@ -110,6 +145,13 @@ def _build_parser() -> argparse.ArgumentParser:
         formatter_class=HelpFormatter,
     )
     d.add_argument("--backend", help="backend URL (default: the in-process reference engine)")
+    d.add_argument(
+        "--weights",
+        default=None,
+        metavar="DIR",
+        help="checkpoint the weight update loads, readable by the engines (default: without --backend, a tiny "
+        "model made for the demo; with --backend, none: the update is skipped, and the demo says so)",
+    )
     d.add_argument("--workers", type=int, default=2, help="reference engines (without --backend)")
     d.add_argument("--samples", type=int, default=4, help="samples per prompt")
     d.add_argument("--max-new-tokens", type=int, default=12, help="tokens per sample")
@@ -121,7 +163,7 @@ def _build_parser() -> argparse.ArgumentParser:
             sub.add_parser(key, help=f"see: rollout-backends {key} --help", add_help=False)
     launch = sub.add_parser(
         "launch",
-        help="start a fleet and wait (Ctrl-C stops it): launch sglang|dynamo ...",
+        help="start a fleet and wait (Ctrl-C stops it): launch sglang|dynamo|vllm ...",
         description="Start a fleet, print its URLs (and a connect: URL for open_backend), and wait until "
         "Ctrl-C or SIGTERM stops everything it started.",
         formatter_class=HelpFormatter,
@@ -144,6 +186,7 @@ def _build_parser() -> argparse.ArgumentParser:
 _DELEGATES: dict[str, str] = {
     "launch sglang": "rollout_backends.adapters.sglang.launch:main",
     "launch dynamo": "rollout_backends.adapters.dynamo.launch:main",
+    "launch vllm": "rollout_backends.adapters.vllm.launch:main",
     "serve-reference": "rollout_backends.adapters.reference.serve:main",
     "make-model": "rollout_backends.adapters.reference.make_model:main",
     "facade": "rollout_backends.integrations.miles.facade:main",
@@ -172,9 +215,23 @@ def _delegate(argv: Sequence[str]) -> int | None:
         except (ImportError, AttributeError) as exc:
             print(f"error: {key!r} is not available in this installation ({exc})", file=sys.stderr)
             return 2
-        result = entry(list(argv[words:]))
-        return int(result or 0)
+        return _run_reporting(functools.partial(entry, list(argv[words:])))
     return None
+
+
+def _run_reporting(call: Any) -> int:
+    """Run a command's body: its exit status, or an error as one line (no traceback) with status 2
+    for the caller's own mistake (``InvalidRequest``), 1 for anything else, 130 on Ctrl-C."""
+    from rollout_backends import InvalidRequest
+    from rollout_backends.launch import one_line_error
+
+    try:
+        return int(call() or 0)
+    except KeyboardInterrupt:
+        return 130
+    except Exception as exc:
+        print(one_line_error(exc), file=sys.stderr)
+        return 2 if isinstance(exc, InvalidRequest) else 1
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -191,17 +248,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return delegated
     args = _build_parser().parse_args(argv)
     func: Any = args.func
-    try:
-        return int(asyncio.run(func(args)))
-    except KeyboardInterrupt:
-        return 130
-    except Exception as exc:  # a CLI prints the typed error, not a traceback
-        from rollout_backends import RolloutBackendError
-
-        if isinstance(exc, RolloutBackendError):
-            print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
-            return 2
-        raise
+    return _run_reporting(lambda: asyncio.run(func(args)))
 
 
 if __name__ == "__main__":

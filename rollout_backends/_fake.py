@@ -90,6 +90,8 @@ FAKE_CAPABILITIES = Capabilities(
     version_constraints=True,  # the Fleet's routing by label, as for every engine
     stop_strings=True,
     streaming=True,
+    cached_tokens=True,  # a prefix index per worker (FakeDriver.generate)
+    progress_probe=True,  # probe(Progress): not paused
     vocab_size=VOCAB_SIZE,
     max_context=MAX_CONTEXT,
 )

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import time
 from collections.abc import AsyncGenerator, Callable, Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeAlias
 
 import attrs
 
@@ -29,7 +30,20 @@ from rollout_backends._http import HttpClient, HttpRequest, HttpResponse
 from rollout_backends._ops import AbortRequest, Command, GetVersion, Operation, Probe
 from rollout_backends._types import Capabilities, GenerateRequest, Generation, TokenChunk
 
-__all__ = ["HttpDriver", "HttpEntry", "HttpFleetBackend", "HttpLink", "StreamParser", "Wire", "Worker"]
+__all__ = ["ControlCalls", "HttpDriver", "HttpEntry", "HttpFleetBackend", "HttpLink", "StreamParser", "Wire", "Worker"]
+
+#: What ``Wire.control`` builds for one operation on one worker: one call; for a command the engine
+#: takes in several calls, their tuple, sent in order, each answer checked by ``parse_control``
+#: before the next is sent (the first refusal ends the command: vLLM 0.26's weight transfer is
+#: ``/start_weight_update``, ``/update_weights``, ``/finish_weight_update``); or ``None``: nothing
+#: to send. Probes and ``GetVersion`` are one call.
+ControlCalls: TypeAlias = HttpRequest | tuple[HttpRequest, ...] | None
+
+
+def _calls(built: ControlCalls) -> tuple[HttpRequest, ...]:
+    if built is None:
+        return ()
+    return built if isinstance(built, tuple) else (built,)
 
 
 @attrs.frozen(slots=True, kw_only=True)
@@ -101,9 +115,10 @@ class Wire(Protocol):
         (``worker``: the worker the fleet sent it to, where it knows)."""
         ...
 
-    def control(self, op: Operation, worker: Worker) -> HttpRequest | None:
-        """Build a control call; ``None`` = nothing to send on this engine (a no-op step; for
-        ``Ready``: ready when live; for ``GetVersion``: the engine does not report it)."""
+    def control(self, op: Operation, worker: Worker) -> ControlCalls:
+        """Build a control call (several, in order, for a command the engine takes in steps:
+        ``ControlCalls``); ``None`` = nothing to send on this engine (a no-op step; for ``Ready``:
+        ready when live; for ``GetVersion``: the engine does not report it)."""
         ...
 
     def parse_control(self, op: Command, worker: Worker, response: HttpResponse) -> None:
@@ -199,7 +214,7 @@ async def _stream(
         await events.aclose()
         if final is None:
             targets = abort_at(serving) if wire.aborts_by_id else ()
-            calls = [c for c in (wire.control(AbortRequest(request.request_id), t) for t in targets) if c is not None]
+            calls = [c for t in targets for c in _calls(wire.control(AbortRequest(request.request_id), t))]
             with contextlib.suppress(RolloutBackendError):  # best effort: the closed connection asked already
                 await asyncio.gather(
                     *(client.send(attrs.evolve(c, timeout=c.timeout or client.control_timeout)) for c in calls)
@@ -238,10 +253,7 @@ class HttpDriver:
     def stream(self, request: GenerateRequest) -> AsyncGenerator[TokenChunk, None]:
         return _stream(self.link, request, self.worker, self.worker.id, lambda _: (self.worker,))
 
-    async def _send(self, op: Operation) -> HttpResponse | None:
-        req = self.link.wire.control(op, self.worker)
-        if req is None:
-            return None
+    async def _call(self, op: Operation, req: HttpRequest) -> HttpResponse:
         if req.timeout is None:
             req = attrs.evolve(req, timeout=self.link.client.control_timeout)
         try:
@@ -249,10 +261,16 @@ class HttpDriver:
         except RolloutBackendError as exc:
             raise ControlFailed(op.name, [WorkerFailure(self.worker.id, op.name, str(exc))]) from exc
 
+    async def _send(self, op: Operation) -> HttpResponse | None:
+        req = self.link.wire.control(op, self.worker)
+        if isinstance(req, tuple):
+            raise TypeError(f"{op.name}: a probe or a version read is one call, the wire built {len(req)}")
+        return None if req is None else await self._call(op, req)
+
     async def control(self, op: Command) -> None:
-        resp = await self._send(op)
-        if resp is not None:
-            self.link.wire.parse_control(op, self.worker, resp)
+        # Several calls: in order, each answer checked before the next is sent (ControlCalls).
+        for req in _calls(self.link.wire.control(op, self.worker)):
+            self.link.wire.parse_control(op, self.worker, await self._call(op, req))
 
     async def probe(self, op: Probe) -> bool | None:
         resp = await self._send(op)
@@ -270,20 +288,32 @@ class HttpDriver:
 
 
 class HttpEntry:
-    """Unpinned generation through the fleet's entry point; its liveness is the router's."""
+    """Unpinned generation through the fleet's entry point; its liveness is the router's.
 
-    __slots__ = ("_sole", "_workers", "link")
+    ``rotate``: there is no router; each unpinned request goes to the next worker in turn, sent as
+    the wire sends a pinned one (so every answer names its worker)."""
 
-    def __init__(self, link: HttpLink, sole_worker: str | None, workers: Sequence[Worker] = ()) -> None:
+    __slots__ = ("_next", "_sole", "_workers", "link")
+
+    def __init__(
+        self, link: HttpLink, sole_worker: str | None, workers: Sequence[Worker] = (), *, rotate: bool = False
+    ) -> None:
         self.link = link
         #: The one worker of a single-worker fleet: it served every unpinned call.
         self._sole = sole_worker
         self._workers = {w.id: w for w in workers}
+        self._next: Callable[[], Worker] | None = itertools.cycle(tuple(workers)).__next__ if rotate else None
 
     async def generate(self, request: GenerateRequest) -> Generation:
+        if self._next is not None:
+            w = self._next()
+            return await _generate(self.link, request, w, w.id)
         return await _generate(self.link, request, None, self._sole)
 
     def stream(self, request: GenerateRequest) -> AsyncGenerator[TokenChunk, None]:
+        if self._next is not None:
+            w = self._next()
+            return _stream(self.link, request, w, w.id, lambda _: (w,))
         return _stream(self.link, request, None, self._sole, self._abort_targets)
 
     def _abort_targets(self, serving: str | None) -> Sequence[Worker]:
@@ -318,13 +348,15 @@ class HttpFleetBackend(Fleet):
         client: HttpClient | None = None,
         name: str = "http",
         on_close: Callable[[], object] | None = None,
+        rotate: bool = False,
     ) -> None:
+        """``rotate``: no router in front of the workers; unpinned requests go to each in turn."""
         self._link = HttpLink(wire, client or HttpClient())
         caps = wire.capabilities()
         workers = tuple(workers)
         super().__init__(
             [HttpDriver(self._link, w, caps) for w in workers],
-            entry=HttpEntry(self._link, workers[0].id if len(workers) == 1 else None, workers),
+            entry=HttpEntry(self._link, workers[0].id if len(workers) == 1 else None, workers, rotate=rotate),
             capabilities=caps,
             name=name,
             on_close=on_close,

@@ -1,7 +1,7 @@
 """``open_backend(url)``: the one place that maps a URL scheme to an adapter.
 
 Built-in schemes: ``reference://`` (in-process CPU engine), ``sglang://`` (a server or router),
-``dynamo://`` (a Dynamo frontend). Third-party adapters register an entry point in the group
+``dynamo://`` (a Dynamo frontend), ``vllm://`` (vLLM servers). Third-party adapters register an entry point in the group
 ``rollout_backends.adapters`` whose name is the scheme and whose object is
 ``async def open_from_url(url: str, **kwargs) -> RolloutBackend``.
 """
@@ -25,6 +25,7 @@ _BUILTIN: dict[str, str] = {
     "reference": "rollout_backends.adapters.reference:open_from_url",
     "sglang": "rollout_backends.adapters.sglang:open_from_url",
     "dynamo": "rollout_backends.adapters.dynamo:open_from_url",
+    "vllm": "rollout_backends.adapters.vllm:open_from_url",
 }
 _REGISTERED: dict[str, Callable[..., Any]] = {}
 

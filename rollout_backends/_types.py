@@ -320,7 +320,8 @@ class GenerateRequest:
     #: A key that routers may use to keep related requests (one group's samples) together.
     routing_key: str | None = None
     #: Serve only on a worker whose installed weight version is this label or one installed after
-    #: it; "after" is the order of the fleet's history of installed labels (``VersionBook.history``).
+    #: it; "after" is the order of the fleet's history of installed labels (``VersionBook.history``);
+    #: a decimal label the fleet never installed compares as a number with decimal labels.
     #: No such worker: ``NoCompatibleVersion`` (retryable). Needs ``Capabilities.version_constraints``.
     min_version: str | None = None
     #: Serve only on a worker whose installed weight version is exactly this label (else
@@ -677,7 +678,16 @@ class Capabilities:
     """What a backend can do. The conformance suite skips checks for what is not declared.
 
     A backend must not declare what it cannot do: a declared capability that fails is a
-    conformance failure, an undeclared one is a skip.
+    conformance failure, an undeclared one is a skip. What each field promises, its default and
+    the checks it turns on: the capability table in ``docs/adapters.md`` (a test holds it to these
+    fields and defaults).
+
+    Defaults: optional features are off, to be declared where they work. Three are on, because
+    every RL backend is expected to keep them and the suite then checks them unless the adapter says
+    otherwise (an engine without them fails loudly instead of skipping quietly): ``logprobs`` (RL
+    needs them; ``GenerateRequest.return_logprobs`` defaults to True), ``abort`` (``abort`` and
+    ``abort_all`` are on every backend; Miles aborts at every over-sampled step) and
+    ``version_source=RESPONSE`` (versions asked of the engine; ``STAMPED`` where it cannot say).
     """
 
     pause_modes: frozenset[PauseMode] = attrs.field(factory=frozenset, converter=_pause_modes)
@@ -696,10 +706,14 @@ class Capabilities:
     #: buckets=)`` sends per-tensor payloads where it is not declared.
     flattened_buckets: bool = False
     version_source: VersionSource = VersionSource.RESPONSE
-    cached_tokens: bool = True  #: ``Generation.cached_tokens`` is reported
+    #: ``Generation.cached_tokens`` is reported (else it is 0 whatever the cache did). Off unless
+    #: declared: no check can tell a reported 0 from an unreported one.
+    cached_tokens: bool = False
     worker_pinning: bool = False  #: ``GenerateRequest.worker`` is honoured
-    #: ``health(probe=True)`` runs a generation on each worker and reports ``making_progress``.
-    progress_probe: bool = True
+    #: ``health(probe=True)`` runs a generation on each worker and reports ``making_progress``. Off
+    #: unless declared: the probe is a generation sent to one worker, which takes ``worker_pinning``
+    #: (off by default too).
+    progress_probe: bool = False
     #: The largest ``SamplingParams.top_logprobs`` honoured (``Generation.top_logprobs``); 0: none.
     top_logprobs: int = 0
     #: ``GenerateRequest.min_version`` / ``exact_version`` are honoured: routed only to workers

@@ -89,7 +89,12 @@ class VersionBook:
     def satisfies(self, label: str | None, *, min_version: str | None, exact_version: str | None) -> bool:
         """Whether a worker labelled ``label`` may serve a request with these constraints: its label
         is ``exact_version`` (if given) and is ``min_version`` or a label first installed after it
-        (if given). An unknown label satisfies no constraint; no constraint is satisfied by any."""
+        (if given). An unknown label satisfies no constraint; no constraint is satisfied by any.
+
+        A ``min_version`` this fleet never installed has no place in the history; where it and the
+        label are both decimal numbers, they compare as numbers: Miles numbers its versions and
+        Stitch's floor is ``applied >= min_version`` (``VersionConstraint.satisfied_by``,
+        modal-projects/stitch a250dc3), sent as ``latest - lag`` whether or not this fleet saw it."""
         if exact_version is not None and label != exact_version:
             return False
         if min_version is None:
@@ -97,7 +102,9 @@ class VersionBook:
         if label is None:
             return False
         at, least = self._rank.get(label), self._rank.get(min_version)
-        return at is not None and least is not None and at >= least
+        if least is None:
+            return _decimal(label) and _decimal(min_version) and int(label) >= int(min_version)
+        return at is not None and at >= least
 
     @property
     def workers(self) -> tuple[str, ...]:
@@ -181,6 +188,11 @@ class VersionBook:
 
     def __repr__(self) -> str:
         return f"<VersionBook expected={self.expected!r} declared={self._declared!r} labels={self._labels!r}>"
+
+
+def _decimal(label: str) -> bool:
+    """A label written as a number (``"7"``; not ``"07"``, ``"+7"`` or ``"7.0"``)."""
+    return label.isascii() and label.isdigit() and (label == "0" or not label.startswith("0"))
 
 
 def _check(version: object, field: str) -> None:

@@ -2,9 +2,12 @@
 
 The protocol is implemented once, by ``Fleet``, over one ``Driver`` per worker. An HTTP adapter is
 a ``Wire``: pure request builders and response parsers; ``HttpFleetBackend(wire, workers)`` is the
-``Fleet`` of ``HttpDriver``s that send them (I/O, retries, timeouts through ``HttpClient``). An
-engine reached another way is a ``Driver`` per worker given to ``Fleet``. Every member and every
-operation: ``docs/adapters.md``.
+``Fleet`` of ``HttpDriver``s that send them (I/O, retries, timeouts through ``HttpClient``), with
+unpinned generation through the entry point the wire names (a router). Several workers with no
+router: ``HttpDriver(link, worker, caps)`` per worker over one ``HttpLink(wire, client)``, given to
+``Fleet(drivers, entry=RoundRobin(drivers), on_close=link.client.aclose)``. An engine reached
+another way is a ``Driver`` per worker given to ``Fleet``. Every member and every operation:
+``docs/adapters.md``.
 
 The protocol, its value types and the error tree are ``rollout_backends`` itself; starting
 processes (supervisor, engine and entry commands) is ``rollout_backends.launch``; SGLang's native
@@ -28,7 +31,15 @@ from rollout_backends._http import (
     sse_json,
     worker_id_of,
 )
-from rollout_backends._http_driver import HttpDriver, HttpEntry, HttpFleetBackend, StreamParser, Wire, Worker
+from rollout_backends._http_driver import (
+    HttpDriver,
+    HttpEntry,
+    HttpFleetBackend,
+    HttpLink,
+    StreamParser,
+    Wire,
+    Worker,
+)
 from rollout_backends._ops import (
     FLUSH_WAIT_S,
     AbortAll,
@@ -89,6 +100,7 @@ __all__ = [
     "GetVersion",
     "HttpClient",
     "HttpFleetBackend",
+    "HttpLink",
     "HttpRequest",
     "HttpResponse",
     "InitWeightGroup",

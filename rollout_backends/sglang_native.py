@@ -23,7 +23,7 @@ native path (client), the reference server, the Miles facade and our Dynamo work
 
 Shapes are SGLang 0.5.16's (0.5.23's where they differ), read from ``GenerateReqInput`` and the
 ``sampling_params`` schema gate (``python/sglang/srt/managers/io_struct.py``,
-``python/sglang/api/v1/api_types.py``; ``/work/shared/reference/sglang.md`` §1-3).
+``python/sglang/api/v1/api_types.py``).
 """
 
 from __future__ import annotations
@@ -90,7 +90,9 @@ __all__ = [
     "TensorsBody",
     "TextOptions",
     "UnknownKeys",
+    "BATCH_LIST_KEYS",
     "answer_body",
+    "batch_field",
     "check_depth",
     "decode_text",
     "trim_at_stop",
@@ -107,6 +109,7 @@ __all__ = [
     "parse_sampling",
     "request_body",
     "sampling_params_body",
+    "split_batch",
 ]
 
 #: The header smg's consistent-hashing policy routes on (Miles sends it; harmless elsewhere).
@@ -717,6 +720,67 @@ def parse_request(
     )
 
 
+#: Top-level keys a batch body may give per prompt, as a list (SGLang 0.5.16's
+#: ``GenerateReqInput._normalize_batch_inputs``: ``rid``, ``sampling_params``, the logprob options,
+#: ``extra_key``); as a scalar or object they apply to every prompt.
+BATCH_LIST_KEYS = ("rid", "sampling_params", "return_logprob", "logprob_start_len", "top_logprobs_num", "extra_key")
+
+
+def split_batch(body: Mapping[str, Any]) -> list[dict[str, Any]] | None:
+    """A batched ``/generate`` body -> one single-prompt body per prompt, in order; ``None`` for a
+    single prompt. A batch is ``input_ids`` as a list of lists or ``text`` as a list of strings
+    (SGLang 0.5.16's ``GenerateReqInput._determine_batch_size``), answered by SGLang as a JSON list
+    in the same order. Per prompt: a list value of :data:`BATCH_LIST_KEYS` gives its own item
+    (``sampling_params`` a dict is shared); a string ``rid`` becomes ``"{rid}_{i}"``, a list of rids
+    must match the batch and hold no duplicates (SGLang's ``_normalize_rid``,
+    ``_validate_rid_uniqueness``, its words). Lists of another length are refused (SGLang only checks
+    ``rid``, and indexes past the end of the others). Each body is then parsed as one request;
+    :func:`batch_field` names an item's refusal as the batch spelled it."""
+    ids, text = body.get("input_ids"), body.get("text")
+    if type(ids) is list and ids and type(ids[0]) is list:
+        key, prompts = "input_ids", ids
+    elif type(text) is list:
+        key, prompts = "text", text
+    else:
+        return None
+    n = len(prompts)
+    if n == 0:
+        raise InvalidRequest(key, "an empty batch (a list of no prompts)")
+    for name in BATCH_LIST_KEYS:
+        v = body.get(name)
+        if type(v) is list and len(v) != n:
+            if name == "rid":
+                raise InvalidRequest(
+                    name, "The specified rids length mismatch with the batch_size for batch processing."
+                )
+            raise InvalidRequest(name, f"has {len(v)} entries for a batch of {n} prompts")
+    rid = body.get("rid")
+    if type(rid) is list:
+        dup = sorted({r for r in rid if type(r) is str and rid.count(r) > 1})
+        if dup:
+            raise InvalidRequest("rid", f"Duplicate request IDs detected within the request: {dup}")
+    items = []
+    for i, prompt in enumerate(prompts):
+        item = {**body, key: prompt}
+        for name in BATCH_LIST_KEYS:
+            if type(body.get(name)) is list:
+                item[name] = body[name][i]
+        if type(rid) is str:
+            item["rid"] = f"{rid}_{i}"
+        items.append(item)
+    return items
+
+
+def batch_field(field: str, index: int, batch: Mapping[str, Any]) -> str:
+    """A batch item's refusal (``input_ids[3]``, ``sampling_params.top_p``) as the batch spelled it
+    (``input_ids[1][3]``, ``sampling_params[1].top_p``) where the key was given per prompt."""
+    head = re.match(r"[A-Za-z_]+", field)
+    name = head.group(0) if head is not None else ""
+    if name in ("input_ids", "text") or (name in BATCH_LIST_KEYS and type(batch.get(name)) is list):
+        return f"{name}[{index}]{field[len(name) :]}"
+    return field
+
+
 # -- Generation -> answer ------------------------------------------------------------------------
 
 
@@ -934,7 +998,7 @@ def _prompt_logprobs(entries: object, scored: Sequence[int], worker: str | None)
         )
     # SGLang 0.5.16 names id 0 for a prompt id >= vocab_size - 1 (its scheduler clips "the padded
     # hash values from image tokens" with an off-by-one, so the vocabulary's last id is clipped
-    # too; the logprob is still that id's: H200 2026-12-03, bench/probes/prompt_logprobs.py). A
+    # too; the logprob is still that id's: H200 2026-12-03, docs/sglang.md "Prompt logprobs"). A
     # valid prompt id is < vocab_size, so only the largest id of the prompt can be clipped.
     clipped = max(scored, default=0)
     out: list[float | None] = []
@@ -1039,7 +1103,7 @@ def parse_stream_event(
     SGLang 0.5.16 (without ``--incremental-streaming-output``) sends the answer so far in every
     event: ``output_ids`` and ``meta_info.output_token_logprobs`` (and ``output_top_logprobs``) are
     cumulative, ``meta_info.finish_reason`` is null until the last event (measured on the H200,
-    bench/probes/stream_capture.py). ``sent`` are the ids delivered so far: they must be the
+    bench/rb_bench/capture.py). ``sent`` are the ids delivered so far: they must be the
     event's prefix (else ``ContractViolation``: tokens are never repeated or dropped), and the chunk
     holds what follows. The last event is parsed whole by ``parse_answer``: the final
     ``Generation`` is the non-streamed answer's, parsed in one place.

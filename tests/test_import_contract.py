@@ -4,7 +4,7 @@ Nothing is imported: every ``.py`` file in scope is parsed and its ``import`` st
 level and function level alike) are resolved to absolute module names, with the folder-to-package
 mapping of pyproject.toml (``adapters/`` is ``rollout_backends.adapters``, ``conformance_tests/`` is
 ``rollout_backends.conformance``) and the checkout's benchmarks (``bench/rb_bench/`` is ``rb_bench``,
-never installed; ``bench/probes/`` are scripts). The rules:
+never installed; any other ``.py`` under ``bench/`` is a script). The rules:
 
 ``public``
     Outside the core (``rollout_backends/*.py``), the core is reached only through its public doors
@@ -58,6 +58,8 @@ PACKAGE_DIRS = {
 }
 #: The benchmarks' package, run from the checkout (``PYTHONPATH=bench``), and its folder.
 BENCH_DIRS = {"rb_bench": "bench/rb_bench"}
+#: Example packages (a third party's adapter, installed from its own folder) and their folders.
+EXAMPLE_DIRS = {"toy_adapter": "examples/toy_adapter/toy_adapter"}
 #: Folders whose files obey the rules; tests are exempt.
 SCOPE = ("rollout_backends", "adapters", "conformance_tests", "examples", "bench")
 
@@ -68,7 +70,7 @@ CORE_DOORS = frozenset(
     {"rollout_backends", "rollout_backends.kit", "rollout_backends.launch", "rollout_backends.sglang_native"}
 )
 #: Adapter -> adapter imports that may exist (through the face, relatively).
-ALLOWED_EDGES = frozenset({("reference", "sglang")})
+ALLOWED_EDGES = frozenset({("reference", "sglang"), ("dynamo", "vllm")})
 #: The only adapter the conformance suite may import.
 CONFORMANCE_ADAPTERS = frozenset({"reference"})
 
@@ -88,7 +90,7 @@ def module_of(rel: Path) -> str | None:
     """The import name of a file (``adapters/sglang/_wire.py`` -> ``rollout_backends.adapters.sglang._wire``);
     ``None`` outside a package (examples and probes are scripts)."""
     parts = rel.with_suffix("").parts
-    for package, folder in {**PACKAGE_DIRS, **BENCH_DIRS}.items():
+    for package, folder in {**PACKAGE_DIRS, **BENCH_DIRS, **EXAMPLE_DIRS}.items():
         if parts[: len(Path(folder).parts)] == Path(folder).parts:
             rest = parts[len(Path(folder).parts) :]
             names = [*package.split("."), *rest]
@@ -305,7 +307,6 @@ def test_the_checker_reads_the_whole_tree() -> None:
     assert "rollout_backends.integrations.miles._facade" in tree.modules
     assert "examples/multinode/ray_fleet.py" in tree.files
     assert "rb_bench.fanout" in tree.modules and "rb_bench.gpu_tier" in tree.modules
-    assert "bench/probes/_probe.py" in tree.files
     assert sum(1 for rel in tree.files for _ in tree.imports(rel)) > 500
 
 

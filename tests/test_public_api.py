@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import rollout_backends as rb
 import rollout_backends.kit as kit
 import rollout_backends.launch as launch
@@ -23,7 +25,7 @@ EXPECTED_TOP = {
 
 EXPECTED_KIT = {
     "AiohttpTransport", "BackendBase", "Driver", "Entry", "Fleet", "HttpClient", "HttpDriver", "HttpEntry",
-    "HttpFleetBackend", "HttpRequest", "RoundRobin",
+    "HttpFleetBackend", "HttpLink", "HttpRequest", "RoundRobin",
     "HttpResponse", "MockTransport", "RetryPolicy", "SseDecoder",
     "StreamParser", "Transport", "VersionBook", "Wire", "Worker",
     "AbortAll", "AbortRequest", "BeginWeightUpdate", "Command", "DestroyWeightGroup", "EndWeightUpdate",
@@ -40,8 +42,9 @@ EXPECTED_LAUNCH = {
     "ConnectableEngine", "EngineCommand", "EngineInfo", "EntryCommand", "HelpFormatter", "Launch", "Local",
     "LocalEngines", "ManagedProcess", "NodeContext", "PlacedEngines", "Placement", "ProcessSpec",
     "ProcessState", "ReadyCheck", "ReadyProgress", "RunningFleet", "Supervisor", "carry",
-    "env_map", "free_port", "group_members", "launch_fleet", "pick_port", "port_in_use", "redact_argv",
-    "run_launcher_cli", "split_passthrough", "stderr_progress", "str_tuple",
+    "env_map", "free_port", "group_members", "launch_fleet", "one_line_error", "pick_port",
+    "port_in_use", "redact_argv", "require_model_dir", "require_module", "run_launcher_cli", "split_passthrough",
+    "stderr_progress", "str_tuple",
 }  # fmt: skip
 
 EXPECTED_SGLANG_NATIVE = {
@@ -53,7 +56,7 @@ EXPECTED_SGLANG_NATIVE = {
     "ParseRules", "TextOptions", "UnknownKeys", "answer_body", "check_depth", "decode_text", "error_body",
     "error_field", "error_message", "finish_reason_body", "meta_info", "named_field", "native_field",
     "our_field", "parse_answer", "parse_request", "parse_sampling", "request_body",
-    "sampling_params_body", "StopStrings", "trim_at_stop",
+    "sampling_params_body", "StopStrings", "trim_at_stop", "BATCH_LIST_KEYS", "batch_field", "split_batch",
 }  # fmt: skip
 
 EXPECTED_TESTING = {
@@ -121,6 +124,37 @@ def test_error_tree() -> None:
         assert issubclass(cls, rb.TransientError) and cls.retryable
     assert issubclass(rb.WeightUpdateFailed, rb.ControlFailed)
     assert not rb.InvalidRequest("x", "y").retryable
+
+
+async def test_a_router_less_http_fleet_from_public_names() -> None:
+    # Several workers, no router: one HttpDriver per worker over one HttpLink, round robin between
+    # them, the client closed with the fleet (the recipe in rollout_backends.kit's docstring).
+    from rollout_backends.adapters.sglang import SGLangWire
+
+    sent: list[str] = []
+
+    def answer(request: kit.HttpRequest) -> kit.HttpResponse:
+        sent.append(request.url.split("/")[2])
+        body = {"output_ids": [7], "meta_info": {"id": "r", "finish_reason": {"type": "length"}, "prompt_tokens": 1,
+                "weight_version": "v0", "output_token_logprobs": [[-0.5, 7, None]]}}  # fmt: skip
+        return kit.HttpResponse(200, json.dumps(body).encode())
+
+    wire = SGLangWire(entry_url="http://unused:1")
+    link = kit.HttpLink(wire, kit.HttpClient(kit.MockTransport(answer)))
+    workers = [kit.Worker(id=f"w{i}", control_url=f"http://w{i}:1") for i in range(2)]
+    drivers = [kit.HttpDriver(link, w, wire.capabilities()) for w in workers]
+    closed: list[bool] = []
+
+    async def close() -> None:
+        await link.client.aclose()
+        closed.append(True)
+
+    fleet = kit.Fleet(drivers, entry=kit.RoundRobin(drivers), capabilities=wire.capabilities(), on_close=close)
+    assert isinstance(fleet, rb.RolloutBackend)
+    async with fleet:
+        gens = [await fleet.generate(rb.GenerateRequest(input_ids=[1], request_id=f"r{i}")) for i in range(4)]
+    assert sent == ["w0:1", "w1:1", "w0:1", "w1:1"]  # spread over the workers, none through a router
+    assert [g.worker for g in gens] == ["w0", "w1", "w0", "w1"] and closed == [True]
 
 
 def test_fleet_backend_satisfies_the_protocol() -> None:

@@ -420,7 +420,7 @@ def test_stop_strings_in_python() -> None:
     assert rb.SamplingParams(stop=["a", "b"]).stop == ("a", "b")
 
 
-# The answer SGLang 0.5.16 gave on the H200 (2026-12-03, bench/probes/prompt_logprobs.py, the
+# The answer SGLang 0.5.16 gave on the H200 (2026-12-03, docs/sglang.md "Prompt logprobs", the
 # tier's tiny model: 512 ids) for the 8th parity prompt scored from 0: the prompt's id 511 (the
 # vocabulary's last) is named 0, its logprob is 511's (transformers: -12.2546).
 _CLIPPED_PROMPT = (156, 485, 105, 160, 392, 51, 188, 352, 511, 370, 500, 470)

@@ -62,6 +62,21 @@ async def test_an_unknown_exact_version_is_retryable_and_sends_nothing(fleet: Re
         await fleet.generate(req(min_version="v9"))
 
 
+async def test_a_numbered_floor_never_installed_compares_as_a_number(fleet: ReferenceBackend) -> None:
+    """Stitch's bounded-lag floor is ``latest - lag`` (``constrain_request``), a number this fleet may
+    never have installed: decimal labels compare as numbers then (Stitch's ``applied >= min``),
+    where the history alone refused every such request forever."""
+    await fleet.set_weight_version("5", workers=["ref-1"])
+    await fleet.set_weight_version("6", workers=["ref-2"])
+    gens = await asyncio.gather(*(fleet.generate(req(min_version="4")) for _ in range(4)))
+    assert {g.worker for g in gens} == {"ref-1", "ref-2"}  # "default" is not a number: not at least 4
+    assert {g.worker for g in await asyncio.gather(*(fleet.generate(req(min_version="6")) for _ in range(2)))} == {
+        "ref-2"
+    }
+    with pytest.raises(rb.NoCompatibleVersion):  # not yet installed anywhere
+        await fleet.generate(req(min_version="7"))
+
+
 async def test_after_a_partial_update_min_version_lands_on_the_updated_workers(fleet: ReferenceBackend) -> None:
     await fleet.set_weight_version("v2", workers=["ref-1"])
     assert fleet._versions.history == ("default", "v2")

@@ -41,7 +41,8 @@ def _route_missing(resp: HttpResponse) -> bool:
 async def detect_flavor(client: HttpClient, worker_url: str) -> tuple[str, dict[str, Any] | None]:
     """Which engine routes a worker serves, probed once (no side effects):
 
-    ``rollout/info`` answers → our worker (``rollout``, with its info); else
+    ``rollout/info`` answers → our worker (``rollout``, with its info); ``get_weight_version``
+    answers ``{"status": "ok", "version": ...}`` → ``dynamo.vllm`` (``vllm``); else
     ``call_tokenizer_manager`` is routed → ``sglang14`` (1.4.x with ``--enable-rl``), or
     ``sglang14-shim`` when the shim's ``rollout/weight_version`` answers too; else a 404 "Route
     not found" → ``sglang16`` (1.6.x native routes) — or a mocker, which has no engine routes at
@@ -51,6 +52,9 @@ async def detect_flavor(client: HttpClient, worker_url: str) -> tuple[str, dict[
     if info.ok:
         data = info.json()
         return "rollout", data if isinstance(data, dict) else None
+    version = await _send(client, HttpRequest("POST", f"{worker_url}/engine/get_weight_version", json={}, timeout=10.0))
+    if version.ok and isinstance(answer := version.json(), dict) and "version" in answer:
+        return "vllm", None
     # An empty body makes the 1.4.x handler fail on the missing `method` (500); 1.6.x has no route.
     tm = await _send(client, HttpRequest("POST", f"{worker_url}/engine/call_tokenizer_manager", json={}, timeout=10.0))
     if _route_missing(tm):
@@ -105,6 +109,7 @@ async def connect(
     memory_saver: bool = True,
     namespace: str | None = None,
     native_generate: bool | None = None,
+    transfer_backend: str | None = None,
     api_key: str | None = None,
     client: HttpClient | None = None,
     on_close: Any = None,
@@ -123,6 +128,8 @@ async def connect(
       (default) detects it: the frontend serves the route and the workers are ours and advertise it
       (``rollout/info``); ``True`` requires it (``Unsupported`` when the frontend lacks the route);
       ``False`` always uses ``/v1/completions``.
+    * ``transfer_backend``: ``vllm`` workers' ``--weight-transfer-config`` backend (``nccl``, ``ipc``;
+      Dynamo does not show it).
     """
     frontend = _normalise(url)
     client = client or HttpClient(api_key=api_key)
@@ -208,6 +215,7 @@ async def connect(
         eos_token_ids=eos,
         namespace=namespace,
         native_generate=native,
+        transfer_backend=transfer_backend,
     )
     backend = HttpFleetBackend(wire, fleet, client=client, name="dynamo", on_close=on_close)
     if initial_version is not None and vs is VersionSource.STAMPED:
@@ -221,7 +229,8 @@ async def open_from_url(url: str, **kwargs: Any) -> HttpFleetBackend:
     ``workers`` are the workers' system ports (``DYN_SYSTEM_PORT``); ``rpc_ports`` their request-plane
     ports (``DYN_TCP_RPC_PORT``, one per worker, in order: maps instance ids where the workers do not
     say theirs); other keys: ``router_mode``, ``flavor``, ``model``, ``model_path``, ``namespace``,
-    ``version_source``, ``initial_version``, ``native_generate`` (``0``/``1``; default: detected).
+    ``version_source``, ``initial_version``, ``native_generate`` (``0``/``1``; default: detected),
+    ``transfer_backend`` (``vllm`` workers: ``nccl`` / ``ipc``).
     The launcher prints such a URL with every key it knows.
     """
     parts = urlsplit(url)
@@ -237,6 +246,7 @@ async def open_from_url(url: str, **kwargs: Any) -> HttpFleetBackend:
         "initial_version",
         "native_generate",
         "rpc_ports",
+        "transfer_backend",
     }
     for key, values in query.items():
         if key not in known:

@@ -1,8 +1,9 @@
 """Dynamo workers and the frontend as launch commands (``rollout_backends.launch``), for any node.
 
 * :class:`DynamoWorkerCommand`: one worker process per engine: ``dynamo.mocker`` (CPU),
-  ``dynamo.sglang`` (GPU; through the logprob shim when the adapter ships it), or any module
-  taking the same flags. It registers in etcd (``DynamoPlanes``) from whatever node it runs on.
+  ``dynamo.sglang`` (GPU; through the logprob shim when the adapter ships it), ``dynamo.vllm``
+  (GPU, vLLM 0.26 with the vLLM adapter's flags), or any module taking the same flags. It
+  registers in etcd (``DynamoPlanes``) from whatever node it runs on.
 * :class:`DynamoFrontend`: ``dynamo.frontend`` on the launcher's node; ready when its ``/health``
   lists every engine's ``generate`` instance in the fleet's namespace and ``/v1/models`` is not empty.
 
@@ -25,6 +26,7 @@ from rollout_backends.kit import HttpFleetBackend, get_json
 from rollout_backends.launch import EngineInfo, Launch, NodeContext, ProcessSpec, ReadyCheck, env_map, str_tuple
 
 from ..sglang._launch import kv_events_config
+from ..vllm import VllmServerCommand
 from ._services import DynamoPlanes
 from ._wire import generate_instances
 
@@ -32,7 +34,9 @@ __all__ = ["DEFAULT_STREAM_INTERVAL", "DynamoFrontend", "DynamoWorkerCommand", "
 
 #: Dynamo 1.4.2 parses ``DYN_SYSTEM_PORT`` as an i16.
 PORT_CEILING = 32768
-WORKER_KINDS = ("mocker", "reference", "sglang", "module")
+WORKER_KINDS = ("mocker", "reference", "sglang", "vllm", "module")
+#: ``dynamo.mocker --engine-type`` values (ai-dynamo 1.4.2 and 1.6.1: the scheduler it simulates).
+MOCKER_ENGINE_TYPES = ("sglang", "vllm")
 #: ``--stream-interval`` of ``dynamo.sglang`` workers unless told otherwise (see the field).
 DEFAULT_STREAM_INTERVAL = 50
 #: ``dynamo.sglang`` through the adapter's shim (per-chunk logprob fix + ``engine_data``).
@@ -60,11 +64,13 @@ SGLANG_ENGINE_ROUTES_ENV = {
 class DynamoWorkerCommand:
     """One Dynamo worker per engine, discovering through ``planes``.
 
-    ``kind``: ``mocker`` (``python -m dynamo.mocker --engine-type sglang``), ``reference`` (the
-    adapter's Python worker over a ``ReferenceEngine``, CPU, deterministic), ``sglang``
-    (``python -m dynamo.sglang`` with SGLang flags, through the adapter's shim unless
-    ``sglang_shim=False``; ``module`` overrides the module), or ``module`` (``python -m <module>``
-    with the common Dynamo flags). ``extra_args`` go last (mocker / SGLang flags).
+    ``kind``: ``mocker`` (``python -m dynamo.mocker --engine-type <mocker_engine_type>``),
+    ``reference`` (the adapter's Python worker over a ``ReferenceEngine``, CPU, deterministic),
+    ``sglang`` (``python -m dynamo.sglang`` with SGLang flags, through the adapter's shim unless
+    ``sglang_shim=False``; ``module`` overrides the module), ``vllm`` (``python -m dynamo.vllm``
+    with ``--enable-rl`` and the vLLM adapter's server flags: ``VllmServerCommand.args``), or
+    ``module`` (``python -m <module>`` with the common Dynamo flags). ``extra_args`` go last
+    (mocker / SGLang / vLLM flags).
 
     Ports (all below 32768) by role, for ``NodeContext.fixed``: ``system``, ``rpc``, and for
     ``sglang`` also ``sglang``, ``nccl``, ``kv_events``.
@@ -86,6 +92,11 @@ class DynamoWorkerCommand:
     stream_interval: int | None = DEFAULT_STREAM_INTERVAL
     sglang_shim: bool = True  #: sglang: run the adapter's shim (False: stock ``dynamo.sglang``)
     mocker_speedup_ratio: float = 10.0
+    mocker_engine_type: str = "sglang"  #: mocker: the engine whose scheduler it simulates
+    #: vllm: ``--weight-transfer-config`` backend (``nccl``, ``ipc``; ``None``: disk loads only).
+    transfer_backend: str | None = None
+    #: vllm: ``--gpu-memory-utilization`` (``None``: vLLM's default).
+    gpu_memory_utilization: float | None = None
     weight_version: str = "default"  #: reference: the version the engine starts with
     reference_threads: int = 1  #: reference: torch threads (``OMP_NUM_THREADS``)
     module: str | None = None
@@ -99,10 +110,45 @@ class DynamoWorkerCommand:
             raise InvalidRequest("kind", f"must be one of {WORKER_KINDS}, got {self.kind!r}")
         if self.kind == "module" and not self.module:
             raise InvalidRequest("module", "kind='module' needs module=")
+        if self.mocker_engine_type not in MOCKER_ENGINE_TYPES:
+            raise InvalidRequest(
+                "mocker_engine_type", f"must be one of {MOCKER_ENGINE_TYPES}, got {self.mocker_engine_type!r}"
+            )
 
     @property
     def model_name(self) -> str:
         return self.served_model_name or self.model_path.rstrip("/").rsplit("/", 1)[-1]
+
+    def _vllm(
+        self, ctx: NodeContext, py: str, endpoint: str, extra: dict[str, Any]
+    ) -> tuple[list[str], dict[str, str | None]]:
+        """``dynamo.vllm``'s command line and environment (the vLLM server flags are the vLLM
+        adapter's, so the two fleets run the same engine)."""
+        server = VllmServerCommand(
+            model_path=self.model_path,
+            tp=self.tp,
+            transfer_backend=self.transfer_backend,
+            sleep_mode=True,  # control/sleep and control/wake_up
+            gpu_memory_utilization=self.gpu_memory_utilization,
+        )
+        argv = [
+            py, "-m", self.module or "dynamo.vllm", "--model", self.model_path,
+            "--served-model-name", self.model_name, "--namespace", self.namespace, "--endpoint", endpoint,
+            "--enable-rl", "--block-size", str(self.page_size), *self.planes.args(), *server.args(),
+        ]  # fmt: skip
+        if self.kv_events:
+            kv = ctx.port("kv_events", below=PORT_CEILING, any_interface=True)
+            cfg = {
+                "enable_kv_cache_events": True,
+                "publisher": "zmq",
+                "endpoint": f"tcp://*:{kv}",
+                "topic": "kv-events",
+            }
+            argv += ["--kv-events-config", json.dumps(cfg, separators=(",", ":"))]
+            extra["kv_events_port"] = kv
+        env = {k: v for k, v in server.environment(ctx).items() if k != "VLLM_SERVER_DEV_MODE"}
+        env["PYTHONHASHSEED"] = "0"  # block hashes must agree between workers and the router
+        return argv, env
 
     def build(self, ctx: NodeContext) -> Launch:
         system = ctx.port("system", below=PORT_CEILING)
@@ -121,7 +167,7 @@ class DynamoWorkerCommand:
         ready = ReadyCheck.http(f"{system_url}/live", status=None)
         if self.kind == "mocker":
             argv = [
-                py, "-m", "dynamo.mocker", "--engine-type", "sglang",
+                py, "-m", "dynamo.mocker", "--engine-type", self.mocker_engine_type,
                 "--model-path", self.model_path, "--model-name", self.model_name,
                 "--endpoint", endpoint, "--block-size", str(self.page_size),
                 "--speedup-ratio", str(self.mocker_speedup_ratio),
@@ -167,6 +213,10 @@ class DynamoWorkerCommand:
             env["PYTHONHASHSEED"] = "0"  # block hashes must agree between workers and the router
             if ctx.gpu_ids:
                 env["CUDA_VISIBLE_DEVICES"] = ",".join(ctx.gpu_ids)
+        elif self.kind == "vllm":
+            argv, more = self._vllm(ctx, py, endpoint, extra)
+            env.update(more)
+            ports += [(ctx.bind_host, p) for p in (extra.get("kv_events_port"),) if p is not None]
         else:
             assert self.module is not None
             argv = [py, "-m", self.module, "--model-path", self.model_path, "--served-model-name", self.model_name,
@@ -197,6 +247,9 @@ class DynamoFrontend:
     router_predicted_ttl_secs: float | None = None  #: predict-on-route (needs KV events)
     overlap_score_credit: float | None = None  #: ``--router-kv-overlap-score-credit``
     router_temperature: float | None = None  #: ``--router-temperature`` (0 = argmin)
+    #: ``--router-session-affinity-ttl-secs``: requests with one routing key (``x-dynamo-session-id``,
+    #: ``DynamoWire.SESSION_HEADER``) stay on one worker until the key idles this long; ``None``: off.
+    session_affinity_ttl_secs: int | None = None
     #: serve SGLang's native ``/generate`` (``DYN_SGLANG_ENABLE_GENERATE=1``; a 1.4.x frontend
     #: has no such route and ignores the variable).
     native_generate: bool = True
@@ -227,6 +280,8 @@ class DynamoFrontend:
                 argv += ["--router-kv-overlap-score-credit", str(self.overlap_score_credit)]
             if self.router_temperature is not None:
                 argv += ["--router-temperature", str(self.router_temperature)]
+        if self.session_affinity_ttl_secs is not None:
+            argv += ["--router-session-affinity-ttl-secs", str(self.session_affinity_ttl_secs)]
         argv += self.extra_args
         env = self.planes.env(ctx.bind_host, ctx.advertise_host, namespace=self.namespace)
         env["DYN_ENABLE_RL"] = "true"

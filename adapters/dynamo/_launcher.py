@@ -20,6 +20,8 @@ Worker kinds:
   tokens, no logprobs, no engine routes).
 * ``sglang``: real ``dynamo.sglang`` (GPU) through our shim
   (``rollout_backends.adapters.dynamo._sglang_shim``: per-chunk logprob fix + ``engine_data``).
+* ``vllm``: real ``dynamo.vllm`` (GPU, vLLM 0.26) with ``--enable-rl`` and the vLLM adapter's
+  server flags (``docs/vllm.md``).
 """
 
 from __future__ import annotations
@@ -50,6 +52,8 @@ from rollout_backends.launch import (
     carry,
     env_map,
     launch_fleet,
+    require_model_dir,
+    require_module,
     str_tuple,
 )
 
@@ -71,19 +75,37 @@ __all__ = [
     "worker_command",
 ]
 
-WORKER_KINDS = ("reference", "mocker", "sglang")
+#: Every worker kind, with what it runs: the launch line and ``--worker-kind``'s help read this.
+WORKER_KIND_DESCRIPTIONS: Mapping[str, str] = {
+    "sglang": "dynamo.sglang (SGLang; GPU)",
+    "vllm": "dynamo.vllm (vLLM 0.26; GPU)",
+    "reference": "our Dynamo worker over the CPU reference engine (not SGLang)",
+    "mocker": "dynamo.mocker (CPU; random tokens, no logprobs)",
+}
+WORKER_KINDS = tuple(WORKER_KIND_DESCRIPTIONS)
+#: Worker kinds that run on GPUs (one ``CUDA_VISIBLE_DEVICES`` value each).
+GPU_KINDS = ("sglang", "vllm")
 ROUTER_MODES = ("round-robin", "random", "kv", "direct", "power-of-two", "least-loaded")
 
 
 @attrs.frozen(kw_only=True)
 class DynamoFleetConfig:
-    """What to launch. Defaults: 2 reference workers behind a round-robin frontend, file discovery."""
+    """What to launch. Defaults: one ``dynamo.sglang`` worker behind a round-robin frontend, file
+    discovery. They are the command line's too (``launch dynamo`` reads them from these fields)."""
 
     model_path: str = attrs.field(converter=str)
     served_model_name: str | None = None
-    workers: int = 2
-    worker_kind: str = "reference"
+    #: One worker unless told: each ``sglang`` worker takes a GPU, and how many the host has is the
+    #: caller's to say.
+    workers: int = 1
+    #: ``dynamo.sglang`` unless told otherwise, as ``SGLangFleetConfig`` runs SGLang: switching
+    #: launchers switches the serving stack, not the engine. A CPU kind answering in its place would
+    #: pass for it (its tokens, speed and failures are not SGLang's); the CLI's first line names it.
+    worker_kind: str = "sglang"
     # -- frontend / router
+    #: The frontend's own default (ai-dynamo 1.4.2 ``dynamo/frontend/main.py``: "Router, defaulting
+    #: to round-robin"), as the SGLang fleet takes smg's: the mode Dynamo's documentation describes,
+    #: and the one the conformance tiers pass on. ``kv`` is one flag away (``--router-mode kv``).
     router_mode: str = "round-robin"
     #: KV block size = the workers' page size (``--kv-cache-block-size``, mocker ``--block-size``,
     #: SGLang ``--page-size``). Must be > 1 for the KV router.
@@ -92,6 +114,9 @@ class DynamoFleetConfig:
     router_predicted_ttl_secs: float | None = None  #: predict-on-route (needs KV events)
     overlap_score_credit: float | None = None  #: ``--router-kv-overlap-score-credit``
     router_temperature: float | None = None  #: ``--router-temperature`` (0 = argmin)
+    #: Session affinity (any router mode): a routing key's requests stay on one worker until the key
+    #: idles this many seconds (``--router-session-affinity-ttl-secs``); ``None``: off.
+    session_affinity_ttl_secs: int | None = None
     migration_limit: int = 0  #: keep 0 for RL: a migrated request splices two workers' tokens
     #: 1.6.x: the frontend serves native ``/generate`` and ``connect()`` uses it where it is
     #: better (our reference workers); False keeps every request on ``/v1/completions``.
@@ -112,6 +137,8 @@ class DynamoFleetConfig:
     weight_version: str = "default"  #: the version reference workers start with (and stamped ones)
     reference_threads: int = 1
     mocker_speedup_ratio: float = 10.0
+    #: mocker: ``--engine-type`` (the scheduler it simulates: ``sglang`` or ``vllm``).
+    mocker_engine_type: str = "sglang"
     mocker_args: tuple[str, ...] = attrs.field(factory=tuple, converter=str_tuple)
     #: sglang: one CUDA_VISIBLE_DEVICES value per worker (default "0", "1", ...).
     gpus: tuple[str, ...] = attrs.field(factory=tuple, converter=str_tuple)
@@ -120,6 +147,11 @@ class DynamoFleetConfig:
     sglang_args: tuple[str, ...] = attrs.field(factory=tuple, converter=str_tuple)
     #: the shim (logprob fix + engine_data); False runs stock ``python -m dynamo.sglang``.
     sglang_shim: bool = True
+    #: vllm workers: ``--weight-transfer-config`` backend (``nccl``, ``ipc``; ``None``: disk loads only).
+    transfer_backend: str | None = None
+    #: vllm workers: ``--gpu-memory-utilization`` (``None``: vLLM's default).
+    gpu_memory_utilization: float | None = None
+    vllm_args: tuple[str, ...] = attrs.field(factory=tuple, converter=str_tuple)
     worker_env: Mapping[str, str] = attrs.field(factory=dict, converter=env_map)
     python: str = sys.executable
     ready_timeout: float = 180.0
@@ -135,18 +167,38 @@ class DynamoFleetConfig:
             raise InvalidRequest("page_size", f"must be >= 2 for the KV router (got {self.page_size})")
         if self.router_predicted_ttl_secs is not None and not self.kv_events:
             raise InvalidRequest("router_predicted_ttl_secs", "predict-on-route needs kv_events=True (Dynamo refuses)")
+        ttl = self.session_affinity_ttl_secs
+        if ttl is not None and (isinstance(ttl, bool) or not isinstance(ttl, int) or not 1 <= ttl <= 31_536_000):
+            # the frontend's own bounds (frontend_args.py: 1 s to a year)
+            raise InvalidRequest("session_affinity_ttl_secs", f"must be an int in [1, 31536000] or None, got {ttl!r}")
         if self.discovery not in ("file", "etcd"):
             raise InvalidRequest("discovery", f"must be 'file' or 'etcd', got {self.discovery!r}")
         if self.discovery == "etcd" and not self.etcd_endpoints and not self.start_etcd:
             raise InvalidRequest("etcd_endpoints", "discovery='etcd' needs etcd endpoints (e.g. http://host:2379)")
         if self.request_plane not in ("tcp", "nats") or self.event_plane not in ("zmq", "nats"):
             raise InvalidRequest("request_plane", "request plane tcp|nats, event plane zmq|nats")
-        if self.worker_kind == "sglang" and self.gpus and len(self.gpus) != self.workers:
+        if self.worker_kind in GPU_KINDS and self.gpus and len(self.gpus) != self.workers:
             raise InvalidRequest("gpus", f"one CUDA_VISIBLE_DEVICES value per worker ({self.workers}), got {self.gpus}")
 
     @property
     def model_name(self) -> str:
         return self.served_model_name or Path(self.model_path).name
+
+    def describe(self) -> str:
+        """One line saying what this config starts (the CLI prints it first)."""
+        kind = f"{self.workers} x {self.worker_kind} worker{'s' if self.workers > 1 else ''}"
+        return (
+            f"{kind}: {WORKER_KIND_DESCRIPTIONS[self.worker_kind]}; Dynamo frontend, router mode {self.router_mode}, "
+            f"{self.discovery} discovery; model {self.model_path}"
+        )
+
+    def preflight(self) -> None:
+        """What can be found wrong before anything starts: the model is a directory on this host,
+        and SGLang is installed for ``sglang`` workers (``InvalidRequest`` naming the field)."""
+        require_model_dir(self.model_path)
+        if self.worker_kind == "sglang":
+            instead = "worker kind 'reference' runs the CPU reference engine, 'mocker' Dynamo's mocker"
+            require_module("sglang", "worker_kind", f"'sglang' workers run dynamo.sglang; {instead}", self.python)
 
 
 #: The config's name before every engine's was named ``<Engine>FleetConfig`` (docs, tests and
@@ -165,10 +217,10 @@ def fleet_planes(cfg: DynamoFleetConfig, kv_dir: str | os.PathLike[str] | None =
 
 def worker_command(cfg: DynamoFleetConfig, namespace: str, planes: DynamoPlanes) -> DynamoWorkerCommand:
     """Every worker of the fleet (one ``build`` per worker); same-named config fields carry over."""
-    extra = {"mocker": cfg.mocker_args, "sglang": cfg.sglang_args}.get(cfg.worker_kind, ())
+    extra = {"mocker": cfg.mocker_args, "sglang": cfg.sglang_args, "vllm": cfg.vllm_args}.get(cfg.worker_kind, ())
     return carry(DynamoWorkerCommand, cfg, kind=cfg.worker_kind, namespace=namespace, planes=planes,
                  served_model_name=cfg.model_name, extra_args=extra, env=cfg.worker_env,
-                 grace=10.0 if cfg.worker_kind == "sglang" else 5.0)  # fmt: skip
+                 grace=10.0 if cfg.worker_kind in GPU_KINDS else 5.0)  # fmt: skip
 
 
 def frontend_command(cfg: DynamoFleetConfig, namespace: str, planes: DynamoPlanes) -> DynamoFrontend:
@@ -183,9 +235,9 @@ def _node(
     picked: set[int],
     fixed: Mapping[str, int] | None = None,
 ) -> NodeContext:
-    """This host as the node of worker ``index`` (-1: the frontend). sglang workers get a GPU each."""
+    """This host as the node of worker ``index`` (-1: the frontend). GPU workers get a GPU each."""
     gpus: tuple[str, ...] = ()
-    if cfg.worker_kind == "sglang" and index >= 0:
+    if cfg.worker_kind in GPU_KINDS and index >= 0:
         gpus = tuple((cfg.gpus[index] if cfg.gpus else str(index)).split(","))
     return NodeContext.on(index, cfg.host, str(log_dir), gpu_ids=gpus, picked=picked, fixed=fixed)
 
@@ -293,9 +345,11 @@ class RunningDynamoFleet:
         options: dict[str, Any] = {"router_mode": self.frontends.get(url, self.config.router_mode)}
         # The mocker has no engine routes to probe; dynamo.sglang's routes differ by version (and by
         # whether the shim took): connect() detects them.
-        flavor = {"reference": "rollout", "mocker": "mocker"}.get(self.config.worker_kind)
+        flavor = {"reference": "rollout", "mocker": "mocker", "vllm": "vllm"}.get(self.config.worker_kind)
         if flavor is not None:
             options["flavor"] = flavor
+        if self.config.worker_kind == "vllm" and self.config.transfer_backend is not None:
+            options["transfer_backend"] = self.config.transfer_backend
         options["model"] = self.config.model_name
         options["initial_version"] = self.config.weight_version
         options["model_path"] = self.config.model_path
@@ -365,9 +419,11 @@ async def launch_dynamo_fleet(
 
     The run folder (``dynamo-<namespace>-*`` under the temporary directory: file discovery, etcd's
     data, and the logs unless ``log_dir`` puts them elsewhere) is removed on exit unless
-    ``keep_run_dir``; logs in ``log_dir`` always stay.
+    ``keep_run_dir``; logs in ``log_dir`` always stay, and so do those of a failed start (the
+    error names them). A model that is not a directory here fails before anything starts.
     """
     cfg = config
+    cfg.preflight()
     namespace = cfg.namespace or f"rb{uuid.uuid4().hex[:10]}"
     run_dir = Path(tempfile.mkdtemp(prefix=f"dynamo-{namespace}-"))
     logs = Path(log_dir) if log_dir is not None else run_dir / "logs"
@@ -422,5 +478,8 @@ async def launch_dynamo_fleet(
             else:
                 await sup.aclose()
         finally:
-            # The kv dir always goes (a crash may leave it behind); the rest unless asked to keep it.
-            await asyncio.to_thread(shutil.rmtree, kv_dir if keep_run_dir else run_dir, True)
+            # The kv dir always goes (a crash may leave it behind); the rest unless asked to keep it,
+            # or unless the start failed and wrote logs here: the error names them.
+            failed_start = fleet is None and logs.is_relative_to(run_dir) and any(logs.glob("*.log"))
+            keep = keep_run_dir or failed_start
+            await asyncio.to_thread(shutil.rmtree, kv_dir if keep else run_dir, True)

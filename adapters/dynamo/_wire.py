@@ -13,6 +13,9 @@ flavor detected once at connect time:
   ``flush_cache``, ``init/destroy_weights_update_group`` and ``abort_request`` need the worker's
   ``--engine-route`` allowlist.
 * ``mocker``: ``dynamo.mocker``: no engine routes, no logprobs.
+* ``vllm``: ``dynamo.vllm`` 1.4.x (vLLM 0.26): its RL engine routes (``pause_generation``,
+  ``resume_generation``, ``flush_cache``, ``abort_request``, the weight routes driving vLLM's
+  ``collective_rpc``, ``control/sleep`` / ``control/wake_up``): ``_vllm_routes.py``.
 
 Generation path, also detected once (``native_generate``): a 1.6.x frontend started with
 ``DYN_SGLANG_ENABLE_GENERATE=1`` serves SGLang's native ``POST /generate`` (SSE); the adapter uses
@@ -28,7 +31,7 @@ import json
 import math
 import re
 import struct
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from operator import countOf
 from typing import Any, TypeGuard
 
@@ -97,6 +100,8 @@ from rollout_backends.sglang_native import (
     trim_at_stop,
 )
 
+from ._vllm_routes import CONTEXT_ID_HEADER, VLLM_PAUSE_MODES, context_id, vllm_control
+
 __all__ = [
     "CHUNK_VERSION_KEY",
     "FLAVORS",
@@ -105,6 +110,7 @@ __all__ = [
     "DynamoWire",
     "FlavorRoutes",
     "MATCHED_STOP_KEY",
+    "SESSION_HEADER",
     "STOP_ANNOTATION",
     "completion_body",
     "generate_instances",
@@ -122,6 +128,7 @@ class DynamoFlavor(str, enum.Enum):
     SGLANG14_SHIM = "sglang14-shim"
     SGLANG16 = "sglang16"
     MOCKER = "mocker"
+    VLLM = "vllm"
     NONE = "none"
 
 
@@ -177,6 +184,9 @@ class FlavorRoutes:
     #: dynamo.sglang 1.4.x awaits the synchronous ``TokenizerManager.abort_request``: the abort is
     #: dispatched, then the route fails with "object NoneType can't be used in 'await' expression".
     abort_all_await_bug: bool = False
+    #: dynamo.vllm's engine routes (``_vllm_routes.vllm_control``); a request's id travels as the
+    #: frontend's context id (``CONTEXT_ID_HEADER``), which ``abort_request`` takes.
+    vllm: bool = False
 
 
 ROUTES: Mapping[DynamoFlavor, FlavorRoutes] = {
@@ -211,6 +221,10 @@ ROUTES: Mapping[DynamoFlavor, FlavorRoutes] = {
     ),
     DynamoFlavor.SGLANG16: FlavorRoutes(sglang=True, native=True),
     DynamoFlavor.MOCKER: FlavorRoutes(sglang=False, logprobs=False),
+    # Top and prompt logprobs, stop strings: not declared until the GPU capture shows what the 1.4.2
+    # frontend makes of dynamo.vllm's answers (docs/vllm.md). RETRACT preempts the paused requests
+    # (vLLM's keep + clear_cache), so a load completes with them parked.
+    DynamoFlavor.VLLM: FlavorRoutes(sglang=False, vllm=True, update_while_parked=True),
     DynamoFlavor.NONE: FlavorRoutes(sglang=False),
 }
 FLAVORS = tuple(f.value for f in DynamoFlavor)
@@ -224,6 +238,11 @@ def to_flavor(value: DynamoFlavor | str) -> DynamoFlavor:
         raise InvalidRequest("flavor", f"must be one of {FLAVORS}, got {value!r}") from None
 
 
+#: The header the frontend's session affinity keys on (``--router-session-affinity-ttl-secs``; 1.4.2
+#: and 1.6.1, every router mode): requests with one key stay on the worker the first was routed to,
+#: until the key idles past the TTL (measured on CPU, ``docs/miles.md``, "Session affinity").
+#: ``GenerateRequest.routing_key`` travels in it, as SGLang's wire sends it in ``X-SMG-Routing-Key``.
+SESSION_HEADER = "x-dynamo-session-id"
 #: Router modes that honour ``nvext.backend_instance_id`` (measured on 1.4.2: round-robin ignores it).
 PINNING_MODES = ("kv", "direct")
 EXTRA_FIELDS = ("completion_token_ids", "worker_id", "timing", "engine_data", "stop_reason")
@@ -364,6 +383,11 @@ def completion_body(
     return body
 
 
+def _session(request: GenerateRequest) -> dict[str, str]:
+    """The routing key as the frontend's session id (a pinned request's worker wins over it)."""
+    return {SESSION_HEADER: request.routing_key} if request.routing_key else {}
+
+
 def native_body(request: GenerateRequest) -> dict[str, Any]:
     """The 1.6.x frontend's native ``/generate`` body: SGLang's own (``sampling_params`` as the SGLang
     adapter sends them); ``stream`` must be true (the frontend answers 501 otherwise)."""
@@ -462,31 +486,57 @@ _TOKEN_ID = re.compile(r"token_id:(\d+)")
 
 
 def _completion_top_logprobs(
-    lp_obj: object, n: int, k: int, worker: str | None
+    lp_obj: object, ids: Sequence[int], k: int, worker: str | None
 ) -> tuple[tuple[tuple[int, float], ...], ...]:
-    """``choices[0].logprobs.top_logprobs`` of 1.4.2 (per token, ``[{"token": "token_id:<id>",
-    "logprob", "bytes"}]``: ``return_tokens_as_token_ids`` names tokens by id) -> per token, the
-    ``(id, logprob)`` pairs, most likely first (ties by id)."""
+    """``choices[0].logprobs.top_logprobs`` (``return_tokens_as_token_ids`` names tokens by id) -> per
+    token, the ``(id, logprob)`` pairs, most likely first (ties by id). Per token, 1.4.2 sends a list
+    ``[{"token": "token_id:<id>", "logprob", "bytes"}]``, 1.6.1 OpenAI's legacy completions object
+    ``{"token_id:<id>": logprob}`` (both measured on CPU).
+
+    A sampled token outside the worker's top ``k`` comes last as a ``k + 1``-th entry: the frontend's
+    ``convert_backend_top_logprobs`` (``lib/llm/src/protocols/openai.rs`` in ai-dynamo/dynamo)
+    "ensures the selected token is present in the list", OpenAI's convention. It is the chosen token,
+    not an alternative, so it is dropped here; at temperature > 0 nearly every request had such a
+    position and failed as a ContractViolation (``docs/miles.md``, "Top logprobs through Dynamo")."""
     tops = lp_obj.get("top_logprobs") if isinstance(lp_obj, dict) else None
+    n = len(ids)
     if not isinstance(tops, list) or len(tops) != n:
         got = len(tops) if isinstance(tops, list) else type(tops).__name__
         raise ContractViolation(f"choices[0].logprobs.top_logprobs has {got} entries for {n} tokens", worker=worker)
     out = []
     for i, position in enumerate(tops):
-        if not isinstance(position, list) or not 0 < len(position) <= k:
-            raise ContractViolation(f"top_logprobs[{i}] is not a list of 1..{k} entries", worker=worker)
-        pairs = []
-        for e in position:
-            m = _TOKEN_ID.fullmatch(str(e.get("token"))) if isinstance(e, dict) else None
-            lp = e.get("logprob") if isinstance(e, dict) else None
-            if m is None or not isinstance(lp, (int, float)) or isinstance(lp, bool) or math.isnan(lp):
-                raise ContractViolation(
-                    f"top_logprobs[{i}] has an entry that is not a token id and logprob", worker=worker
-                )
-            pairs.append((int(m.group(1)), _f32(float(lp))))
+        pairs = _top_pairs(position, i, worker)
+        if not 0 < len(pairs) <= k + 1:
+            raise ContractViolation(
+                f"top_logprobs[{i}] has {len(pairs)} entries, not 1..{k} (+ the chosen token)", worker=worker
+            )
+        if len(pairs) == k + 1:
+            # Only the frontend's appended chosen token may make it k + 1, and only where the worker's k lack it.
+            if pairs[-1][0] != ids[i] or any(t == ids[i] for t, _ in pairs[:-1]):
+                why = f"has {k + 1} entries, the last not the chosen token {ids[i]} alone"
+                raise ContractViolation(f"top_logprobs[{i}] {why}", worker=worker)
+            pairs.pop()
         pairs.sort(key=lambda p: (-p[1], p[0]))
         out.append(tuple(pairs))
     return tuple(out)
+
+
+def _top_pairs(position: object, i: int, worker: str | None) -> list[tuple[int, float]]:
+    """One position's top logprobs, in the order sent: a list of ``{"token", "logprob"}`` (1.4.2) or
+    an object ``{token: logprob}`` (1.6.1); each token named ``token_id:<id>``."""
+    if isinstance(position, dict):
+        named: list[tuple[object, object]] = list(position.items())
+    elif isinstance(position, list):
+        named = [(e.get("token"), e.get("logprob")) if isinstance(e, dict) else (None, None) for e in position]
+    else:
+        raise ContractViolation(f"top_logprobs[{i}] is a {type(position).__name__}, not a list", worker=worker)
+    pairs = []
+    for token, lp in named:
+        m = _TOKEN_ID.fullmatch(str(token))
+        if m is None or not isinstance(lp, (int, float)) or isinstance(lp, bool) or math.isnan(lp):
+            raise ContractViolation(f"top_logprobs[{i}] has an entry that is not a token id and logprob", worker=worker)
+        pairs.append((int(m.group(1)), _f32(float(lp))))
+    return pairs
 
 
 def _chunk_version(engine_data: object, worker: str | None) -> str | None:
@@ -554,6 +604,9 @@ class DynamoWire:
     #: Unpinned requests go to the frontend's native ``/generate`` (detected at connect: the frontend
     #: serves the route and the workers advertise ``sglang_generate`` and name themselves in it).
     native_generate: bool = False
+    #: ``vllm`` workers: their ``--weight-transfer-config`` backend (``nccl``: distributed loads;
+    #: ``ipc``: tensor loads), which Dynamo does not show: the launcher says it.
+    transfer_backend: str | None = None
 
     @property
     def pinning(self) -> bool:
@@ -567,21 +620,32 @@ class DynamoWire:
     def aborts_by_id(self) -> bool:
         """Our worker and the shim abort one request by id inside the engine (the request still
         answers with its partial tokens); stock dynamo.sglang has no route for it, so the fleet
-        cancels the client's HTTP call instead (the tokens are lost with it)."""
-        return self.routes.rollout_routes
+        cancels the client's HTTP call instead (the tokens are lost with it). dynamo.vllm aborts
+        by the frontend's context id (``abort_request``)."""
+        return self.routes.rollout_routes or self.routes.vllm
+
+    def _control_surface(self) -> tuple[set[PauseMode], set[WeightTransport]]:
+        """The pause modes and weight transports the workers' engine routes serve."""
+        routes = self.routes
+        if routes.vllm:
+            transports = {WeightTransport.DISK}
+            transports |= {t for b, t in (("nccl", WeightTransport.DISTRIBUTED), ("ipc", WeightTransport.TENSOR))
+                           if self.transfer_backend == b}  # fmt: skip
+            return set(VLLM_PAUSE_MODES), transports
+        if not routes.sglang:
+            return set(), set()
+        transports = {WeightTransport.DISK, WeightTransport.DISTRIBUTED}
+        if routes.tensors:
+            transports.add(WeightTransport.TENSOR)
+        return set(PauseMode), transports
 
     def capabilities(self) -> Capabilities:
         routes = self.routes
-        sg = routes.sglang
-        transports = set()
-        if sg:
-            transports = {WeightTransport.DISK, WeightTransport.DISTRIBUTED}
-            if routes.tensors:
-                transports.add(WeightTransport.TENSOR)
+        pause_modes, transports = self._control_surface()
         return Capabilities(
-            pause_modes=set(PauseMode) if sg else set(),
+            pause_modes=pause_modes,
             weight_transports=transports,
-            memory_release=sg and self.memory_saver,
+            memory_release=(routes.sglang or routes.vllm) and self.memory_saver,
             logprobs=routes.logprobs,
             top_logprobs=routes.top_logprobs,
             prompt_logprobs=routes.prompt_logprobs,
@@ -633,7 +697,9 @@ class DynamoWire:
     def generate(self, request: GenerateRequest, worker: Worker | None) -> HttpRequest:
         self._refuse_unservable(request)
         if self.native_generate and worker is None and request.prompt_logprobs_start is None:
-            return HttpRequest("POST", f"{self.frontend_url}/generate", json=native_body(request))
+            return HttpRequest(
+                "POST", f"{self.frontend_url}/generate", json=native_body(request), headers=_session(request)
+            )
         return self._completion_request(request, worker, stream=False)
 
     def _completion_request(self, request: GenerateRequest, worker: Worker | None, *, stream: bool) -> HttpRequest:
@@ -647,8 +713,11 @@ class DynamoWire:
         if stream:
             body["stream"] = True
         # The request id travels in nvext.annotations (x-dynamo-request-id is deprecated on 1.4.2
-        # and takes UUIDs only).
-        return HttpRequest("POST", f"{self.frontend_url}/v1/completions", json=body)
+        # and takes UUIDs only); dynamo.vllm aborts by the context id, ours made a UUID.
+        headers = _session(request)
+        if self.routes.vllm:
+            headers = {**headers, CONTEXT_ID_HEADER: context_id(request.request_id)}
+        return HttpRequest("POST", f"{self.frontend_url}/v1/completions", json=body, headers=headers)
 
     def stream(self, request: GenerateRequest, worker: Worker | None) -> HttpRequest:
         # Always /v1/completions: the native /generate route (1.6) is not used for streams.
@@ -801,7 +870,7 @@ class DynamoWire:
                 out.append(_f32(float(lp)))
             logprobs = tuple(out)
             if request.sampling.top_logprobs:
-                top = _completion_top_logprobs(lp_obj, len(ids), request.sampling.top_logprobs, worker)
+                top = _completion_top_logprobs(lp_obj, ids, request.sampling.top_logprobs, worker)
         usage = data.get("usage") if isinstance(data.get("usage"), dict) else {}
         assert isinstance(usage, dict)
         details = usage.get("prompt_tokens_details") if isinstance(usage.get("prompt_tokens_details"), dict) else {}
@@ -891,7 +960,7 @@ class DynamoWire:
     def _engine(self, worker: Worker, route: str, body: Mapping[str, Any] | None = None) -> HttpRequest:
         return HttpRequest("POST", f"{worker.control_url}/engine/{route}", json=dict(body or {}))
 
-    def control(self, op: Operation, worker: Worker) -> HttpRequest | None:
+    def control(self, op: Operation, worker: Worker) -> HttpRequest | tuple[HttpRequest, ...] | None:
         match op:
             case Live():
                 return HttpRequest("GET", f"{worker.control_url}/live", timeout=5.0, idempotent=True)
@@ -908,14 +977,18 @@ class DynamoWire:
                 return HttpRequest("POST", f"{self.frontend_url}/v1/completions", json=body, timeout=self.probe_timeout)
             case BeginWeightUpdate() | EndWeightUpdate():
                 return None
-            case AbortRequest(request_id=rid):
-                return self._engine(worker, "rollout/abort", {"rid": rid}) if self.aborts_by_id else None
+            case AbortRequest(request_id=rid) if self.routes.rollout_routes:
+                return self._engine(worker, "rollout/abort", {"rid": rid})
             case GetVersion():
                 if not self.routes.rollout_routes:
                     return None
                 return HttpRequest(
                     "POST", f"{worker.control_url}/engine/rollout/weight_version", json={}, idempotent=True
                 )
+        if self.routes.vllm:
+            return vllm_control(op, worker)
+        if isinstance(op, AbortRequest):
+            return None  # no route aborts one request: the fleet cancels its own call
         if not self.routes.sglang:
             return self._engine(worker, f"control/{op.name}")  # the mocker answers 404: ControlFailed
         return self._sglang_control(op, worker)
@@ -1021,8 +1094,8 @@ class DynamoWire:
 
 
 class _CompletionStream:
-    """The frontend's ``/v1/completions`` SSE answer (1.4.2, measured on the H200: bench/probes/
-    stream_capture.py): each chunk holds its *new* tokens (``nvext.completion_token_ids``,
+    """The frontend's ``/v1/completions`` SSE answer (1.4.2, measured on the H200: bench/rb_bench/
+    capture.py): each chunk holds its *new* tokens (``nvext.completion_token_ids``,
     ``choices[0].logprobs``), the last one also ``finish_reason`` and ``nvext.engine_data``;
     ``data: [DONE]`` at the end. The final ``Generation`` is the non-streamed answer's parse
     (``parse_completion``) of the chunks put together. Where the workers stamp every chunk
@@ -1111,7 +1184,7 @@ class _CompletionStream:
             self.lps.extend(lps)
             self.tokens.extend(lp_obj.get("tokens") or ())
             if request.sampling.top_logprobs:
-                top = _completion_top_logprobs(lp_obj, len(ids), request.sampling.top_logprobs, self.worker)
+                top = _completion_top_logprobs(lp_obj, ids, request.sampling.top_logprobs, self.worker)
                 self.tops.extend(lp_obj.get("top_logprobs") or ())
         if request.sampling.max_new_tokens == 0:  # re-scoring: the one token generated is not the caller's
             return TokenChunk(request_id=request.request_id, index=0, output_ids=())

@@ -262,6 +262,7 @@ class ReferenceBackend(Fleet):
             version_source=VersionSource.RESPONSE,
             cached_tokens=True,
             worker_pinning=True,
+            progress_probe=True,  # Progress: a 1-token generation on the engine (ReferenceDriver.probe)
             version_constraints=True,
             version_spans=VersionSource.RESPONSE,  # the engine records the version of every token
             stream_version_spans=True,  # each streamed chunk carries the engine's version

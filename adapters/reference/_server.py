@@ -1,7 +1,7 @@
 """An aiohttp server that puts SGLang's native HTTP API in front of a ``ReferenceEngine``.
 
 It answers with the field names, response shapes, status codes and error shapes that SGLang 0.5.x
-documents (``/work/shared/reference/sglang.md`` §1-5), as stock SGLang does with its tokenizer:
+documents (the shapes of ``rollout_backends.sglang_native``), as stock SGLang does with its tokenizer:
 ``text`` in answers (Miles reads ``output["text"]``) and ``text`` prompts, where the model has a
 ``tokenizer.json``; ``skip_tokenizer_init=True`` (``--skip-tokenizer-init``) keeps the
 tokenizer-free mode (token ids only, no ``text`` key). Bodies are parsed by the SGLang codec
@@ -15,7 +15,7 @@ keys (``unknown_keys=UnknownKeys.IGNORE`` keeps SGLang's ignore-unknown-keys rul
 refuses ``len(input_ids) + max_new_tokens >= context`` (it does not truncate).
 
 ``"stream": true`` is answered as SGLang 0.5.16 streams (measured on the H200,
-bench/probes/stream_capture.py): 200, ``text/event-stream``, one ``data: {json}`` event per
+bench/rb_bench/capture.py): 200, ``text/event-stream``, one ``data: {json}`` event per
 scheduler step, each the answer *so far* (cumulative ``output_ids``, logprobs and ``text``,
 ``meta_info.finish_reason`` null), the last one the non-streamed answer, then ``data: [DONE]``.
 A refusal the codec makes stays a 400 JSON answer; what SGLang's tokenizer manager refuses once

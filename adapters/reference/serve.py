@@ -1,18 +1,18 @@
-"""Command line: serve a ``ReferenceEngine`` over SGLang's native HTTP API.
+"""Command line: serve the CPU reference engine over SGLang's native HTTP API.
 
     rollout-backends serve-reference --model-path DIR --host 127.0.0.1 --port P \
         [--worker-id W] [--weight-version v0] [--api-key K] [--admin-api-key K] [--page-size 16] \
         [--with-begin-end] [--make-model SEED] [--fault-injection]
     rollout-backends serve-reference --no-compute 8 --port P
 
-``--make-model SEED`` first writes a tiny seeded model to ``--model-path`` (if it has no
-``config.json``) with ``make_tiny_model``. Keys given on the command line are never printed.
-Only ``stream=false`` generation is served (see ``_server``). ``--fault-injection`` (tests only,
-never on by default) adds ``/_faults``, which arms one-shot failures on any route.
+--make-model SEED first writes a tiny seeded model to --model-path (if it has no config.json).
+Keys given on the command line are never printed. Generation is served streamed ("stream": true,
+as SGLang streams) or not. --fault-injection (tests only, never on by default) adds /_faults,
+which arms one-shot failures on any route.
 
-``--no-compute N`` serves the same server over a ``NoComputeEngine`` (``_no_compute.py``): no model,
-no torch; every generation answers ``min(N, max_new_tokens)`` fixed tokens with logprobs at once
-(client-overhead benchmarks). ``--model-path`` is then only the name the server reports.
+--no-compute N serves the same server with no model and no torch: every generation answers
+min(N, max_new_tokens) fixed tokens with logprobs at once (client-overhead benchmarks).
+--model-path is then only the name the server reports.
 """
 
 from __future__ import annotations
@@ -179,8 +179,21 @@ async def _serve(args: argparse.Namespace) -> None:
                 await res
 
 
+def _preflight(args: argparse.Namespace) -> None:
+    """What fails before the model loads (seconds): a port already bound, a model that is not a
+    directory here (``InvalidRequest``; nothing is fetched, so a Hugging Face name is refused at once)."""
+    from rollout_backends import BackendUnavailable
+    from rollout_backends.launch import port_in_use, require_model_dir
+
+    if args.port and port_in_use(args.host, args.port):
+        raise BackendUnavailable(f"port {args.host}:{args.port} is already in use; nothing was started")
+    if args.no_compute is None and args.engine_factory is None and args.make_model is None:
+        require_model_dir(args.model_path, "--model-path")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    _preflight(args)
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")  # fmt: skip
     if args.make_model is not None and not (Path(args.model_path) / "config.json").exists():

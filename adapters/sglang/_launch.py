@@ -127,7 +127,7 @@ class SGLangServerCommand(NativeServerCommand):
     """``python -m sglang.launch_server`` for one engine (TP over the GPUs the launcher assigned).
 
     ``CUDA_VISIBLE_DEVICES`` is set to the context's ``gpu_ids`` (Ray's assignment), so
-    ``--base-gpu-id`` stays 0. Defaults are the recipe proven on the H200 (``docs/``, ``/work/shared/gpu``):
+    ``--base-gpu-id`` stays 0. Defaults are the recipe proven on the H200 (``docs/gpu-tier.md``, "The GPU machine"):
     ``--attention-backend triton --sampling-backend pytorch --disable-cuda-graph --page-size 16``;
     ``None`` / ``False`` leaves a flag out (SGLang's default). ``extra_args`` are passed last, as they are.
 

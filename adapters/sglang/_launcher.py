@@ -43,6 +43,8 @@ from rollout_backends.launch import (
     carry,
     launch_fleet,
     port_in_use,
+    require_model_dir,
+    require_module,
     str_tuple,
 )
 
@@ -62,7 +64,12 @@ __all__ = [
     "worker_argv",
 ]
 
-WORKER_KINDS = ("sglang", "reference")
+#: Every worker kind, with what it runs: the launch line and ``--worker-kind``'s help read this.
+WORKER_KIND_DESCRIPTIONS: Mapping[str, str] = {
+    "sglang": "SGLang (python -m sglang.launch_server; GPU)",
+    "reference": "the CPU reference engine behind SGLang's native API (not SGLang)",
+}
+WORKER_KINDS = tuple(WORKER_KIND_DESCRIPTIONS)
 ROUTERS = ("none", "smg", "sglang-router")
 #: Policies each router accepts (smg 1.13.0 ``--help``; sglang-router 0.3.x).
 ROUTER_POLICIES: Mapping[str, tuple[str, ...]] = {
@@ -110,9 +117,15 @@ class SGLangFleetConfig:
     always report ``cached_tokens`` from a page-granular prefix index and never use a GPU.
     """
 
+    # The defaults here are the command line's too (``launch sglang`` reads them from these fields).
     model_path: str = attrs.field(converter=str)
+    #: One worker unless told: each ``sglang`` worker takes a GPU, and how many the host has is the
+    #: caller's to say.
     workers: int = 1
     #: ``sglang``: ``python -m sglang.launch_server``; ``reference``: our CPU reference server.
+    #: SGLang unless told otherwise: a fleet launched as SGLang's runs SGLang. The reference engine
+    #: speaks the same API, so answering in its place it would pass for SGLang (its tokens, speed
+    #: and failures are not SGLang's); it is one flag away, and the CLI's first line names the kind.
     worker_kind: str = "sglang"
     host: str = "127.0.0.1"
     worker_ports: tuple[int, ...] | None = attrs.field(default=None, converter=_opt_int_tuple)
@@ -146,6 +159,7 @@ class SGLangFleetConfig:
     #: Torch threads of each reference worker.
     reference_threads: int = 1
     router: str = "smg"
+    #: smg's own default policy (smg 1.13.0 ``--help``): what its documentation describes.
     router_policy: str = "cache_aware"
     router_port: int | None = None
     router_prometheus_port: int | None = None
@@ -217,6 +231,20 @@ class SGLangFleetConfig:
         if self.router == "none":
             return RoutingKind.SINGLE if self.workers == 1 else RoutingKind.OTHER
         return _ROUTING_KIND.get(self.router_policy, RoutingKind.OTHER)
+
+    def describe(self) -> str:
+        """One line saying what this config starts (the CLI prints it first)."""
+        kind = f"{self.workers} x {self.worker_kind} worker{'s' if self.workers > 1 else ''}"
+        entry = "no router" if self.router == "none" else f"router {self.router} (policy {self.router_policy})"
+        return f"{kind}: {WORKER_KIND_DESCRIPTIONS[self.worker_kind]}; {entry}; model {self.model_path}"
+
+    def preflight(self) -> None:
+        """What can be found wrong on this host before anything starts: the model is a directory
+        here, and SGLang is installed for ``sglang`` workers (``InvalidRequest`` naming the field)."""
+        require_model_dir(self.model_path)
+        if self.worker_kind == "sglang":
+            instead = "worker kind 'reference' runs the CPU reference engine instead"
+            require_module("sglang", "worker_kind", f"'sglang' workers run SGLang; {instead}", self.python)
 
     def default_startup_timeout(self) -> float:
         if self.startup_timeout_s is not None:
@@ -382,8 +410,10 @@ class RunningSGLangFleet:
     # -- start ----------------------------------------------------------------------------------
 
     def placement(self) -> Local:
-        """This host, with the ports the config fixes (fails before anything starts if one is bound)."""
+        """This host, with the ports the config fixes. Fails before anything starts where
+        ``config.preflight()`` does, or where a port is bound."""
         c = self.config
+        c.preflight()
         if c.worker_ports is not None:
             workers = list(c.worker_ports)
         elif c.worker_base_port is not None:

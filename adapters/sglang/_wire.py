@@ -201,6 +201,7 @@ class SGLangWire:
             version_source=VersionSource.RESPONSE,
             cached_tokens=True,
             worker_pinning=True,
+            progress_probe=True,  # Progress: GET /health_generate on the worker (a 1-token generation)
             version_constraints=True,  # the fleet routes by its labels, pinning where not all serve one
             # SGLang 0.5.16 keeps no per-token versions (it stamps each chunk with the version then
             # served; docs/pause-modes.md): the fleet gives spans only where no update overlapped.

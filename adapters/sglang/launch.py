@@ -1,14 +1,16 @@
 """Launch an SGLang fleet, print its URLs, and keep it up until Ctrl-C.
 
     rollout-backends launch sglang --model-path DIR --workers 2 \
-        --router smg --policy cache_aware [--worker-kind sglang] [--cuda-visible-devices 0 1] ...
+        --router smg --policy cache_aware [--worker-kind reference] [--cuda-visible-devices 0 1] ...
 
-``--worker-kind reference`` (the default) runs our CPU reference server, ``sglang`` real SGLang
-(GPU). Prints each URL and a ``connect:`` line that ``rollout_backends.open_backend`` opens (add
-``api_key=`` there: keys are never printed). Everything it started is stopped on Ctrl-C or
-SIGTERM (SIGTERM to each process group, SIGKILL after the grace); the temporary log folder goes
-with it unless ``--keep-run-dir`` (``--log-dir`` logs always stay). ``--`` ends our flags; what
-follows is passed verbatim to every worker.
+Workers run SGLang (GPU) unless --worker-kind reference runs the CPU reference engine, which
+serves SGLang's native API; the first line printed says which. The defaults are those of
+SGLangFleetConfig (Python), read from it. Prints each URL and a connect: line that
+rollout_backends.open_backend opens (add api_key= there: keys are never printed). Everything it
+started is stopped on Ctrl-C or SIGTERM (SIGTERM to each process group, SIGKILL after the grace).
+The temporary log folder goes with it unless --keep-run-dir, or unless the start failed (then its
+path is printed); --log-dir logs always stay. -- ends our flags; what follows is passed verbatim to
+every worker.
 """
 
 from __future__ import annotations
@@ -18,28 +20,35 @@ import shutil
 import sys
 import tempfile
 from collections.abc import Awaitable, Callable, Sequence
+from pathlib import Path
 from typing import Any
+
+import attrs
 
 from rollout_backends.launch import HelpFormatter, run_launcher_cli, split_passthrough, stderr_progress
 
-from ._launcher import ROUTER_POLICIES, ROUTERS, WORKER_KINDS, SGLangFleetConfig, launch_sglang_fleet
+from ._launcher import ROUTER_POLICIES, ROUTERS, WORKER_KIND_DESCRIPTIONS, SGLangFleetConfig, launch_sglang_fleet
 
 __all__ = ["build_parser", "config_from_args", "main", "parse_args"]
 
 PROG = "rollout-backends launch sglang"
 
 
+#: The config's fields: every flag's default is the field's (one set of defaults, CLI and Python).
+_F = attrs.fields(SGLangFleetConfig)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=PROG, description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--model-path", required=True, help="model directory every worker loads")
-    p.add_argument("--workers", type=int, default=1, help="number of workers")
+    p.add_argument("--workers", type=int, default=_F.workers.default, help="number of workers")
     p.add_argument(
         "--worker-kind",
-        choices=WORKER_KINDS,
-        default="reference",
-        help="reference: our CPU reference server; sglang: python -m sglang.launch_server (GPU)",
+        choices=tuple(WORKER_KIND_DESCRIPTIONS),
+        default=_F.worker_kind.default,
+        help="; ".join(f"{k}: {d}" for k, d in WORKER_KIND_DESCRIPTIONS.items()),
     )
-    p.add_argument("--host", default="127.0.0.1", help="address every process binds")
+    p.add_argument("--host", default=_F.host.default, help="address every process binds")
     p.add_argument(
         "--worker-ports", type=int, nargs="+", default=None, help="one port per worker (default: free ports)"
     )
@@ -56,9 +65,15 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="sglang --mem-fraction-static (default: SGLang's alone on a GPU, 0.8/n for n workers sharing one)",
     )
-    p.add_argument("--page-size", type=int, default=16, help="KV page size (tokens)")
-    p.add_argument("--attention-backend", default="triton", help="sglang --attention-backend ('' leaves it out)")
-    p.add_argument("--sampling-backend", default="pytorch", help="sglang --sampling-backend ('' leaves it out)")
+    p.add_argument("--page-size", type=int, default=_F.page_size.default, help="KV page size (tokens)")
+    p.add_argument(
+        "--attention-backend",
+        default=_F.attention_backend.default,
+        help="sglang --attention-backend ('' leaves it out)",
+    )
+    p.add_argument(
+        "--sampling-backend", default=_F.sampling_backend.default, help="sglang --sampling-backend ('' leaves it out)"
+    )
     p.add_argument("--enable-cuda-graph", action="store_true", help="sglang: do not pass --disable-cuda-graph")
     p.add_argument("--disable-radix-cache", action="store_true", help="sglang --disable-radix-cache")
     p.add_argument("--enable-memory-saver", action="store_true", help="sglang --enable-memory-saver")
@@ -67,7 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--skip-tokenizer-init", action="store_true", help="sglang --skip-tokenizer-init")
     p.add_argument("--random-seed", type=int, default=None, help="sglang --random-seed (default: SGLang's)")
-    p.add_argument("--weight-version", default="default", help="the weight version every worker starts with")
+    p.add_argument(
+        "--weight-version", default=_F.weight_version.default, help="the weight version every worker starts with"
+    )
     p.add_argument(
         "--served-model-name", default=None, help="the model name the workers report (default: the model path)"
     )
@@ -77,14 +94,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--admin-api-key", default=None, help="key of the workers' control routes (default: none; never printed)"
     )
-    p.add_argument("--router", choices=ROUTERS, default="smg", help="the router in front of the workers")
+    p.add_argument("--router", choices=ROUTERS, default=_F.router.default, help="the router in front of the workers")
     policies = sorted({q for qs in ROUTER_POLICIES.values() for q in qs})
-    p.add_argument("--policy", default="cache_aware", help=f"router policy, one of {', '.join(policies)}")
+    p.add_argument("--policy", default=_F.router_policy.default, help=f"router policy, one of {', '.join(policies)}")
     p.add_argument("--router-port", type=int, default=None, help="router HTTP port (default: a free port)")
     p.add_argument(
         "--router-prometheus-port", type=int, default=None, help="router metrics port (default: a free port)"
     )
-    p.add_argument("--health-check-interval", type=int, default=10, help="seconds between router health probes")
+    p.add_argument(
+        "--health-check-interval",
+        type=int,
+        default=_F.health_check_interval_s.default,
+        help="seconds between router health probes",
+    )
     p.add_argument("--disable-retries", action="store_true", help="the router does not resend failed requests")
     router_arg_help = (
         "one extra router argument, repeatable: --router-arg=--worker-warmup-secs --router-arg=0 (default: none)"
@@ -94,7 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--keep-run-dir",
         action="store_true",
-        help="keep the temporary log folder on exit (it is removed otherwise; --log-dir is always kept)",
+        help="keep the temporary log folder on exit (it is removed after a clean stop; kept, and its path "
+        "printed, when the start failed; --log-dir is always kept)",
     )
     p.add_argument(
         "--startup-timeout",
@@ -150,6 +173,7 @@ def config_from_args(args: argparse.Namespace) -> SGLangFleetConfig:
 
 
 async def _run(config: SGLangFleetConfig, until_signalled: Callable[[], Awaitable[None]]) -> None:
+    print(f"fleet:   {config.describe()}", flush=True)
     async with launch_sglang_fleet(config, progress=stderr_progress) as fleet:
         print(f"router:  {fleet.router_url or '(none)'}", flush=True)
         for wid, url in zip(fleet.worker_ids, fleet.worker_urls, strict=True):
@@ -165,11 +189,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.log_dir is None:  # ours to remove on exit (unless --keep-run-dir)
         run_dir = tempfile.mkdtemp(prefix="rollout-backends-sglang-")
         args.log_dir = run_dir
+    status = 1
     try:
-        return run_launcher_cli(lambda: config_from_args(args), _run)
+        status = run_launcher_cli(lambda: config_from_args(args), _run, preflight=SGLangFleetConfig.preflight)
+        return status
     finally:
         if run_dir is not None:
-            if args.keep_run_dir:
+            # A failed start's logs are what explains it: they stay (where anything wrote one).
+            if args.keep_run_dir or (status == 1 and any(Path(run_dir).iterdir())):
                 print(f"kept:    {run_dir}", file=sys.stderr, flush=True)
             else:
                 shutil.rmtree(run_dir, ignore_errors=True)

@@ -1,4 +1,5 @@
-"""Benchmarks, probes and the conformance suite's GPU tier, run from a checkout (not installed).
+"""Benchmarks, observation tools (wire capture, smg probe) and the conformance suite's GPU tier, run
+from a checkout (not installed).
 
 The library (``rollout_backends``) is the product; this package measures and exercises it and is
 never part of its wheel (``tests/test_packaging.py``). Run a module with the checkout's ``bench/``

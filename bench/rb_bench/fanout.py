@@ -1207,60 +1207,17 @@ async def run(
     result.command_args = check_command_lines(fleets, vary)
     if result.command_args is not None and not result.command_args.same:
         why = "the fleets' SGLang command lines differ: " + ", ".join(result.command_args.differing)
-        if refuse_on_differ:
-            result.refused = why
-            progress(f"refusing to run: {why}")
+        if _refused(result, why, refuse_on_differ, progress):
             return result
-        result.notes.append(f"ran although {why} (--args-differ warn)")
     errors: dict[str, str] = {}
-
-    async def start(f: Fleet) -> None:
-        t0 = time.monotonic()
-        try:
-            await asyncio.wait_for(f.start(progress), max(1.0, budget.left()))
-            result.fleets[f.key] = f"ready in {time.monotonic() - t0:.1f} s"
-            progress(f"{f.key} fleet {result.fleets[f.key]}")
-        except BaseException as exc:
-            errors[f.key] = report.summarise_error(exc)
-            result.fleets[f.key] = f"failed: {errors[f.key]}"
-            progress(f"{f.key} fleet failed to start: {errors[f.key]}")
-            if not isinstance(exc, Exception | asyncio.TimeoutError):
-                raise
-
     sampler = CpuSampler(lambda: {k: f.pids() for k, f in fleets.items() if k not in errors})
     try:
         progress(f"starting {len(fleets)} fleet(s) at once: {', '.join(fleets)}")
-        await asyncio.gather(*(start(f) for f in fleets.values()))
+        await asyncio.gather(*(_start_fleet(f, result, errors, budget, progress) for f in fleets.values()))
         live = {k: f for k, f in fleets.items() if k not in errors}
-        result.resolved_args = await check_resolved(live, vary)
-        if not result.resolved_args.same:
-            why = "the engines' resolved arguments differ: " + ", ".join(result.resolved_args.differing)
-            if refuse_on_differ:
-                result.refused = why
-                progress(f"refusing to run: {why}")
-                return result
-            result.notes.append(f"ran although {why} (--args-differ warn)")
-            progress(f"WARNING: {why}")
-        for k in live:
-            if not any(c.startswith(f"{k} w") for c in result.resolved_args.columns):
-                result.notes.append(f"{k}: its workers report no engine arguments (not compared)")
-        owners = _pid_owner(live)
-        for line in gpu_memory():
-            if line.startswith("pid "):
-                pid = line[4:].split(",")[0].strip()
-                line = f"{line} ({owners.get(int(pid), '?') if pid.isdigit() else '?'})"
-            result.gpu_memory.append(line)
-        first = next(iter(workloads.values()))
-        for r in rows:  # a burst through every row's client: connections and kernels ready first
-            f = fleets[r.fleet]
-            if r.fleet in errors or (isinstance(f, DynamoSide) and f.supports(r.entry)):
-                continue
-            try:
-                c = await f.client(r.entry, r.client)
-                await asyncio.wait_for(warm_up(c, first, 16, f"w{r.fleet}-{r.entry}-{r.client}"), 120.0)
-            except Exception as exc:
-                errors[f"{r.fleet}:{r.entry}:{r.client}"] = f"warm-up failed: {report.summarise_error(exc)}"
-                progress(f"{r.name}: warm-up failed: {report.summarise_error(exc)}")
+        if not await _check_live(live, result, vary, refuse_on_differ, progress):
+            return result
+        await _warm_up_rows(rows, fleets, errors, next(iter(workloads.values())), progress)
         names = list(workloads)
         for wi, wl in enumerate(names):
             share = shares[wl] / sum(shares[n] for n in names[wi:])
@@ -1280,6 +1237,82 @@ async def run(
     return result
 
 
+def _refused(result: RunResult, why: str, refuse_on_differ: bool, progress: report.Progress) -> bool:
+    """The fleets' arguments differ: refuse the run (True), or note that it ran anyway."""
+    if refuse_on_differ:
+        result.refused = why
+        progress(f"refusing to run: {why}")
+        return True
+    result.notes.append(f"ran although {why} (--args-differ warn)")
+    return False
+
+
+async def _start_fleet(
+    f: Fleet, result: RunResult, errors: dict[str, str], budget: Budget, progress: report.Progress
+) -> None:
+    """Start one fleet within the budget; a failure is recorded in ``errors`` (and re-raised only
+    when it is not an ``Exception``: a cancellation)."""
+    t0 = time.monotonic()
+    try:
+        await asyncio.wait_for(f.start(progress), max(1.0, budget.left()))
+        result.fleets[f.key] = f"ready in {time.monotonic() - t0:.1f} s"
+        progress(f"{f.key} fleet {result.fleets[f.key]}")
+    except BaseException as exc:
+        errors[f.key] = report.summarise_error(exc)
+        result.fleets[f.key] = f"failed: {errors[f.key]}"
+        progress(f"{f.key} fleet failed to start: {errors[f.key]}")
+        if not isinstance(exc, Exception | asyncio.TimeoutError):
+            raise
+
+
+async def _check_live(
+    live: Mapping[str, Fleet],
+    result: RunResult,
+    vary: Sequence[str],
+    refuse_on_differ: bool,
+    progress: report.Progress,
+) -> bool:
+    """Compare the started engines' resolved arguments (False: they differ and the run is refused),
+    then record each GPU process's memory with the fleet that owns it."""
+    result.resolved_args = await check_resolved(live, vary)
+    if not result.resolved_args.same:
+        why = "the engines' resolved arguments differ: " + ", ".join(result.resolved_args.differing)
+        if _refused(result, why, refuse_on_differ, progress):
+            return False
+        progress(f"WARNING: {why}")
+    for k in live:
+        if not any(c.startswith(f"{k} w") for c in result.resolved_args.columns):
+            result.notes.append(f"{k}: its workers report no engine arguments (not compared)")
+    owners = _pid_owner(live)
+    for line in gpu_memory():
+        if line.startswith("pid "):
+            pid = line[4:].split(",")[0].strip()
+            line = f"{line} ({owners.get(int(pid), '?') if pid.isdigit() else '?'})"
+        result.gpu_memory.append(line)
+    return True
+
+
+async def _warm_up_rows(
+    rows: Sequence[Row],
+    fleets: Mapping[str, Fleet],
+    errors: dict[str, str],
+    first: Workload,
+    progress: report.Progress,
+) -> None:
+    """A burst through every row's client: connections and kernels ready first (a failure is
+    recorded in ``errors`` under ``fleet:entry:client``)."""
+    for r in rows:
+        f = fleets[r.fleet]
+        if r.fleet in errors or (isinstance(f, DynamoSide) and f.supports(r.entry)):
+            continue
+        try:
+            c = await f.client(r.entry, r.client)
+            await asyncio.wait_for(warm_up(c, first, 16, f"w{r.fleet}-{r.entry}-{r.client}"), 120.0)
+        except Exception as exc:
+            errors[f"{r.fleet}:{r.entry}:{r.client}"] = f"warm-up failed: {report.summarise_error(exc)}"
+            progress(f"{r.name}: warm-up failed: {report.summarise_error(exc)}")
+
+
 async def _run_workload(
     rows: Sequence[Row],
     fleets: Mapping[str, Fleet],
@@ -1294,6 +1327,39 @@ async def _run_workload(
     seed: int,
     profiler: Profiler | None,
 ) -> None:
+    """The workload's blocks (block 0 the warm-up), each row once per block in a seeded order,
+    until the blocks, the workload's deadline or the rows run out."""
+    results, active = await _admit_rows(rows, fleets, errors, workload, result)
+    block_s: float | None = None
+    n_steps = len(workload.steps)
+    for block in range(min(max_blocks + 1, n_steps)):
+        left = min(deadline, budget.deadline) - time.monotonic()
+        if block > 0 and block_s is not None and block_s * 1.15 > left:
+            progress(f"{workload.name}: stopping after {block - 1} measured blocks ({left:.0f} s left)")
+            break
+        order = list(active)
+        random.Random(f"{seed}-{workload.name}-{block}").shuffle(order)
+        result.orders.setdefault(workload.name, []).append([r.name for _, r in order])
+        t_block = time.monotonic()
+        for k, r in order:
+            if results[r.name].status.startswith("ok"):
+                await _run_row_block(
+                    k, r, results[r.name], fleets[r.fleet], workload, block, sampler, budget, progress, profiler
+                )
+        block_s = time.monotonic() - t_block
+        if all(not results[r.name].status.startswith("ok") for _, r in active):
+            break
+
+
+async def _admit_rows(
+    rows: Sequence[Row],
+    fleets: Mapping[str, Fleet],
+    errors: Mapping[str, str],
+    workload: Workload,
+    result: RunResult,
+) -> tuple[dict[str, RowResult], list[tuple[int, Row]]]:
+    """Each row's result for this workload (added to ``result``), and the rows that can run: not
+    failed at start-up or warm-up, and served by their fleet."""
     results: dict[str, RowResult] = {}
     active: list[tuple[int, Row]] = []
     for k, r in enumerate(rows):
@@ -1311,60 +1377,58 @@ async def _run_workload(
         else:
             rr.reports_cached = (await fleet.client(r.entry, r.client)).reports_cached
             active.append((k, r))
-    block_s: float | None = None
-    n_steps = len(workload.steps)
-    for block in range(min(max_blocks + 1, n_steps)):
-        left = min(deadline, budget.deadline) - time.monotonic()
-        if block > 0 and block_s is not None and block_s * 1.15 > left:
-            progress(f"{workload.name}: stopping after {block - 1} measured blocks ({left:.0f} s left)")
-            break
-        order = list(active)
-        random.Random(f"{seed}-{workload.name}-{block}").shuffle(order)
-        result.orders.setdefault(workload.name, []).append([r.name for _, r in order])
-        t_block = time.monotonic()
-        for k, r in order:
-            rr = results[r.name]
-            if not rr.status.startswith("ok"):
-                continue
-            fleet = fleets[r.fleet]
-            client = await fleet.client(r.entry, r.client)
-            not_flushed = await fleet.flush()
-            spy: list[tuple[str, subprocess.Popen[bytes], Path]] = []
-            if profiler is not None and profiler.wants(r.name, block) and rr.warm is not None:
-                own = {key: v for key, v in rr.warm.cpu.items() if key.startswith(f"{r.fleet}/")}
-                hot = sorted(own, key=lambda key: -own[key])
-                pids = fleet.pids()
-                spy = profiler.start(r.name, [(key, p) for key in hot for p in _pids_of_role(pids, key)])
-            before = sampler.sample()
-            try:
-                out, wall = await asyncio.wait_for(
-                    run_step(client, workload, block, f"b{block}r{k}", salt=k), max(1.0, budget.left())
-                )
-            except Exception as exc:
-                rr.status = f"failed: {report.summarise_error(exc)}"
-                progress(f"{r.name} {workload.name} block {block}: {rr.status}")
-                await client.abort_all()
-                continue
-            finally:
-                if spy and profiler is not None:
-                    await asyncio.to_thread(profiler.finish, r.name, spy)
-            after = sampler.sample()
-            stat = StepStat(wall, not_flushed=not_flushed)
-            stat.add(out)
-            stat.cpu = {"/".join(key): v for key, v in CpuSampler.delta(before, after).items() if v > 0}
-            if block == 0:
-                rr.warm = stat
-            else:
-                rr.steps[block] = stat
-            hit = stat.cached_tokens / stat.prompt_tokens if stat.prompt_tokens and rr.reports_cached else None
-            progress(
-                f"{workload.name} block {block}{' (warm-up)' if block == 0 else ''} {r.name}: {wall:.2f} s, "
-                f"{stat.output_tokens / wall:,.0f} tok/s, prefix hit {'-' if hit is None else f'{hit:.1%}'}, "
-                f"{stat.requests} requests"
-            )
-        block_s = time.monotonic() - t_block
-        if all(not results[r.name].status.startswith("ok") for _, r in active):
-            break
+    return results, active
+
+
+async def _run_row_block(
+    k: int,
+    r: Row,
+    rr: RowResult,
+    fleet: Fleet,
+    workload: Workload,
+    block: int,
+    sampler: CpuSampler,
+    budget: Budget,
+    progress: report.Progress,
+    profiler: Profiler | None,
+) -> None:
+    """One row's step of one block: flush, (profile,) run, and record its wall time, tokens and CPU
+    per process in ``rr`` (a failure marks the row failed and aborts what it left running)."""
+    client = await fleet.client(r.entry, r.client)
+    not_flushed = await fleet.flush()
+    spy: list[tuple[str, subprocess.Popen[bytes], Path]] = []
+    if profiler is not None and profiler.wants(r.name, block) and rr.warm is not None:
+        own = {key: v for key, v in rr.warm.cpu.items() if key.startswith(f"{r.fleet}/")}
+        hot = sorted(own, key=lambda key: -own[key])
+        pids = fleet.pids()
+        spy = profiler.start(r.name, [(key, p) for key in hot for p in _pids_of_role(pids, key)])
+    before = sampler.sample()
+    try:
+        out, wall = await asyncio.wait_for(
+            run_step(client, workload, block, f"b{block}r{k}", salt=k), max(1.0, budget.left())
+        )
+    except Exception as exc:
+        rr.status = f"failed: {report.summarise_error(exc)}"
+        progress(f"{r.name} {workload.name} block {block}: {rr.status}")
+        await client.abort_all()
+        return
+    finally:
+        if spy and profiler is not None:
+            await asyncio.to_thread(profiler.finish, r.name, spy)
+    after = sampler.sample()
+    stat = StepStat(wall, not_flushed=not_flushed)
+    stat.add(out)
+    stat.cpu = {"/".join(key): v for key, v in CpuSampler.delta(before, after).items() if v > 0}
+    if block == 0:
+        rr.warm = stat
+    else:
+        rr.steps[block] = stat
+    hit = stat.cached_tokens / stat.prompt_tokens if stat.prompt_tokens and rr.reports_cached else None
+    progress(
+        f"{workload.name} block {block}{' (warm-up)' if block == 0 else ''} {r.name}: {wall:.2f} s, "
+        f"{stat.output_tokens / wall:,.0f} tok/s, prefix hit {'-' if hit is None else f'{hit:.1%}'}, "
+        f"{stat.requests} requests"
+    )
 
 
 def _pids_of_role(pids: Mapping[str, list[int]], key: str) -> list[int]:
@@ -1717,7 +1781,7 @@ def _vocab_size(model_path: str) -> int:
     return int(cfg["vocab_size"])
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m rb_bench.fanout",
         description="RL fan-out routing: GRPO-shaped rollouts through smg and Dynamo routers, interleaved, "
@@ -1774,6 +1838,172 @@ def main(argv: Sequence[str] | None = None) -> int:
         metavar="RESULTS_JSON",
         help="print the tables of saved runs (several: pooled, blocks paired within each run); runs nothing",
     )
+    return p
+
+
+def _shrink_to_smoke(args: argparse.Namespace) -> None:
+    """``--smoke``: 2 prompts x 4 samples, 3 blocks, a few tokens each, at most 150 s."""
+    args.prompts, args.samples, args.blocks = 2, 4, 3
+    args.max_new_tokens, args.length_median, args.turn_max_new_tokens, args.turn_median = 8, 5.0, 6, 4.0
+    args.agentic_prompts, args.agentic_samples, args.turns = 2, 2, 2
+    args.budget_s = min(args.budget_s, 150.0)
+
+
+def _workloads(args: argparse.Namespace, tokenizer: Any, vocab: int) -> dict[str, Workload]:
+    """The workloads asked for, one step per block plus the warm-up block 0."""
+    steps = args.blocks + 1  # block 0 is the warm-up
+    makers = {
+        "gsm8k": lambda: make_workload(
+            tokenizer, name="gsm8k", steps=steps, prompts=args.prompts, samples=args.samples,
+            max_new_tokens=args.max_new_tokens, length_median=args.length_median,
+            length_sigma=args.length_sigma, vocab_size=vocab, seed=args.seed,
+            min_new_tokens=min(8, args.max_new_tokens),
+        ),
+        "agentic": lambda: make_workload(
+            tokenizer, name="agentic", steps=steps, prompts=args.agentic_prompts,
+            samples=args.agentic_samples, max_new_tokens=args.turn_max_new_tokens,
+            length_median=args.turn_median, length_sigma=args.length_sigma, turns=args.turns,
+            vocab_size=vocab, seed=args.seed, min_new_tokens=min(8, args.turn_max_new_tokens),
+        ),
+    }  # fmt: skip
+    return {k: makers[k]() for k in args.workloads}
+
+
+def _settings_info(
+    args: argparse.Namespace,
+    size: str,
+    model_path: str,
+    gpus: tuple[str, ...],
+    flags: list[str],
+    workloads: dict[str, Workload],
+    baseline: str,
+    vary: list[str],
+) -> dict[str, Any]:
+    """The run's settings as the report and ``results.json`` give them."""
+    gpu = args.engine == "sglang"
+    return {
+        "preset": args.preset if not args.rows else "rows",
+        "engine": args.engine,
+        "model": f"{size} ({model_path})" if args.model_path else size,
+        "workers": args.workers,
+        "gpus": ",".join(gpus) if gpu else "none",
+        "worker_flags": " ".join(flags) + " --kv-events-config <zmq, a port each>" if gpu else "(CPU workers)",
+        "workloads": {k: w.describe() for k, w in workloads.items()},
+        "planned_output_tokens": {k: w.planned_output_tokens() for k, w in workloads.items()},
+        "seed": args.seed,
+        "baseline": baseline,
+        "vary": vary,
+    }
+
+
+def _print_results(result: RunResult, baseline: str, m: dict[str, Any]) -> None:
+    """The run's tables, notes and verdicts on stdout."""
+    t = tables(result, baseline)
+    print(f"\nRL fan-out routing, {m['date']}, {m['machine']}, GPU: {m['gpu']}")
+    if result.refused:
+        print(f"\nREFUSED: {result.refused}")
+    for n in result.notes:
+        print(f"- {n}")
+    for cmp, title in ((result.command_args, "command lines"), (result.resolved_args, "resolved arguments")):
+        if cmp is not None and (cmp.differing or cmp.allowed):
+            print("\n".join(args_table(cmp, title)))
+    for k, text in t.items():
+        print(f"\n{k}\n{text}")
+    for wl, v in verdicts(result):
+        print(f"- {wl}: {v.format()}")
+    print(f"\n({m['duration_s']} s)")
+
+
+def _cmp(c: Comparison | None) -> Any:
+    return (
+        None
+        if c is None
+        else {"columns": c.columns, "table": dict(c.table), "differing": c.differing, "allowed": c.allowed}
+    )
+
+
+def _results_data(m: dict[str, Any], info: dict[str, Any], result: RunResult, baseline: str) -> dict[str, Any]:
+    """Everything ``results.json`` holds: meta, settings, fleets, rows, ratios, verdicts, profiles."""
+    return {
+        "meta": m,
+        "settings": info,
+        "fleets": result.fleets,
+        "placement": result.placement,
+        "gpu_memory": result.gpu_memory,
+        "command_args": _cmp(result.command_args),
+        "resolved_args": _cmp(result.resolved_args),
+        "refused": result.refused,
+        "results": [r.as_dict() for r in result.rows],
+        "ratios": {
+            f"{r.row.name} / {baseline} / {r.workload}": attrs.asdict(iv)
+            for r in result.rows
+            if (iv := ratio(result, r.row.name, baseline, r.workload)) is not None
+        },
+        "cpu_ratios": {
+            f"{r.row.name} / {baseline} / {r.workload} / {role or 'all'}": attrs.asdict(iv)
+            for r in result.rows
+            for role in ("scheduler", None)
+            if (iv := cpu_ratio(result, r.row.name, baseline, r.workload, role)) is not None
+        },
+        "targets": [
+            {
+                "workload": wl,
+                "goal": v.goal,
+                "state": v.state,
+                "more_blocks": v.more_blocks,
+                "interval": attrs.asdict(v.interval),
+            }
+            for wl, v in verdicts(result)
+        ],
+        "orders": result.orders,
+        "notes": result.notes,
+        "frontend_metrics": result.metrics,
+        "profiles": result.profiles,
+    }
+
+
+def _settings(
+    args: argparse.Namespace,
+    model_path: str,
+    gpus: tuple[str, ...],
+    stream_interval: int,
+    vocab: int,
+    log_root: Path,
+) -> Settings:
+    """The fleets' settings from the command line (``stream_interval`` 0: SGLang's default)."""
+    gpu = args.engine == "sglang"
+    return Settings(
+        engine=args.engine,
+        model_path=model_path,
+        workers=args.workers,
+        gpus=gpus,
+        kv_tokens=args.kv_tokens,
+        stream_interval=stream_interval or None,
+        predicted_ttl_s=args.predicted_ttl_s,
+        mocker_speedup=args.mocker_speedup,
+        startup_timeout_s=args.startup_timeout_s or (600.0 if gpu else 120.0),
+        log_root=log_root,
+        vocab_size=vocab,
+    )
+
+
+def _write_outputs(
+    out: str, m: dict[str, Any], info: dict[str, Any], result: RunResult, baseline: str, log_root: Path
+) -> None:
+    """benchmarks.md, results.json, fanout.png and the fleets' logs into ``out``."""
+    title = f"{m['gpu'] if m['gpu'] != 'none' else m['machine']}; {m['date']}"
+    report.write_outputs(
+        out,
+        KEY,
+        plot=lambda path: plot(result, baseline, path, title),
+        markdown=lambda png: markdown(m, info, result, baseline, png),
+        data=_results_data(m, info, result, baseline),
+        log_dirs=[log_root],
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = _parser()
     args = p.parse_args(argv)
     if args.reanalyze:
         return reanalyze(args.reanalyze, args.baseline)
@@ -1785,10 +2015,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.smoke:
         if gpu:
             p.error("--smoke is for --engine reference or mocker")
-        args.prompts, args.samples, args.blocks = 2, 4, 3
-        args.max_new_tokens, args.length_median, args.turn_max_new_tokens, args.turn_median = 8, 5.0, 6, 4.0
-        args.agentic_prompts, args.agentic_samples, args.turns = 2, 2, 2
-        args.budget_s = min(args.budget_s, 150.0)
+        _shrink_to_smoke(args)
     layer_vary = ["--stream-interval", "--kv-events-config"]
     vary = list(args.vary) if args.vary is not None else (layer_vary if args.preset == "layers" else [])
     size = args.model_size or ("qwen2.5-0.5b" if gpu else "tiny")
@@ -1817,37 +2044,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         tokenizer = AutoTokenizer.from_pretrained(model_path)
         vocab = _vocab_size(model_path)
-        steps = args.blocks + 1  # block 0 is the warm-up
-        makers = {
-            "gsm8k": lambda: make_workload(
-                tokenizer, name="gsm8k", steps=steps, prompts=args.prompts, samples=args.samples,
-                max_new_tokens=args.max_new_tokens, length_median=args.length_median,
-                length_sigma=args.length_sigma, vocab_size=vocab, seed=args.seed,
-                min_new_tokens=min(8, args.max_new_tokens),
-            ),
-            "agentic": lambda: make_workload(
-                tokenizer, name="agentic", steps=steps, prompts=args.agentic_prompts,
-                samples=args.agentic_samples, max_new_tokens=args.turn_max_new_tokens,
-                length_median=args.turn_median, length_sigma=args.length_sigma, turns=args.turns,
-                vocab_size=vocab, seed=args.seed, min_new_tokens=min(8, args.turn_max_new_tokens),
-            ),
-        }  # fmt: skip
-        workloads = {k: makers[k]() for k in args.workloads}
+        workloads = _workloads(args, tokenizer, vocab)
         for w in workloads.values():
             progress(f"workload {w.name}: {w.describe()} (block 0 is the warm-up)")
-        settings = Settings(
-            engine=args.engine,
-            model_path=model_path,
-            workers=args.workers,
-            gpus=gpus,
-            kv_tokens=args.kv_tokens,
-            stream_interval=stream_interval or None,
-            predicted_ttl_s=args.predicted_ttl_s,
-            mocker_speedup=args.mocker_speedup,
-            startup_timeout_s=args.startup_timeout_s or (600.0 if gpu else 120.0),
-            log_root=Path(tmp) / "logs",
-            vocab_size=vocab,
-        )
+        settings = _settings(args, model_path, gpus, stream_interval, vocab, Path(tmp) / "logs")
         out_dir = Path(args.out) if args.out else Path(tmp)
         out_dir.mkdir(parents=True, exist_ok=True)
         profiler = Profiler(args.profile, Path(tmp), args.profile_s) if args.profile else None
@@ -1872,87 +2072,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         flags = [*RECIPE_FLAGS, "--page-size", "16", *engine_flags(settings)]
         if stream_interval:
             flags += ["--stream-interval", str(stream_interval)]
-        info = {
-            "preset": args.preset if not args.rows else "rows",
-            "engine": args.engine,
-            "model": f"{size} ({model_path})" if args.model_path else size,
-            "workers": args.workers,
-            "gpus": ",".join(gpus) if gpu else "none",
-            "worker_flags": " ".join(flags) + " --kv-events-config <zmq, a port each>" if gpu else "(CPU workers)",
-            "workloads": {k: w.describe() for k, w in workloads.items()},
-            "planned_output_tokens": {k: w.planned_output_tokens() for k, w in workloads.items()},
-            "seed": args.seed,
-            "baseline": baseline,
-            "vary": vary,
-        }
-        t = tables(result, baseline)
-        print(f"\nRL fan-out routing, {m['date']}, {m['machine']}, GPU: {m['gpu']}")
-        if result.refused:
-            print(f"\nREFUSED: {result.refused}")
-        for n in result.notes:
-            print(f"- {n}")
-        for cmp, title in ((result.command_args, "command lines"), (result.resolved_args, "resolved arguments")):
-            if cmp is not None and (cmp.differing or cmp.allowed):
-                print("\n".join(args_table(cmp, title)))
-        for k, text in t.items():
-            print(f"\n{k}\n{text}")
-        for wl, v in verdicts(result):
-            print(f"- {wl}: {v.format()}")
-        print(f"\n({m['duration_s']} s)")
+        info = _settings_info(args, size, model_path, gpus, flags, workloads, baseline, vary)
+        _print_results(result, baseline, m)
         if args.out:
-            title = f"{m['gpu'] if m['gpu'] != 'none' else m['machine']}; {m['date']}"
-
-            def _cmp(c: Comparison | None) -> Any:
-                return (
-                    None
-                    if c is None
-                    else {"columns": c.columns, "table": dict(c.table), "differing": c.differing, "allowed": c.allowed}
-                )
-
-            data = {
-                "meta": m,
-                "settings": info,
-                "fleets": result.fleets,
-                "placement": result.placement,
-                "gpu_memory": result.gpu_memory,
-                "command_args": _cmp(result.command_args),
-                "resolved_args": _cmp(result.resolved_args),
-                "refused": result.refused,
-                "results": [r.as_dict() for r in result.rows],
-                "ratios": {
-                    f"{r.row.name} / {baseline} / {r.workload}": attrs.asdict(iv)
-                    for r in result.rows
-                    if (iv := ratio(result, r.row.name, baseline, r.workload)) is not None
-                },
-                "cpu_ratios": {
-                    f"{r.row.name} / {baseline} / {r.workload} / {role or 'all'}": attrs.asdict(iv)
-                    for r in result.rows
-                    for role in ("scheduler", None)
-                    if (iv := cpu_ratio(result, r.row.name, baseline, r.workload, role)) is not None
-                },
-                "targets": [
-                    {
-                        "workload": wl,
-                        "goal": v.goal,
-                        "state": v.state,
-                        "more_blocks": v.more_blocks,
-                        "interval": attrs.asdict(v.interval),
-                    }
-                    for wl, v in verdicts(result)
-                ],
-                "orders": result.orders,
-                "notes": result.notes,
-                "frontend_metrics": result.metrics,
-                "profiles": result.profiles,
-            }
-            report.write_outputs(
-                args.out,
-                KEY,
-                plot=lambda path: plot(result, baseline, path, title),
-                markdown=lambda png: markdown(m, info, result, baseline, png),
-                data=data,
-                log_dirs=[settings.log_root],
-            )
+            _write_outputs(args.out, m, info, result, baseline, settings.log_root)
             progress(f"wrote {', '.join(sorted(x.name for x in out_dir.iterdir()))} in {out_dir}")
     if result.refused:
         return 2

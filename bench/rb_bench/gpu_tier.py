@@ -99,8 +99,17 @@ __all__ = [
 ]
 
 ENGINES = ("sglang", "reference")
-#: The backends under test, by name, and their CLI short names.
-BACKENDS: Mapping[str, str] = {"direct": "sglang-direct", "smg": "sglang-smg-rr", "dynamo": "dynamo-rr"}
+#: The backends under test, by name, and their CLI short names. ``vllm`` and ``dynamo_vllm`` (vLLM 0.26
+#: direct and behind Dynamo) are started by ``rb_bench.vllm_tier``, which runs this tier for them.
+BACKENDS: Mapping[str, str] = {
+    "direct": "sglang-direct",
+    "smg": "sglang-smg-rr",
+    "dynamo": "dynamo-rr",
+    "vllm": "vllm-direct",
+    "dynamo_vllm": "dynamo-vllm-rr",
+}
+#: What ``--backends`` runs unless told: the SGLang engines.
+DEFAULT_BACKENDS = ("direct", "smg", "dynamo")
 ORACLE = "oracle"
 DIST_CHECK = "distributed_update_matches_fresh"
 #: SGLang flags that work on the H200 image (see the GPU notes): FA3 is not carried, flashinfer's
@@ -159,7 +168,7 @@ class TierConfig:
     budget_s: float = 540.0
     select: tuple[str, ...] | None = None
     exclude: tuple[str, ...] = ()
-    backends: tuple[str, ...] = tuple(BACKENDS)
+    backends: tuple[str, ...] = DEFAULT_BACKENDS
     #: Run the three suites at once (each backend has its own servers; only the oracle is shared).
     parallel: bool = True
     mem_fraction: float = 0.12
@@ -620,13 +629,14 @@ class _Tier:
             commands=commands,
         )
 
-    async def _start_dynamo(self) -> _Running:
+    async def _start_dynamo(self, key: str = "dynamo", config: Any = None) -> _Running:
+        """A Dynamo fleet: ``config`` (a ``DynamoFleetConfig``; default: this tier's dynamo.sglang one)."""
         from rollout_backends.adapters.dynamo import DynamoFleetConfig, launch_dynamo_fleet
 
         c = self.cfg
-        name = BACKENDS["dynamo"]
+        name = BACKENDS[key]
         sglang_args = (*SGLANG_FLAGS, "--mem-fraction-static", str(c.mem_fraction), *self._sglang_extra())
-        config = DynamoFleetConfig(
+        config = config or DynamoFleetConfig(
             model_path=str(self.base),
             served_model_name="tiny",
             workers=1,
@@ -651,9 +661,9 @@ class _Tier:
 
         commands = {n: " ".join(fleet.supervisor.process(n).spec.argv) for n in fleet.supervisor.names}
         return _Running(
-            key="dynamo",
+            key=key,
             name=name,
-            description=self._describe("dynamo"),
+            description=self._describe(key),
             factory=factory,
             close=close,
             workers=1,
@@ -661,15 +671,20 @@ class _Tier:
             commands=commands,
         )
 
+    async def _start(self, key: str) -> _Running:
+        """Start one backend (or the oracle): what ``rb_bench.vllm_tier`` overrides."""
+        if key == "dynamo":
+            return await self._start_dynamo()
+        if key == ORACLE:
+            return await self._start_sglang(ORACLE, self.alt, 1)
+        if key not in ("direct", "smg"):
+            raise ValueError(f"{BACKENDS[key]} is started by python -m rb_bench.vllm_tier")
+        return await self._start_sglang(key, self.base, 2 if key == "smg" else 1)
+
     async def _start_one(self, key: str) -> None:
         run = self.result.oracle if key == ORACLE else self.result.runs[key]
         try:
-            if key == "dynamo":
-                rb = await self._start_dynamo()
-            elif key == ORACLE:
-                rb = await self._start_sglang(ORACLE, self.alt, 1)
-            else:
-                rb = await self._start_sglang(key, self.base, 2 if key == "smg" else 1)
+            rb = await self._start(key)
         except asyncio.CancelledError:
             run.start_error = "start-up cut short (budget exhausted or cancelled)"
             raise
@@ -1094,11 +1109,25 @@ def _fmt(v: Any) -> str:
 
 
 def result_markdown(res: TierResult) -> str:
-    c = res.config
+    """The results page: header, backends, tolerances and the check table, failures, skips,
+    measurements, parity, cache-hit drift, notes."""
     runs = list(res.runs.values())
+    lines = [
+        *_md_header(res, runs),
+        *_md_backends(res, runs),
+        *_md_checks(res.config, runs),
+        *_md_outcomes(runs),
+        *_md_parity(res),
+        *_md_drift(res, runs),
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def _md_header(res: TierResult, runs: list[_BackendRun]) -> list[str]:
+    c = res.config
     totals = {k: sum(r.counts()[k] for r in runs) for k in ("pass", "fail", "skip", "error", "not_run")}
     v = res.versions
-    lines = [
+    return [
         "# Conformance results: GPU tier",
         "",
         f"* date: {res.date}",
@@ -1117,6 +1146,10 @@ def result_markdown(res: TierResult) -> str:
         "| backend | what | start-up | pass | fail | skip | error | not run |",
         "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
+
+
+def _md_backends(res: TierResult, runs: list[_BackendRun]) -> list[str]:
+    lines: list[str] = []
     for r in [*runs, res.oracle]:
         n = r.counts()
         start = f"{r.startup_s:.0f} s" if r.started and r.startup_s is not None else "**failed**"
@@ -1130,8 +1163,13 @@ def result_markdown(res: TierResult) -> str:
     errors = [r for r in [*runs, res.oracle] if r.start_error]
     for r in errors:
         lines.append(f"\n{r.name} did not start: `{_md_escape(_first_line(r.start_error or '', 400))}`")
+    return lines
+
+
+def _md_checks(c: TierConfig, runs: list[_BackendRun]) -> list[str]:
+    """The tolerances and the check x backend table."""
     t = c.tol
-    lines += [
+    lines = [
         "",
         "## Tolerances (|Δlogprob|)",
         "",
@@ -1171,6 +1209,12 @@ def result_markdown(res: TierResult) -> str:
             else:
                 cells.append("")
         lines.append(f"| {nm} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def _md_outcomes(runs: list[_BackendRun]) -> list[str]:
+    """Failures and errors, skips grouped by reason, and what the passing checks measured."""
+    lines: list[str] = []
     bad = [(r, x) for r in runs for x in r.results if x.outcome in (Outcome.FAIL, Outcome.ERROR)]
     if bad:
         lines += ["", "## Failures and errors", ""]
@@ -1195,7 +1239,12 @@ def result_markdown(res: TierResult) -> str:
         for r, x in measured:
             meas = ", ".join(f"{k}={_fmt(val)}" for k, val in x.measurements.items())
             lines.append(f"* {r.name} / `{x.name}`: {_md_escape(meas)}")
-    lines += ["", "## Parity (greedy, cold caches: a flush before each prompt)", ""]
+    return lines
+
+
+def _md_parity(res: TierResult) -> list[str]:
+    c = res.config
+    lines = ["", "## Parity (greedy, cold caches: a flush before each prompt)", ""]
     if res.parity is None:
         lines.append(f"not measured: {res.parity_error or 'no backend started'}")
     else:
@@ -1228,7 +1277,12 @@ def result_markdown(res: TierResult) -> str:
                 f"| {h.backend} | {h.max_abs_dlogprob:.3g} | {h.mean_abs_dlogprob:.3g} | {h.tokens} | "
                 f"{h.tolerance:g} | {'yes' if h.ok else '**no**'} |"
             )
-    lines += [
+    return lines
+
+
+def _md_drift(res: TierResult, runs: list[_BackendRun]) -> list[str]:
+    """Cache-hit drift per backend, then the run's notes."""
+    lines = [
         "",
         "## Cache-hit drift (the parity prompts twice, no flush in between)",
         "",
@@ -1249,7 +1303,7 @@ def result_markdown(res: TierResult) -> str:
     if res.notes:
         lines += ["", "## Notes", ""]
         lines += [f"* {_md_escape(_first_line(n, 500))}" for n in res.notes]
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
@@ -1355,7 +1409,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--budget-s", type=float, default=540.0, help="hard limit for the whole run, teardown included")
     ap.add_argument("--check", action="append", default=None, metavar="PATTERN", help="run only these checks")
     ap.add_argument("--exclude", action="append", default=[], metavar="PATTERN", help="leave these checks out")
-    ap.add_argument("--backends", default=",".join(BACKENDS), help=f"subset of {','.join(BACKENDS)}")
+    ap.add_argument("--backends", default=",".join(DEFAULT_BACKENDS), help=f"subset of {','.join(DEFAULT_BACKENDS)}")
     ap.add_argument("--sequential", action="store_true", help="run the backends' suites one after the other")
     ap.add_argument("--mem-fraction", type=float, default=0.12, help="--mem-fraction-static of each SGLang engine")
     ap.add_argument("--max-total-tokens", type=int, default=65536, help="KV pool of each SGLang engine (tokens)")
@@ -1374,6 +1428,11 @@ def _parser() -> argparse.ArgumentParser:
 
 def config_from_args(argv: Sequence[str] | None = None) -> TierConfig:
     args = _parser().parse_args(argv)
+    others = [b for b in _csv(args.backends) if b not in DEFAULT_BACKENDS]
+    if others:  # vLLM's backends have their own runner (a typo is caught here too)
+        raise ValueError(
+            f"--backends takes {sorted(DEFAULT_BACKENDS)}, got {others} (vLLM: python -m rb_bench.vllm_tier)"
+        )
     engine: str = args.engine
     base = DEFAULT_TOLERANCES[engine]
     tol = Tolerances(

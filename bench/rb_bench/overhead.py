@@ -48,7 +48,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -766,13 +766,51 @@ def _row(c: Cell) -> dict[str, Any]:
     return {**attrs.asdict(c), "rps": c.rps, "cpu_us": c.cpu_us, "server_cpu_us": c.server_cpu_us}
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def _progress(c: Cell) -> None:
+    print(
+        f"  {c.server:<9} c={c.concurrency:<4} {c.client:<17} {c.requests:>6} req  {c.rps:>8,.0f} req/s  "
+        f"{c.cpu_us:>7,.0f} µs CPU/req  server {c.server_cpu_us:>5,.0f} µs/req",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
+def _print_report(
+    meta: dict[str, Any],
+    servers: Sequence[str],
+    notes: Mapping[str, str],
+    cells: Sequence[Cell],
+    results: Sequence[tuple[str, bool | None, str]],
+    spread: Mapping[tuple[str, int], Sequence[float]],
+) -> None:
+    """The table, the judged targets and the per-pass ratios on stdout."""
+    print(f"\nClient overhead, {meta['date']}, {meta['machine']}")
+    print(", ".join(f"{k} {v}" for k, v in meta["versions"].items()) + f", loop {meta['loop']}")
+    print(
+        f"{PROMPT_TOKENS}-token prompt, {OUTPUT_TOKENS} output tokens (with logprobs where the server has them); "
+        f"baseline: {BASELINE}; medians of {meta['repeat']} passes; 1-min load average "
+        f"{meta['load_avg_1m_at_start']} at start, {meta['load_avg_1m_at_end']} at end"
+    )
+    for s in servers:
+        print(f"- {s}: {notes.get(s) or s}")
+    print()
+    print(table(cells))
+    print()
+    for name, met, detail in results:
+        verdict = "REPORTED" if met is None else "MET" if met else "NOT MET"
+        print(f"- {verdict}: {name}: {detail}")
+    print(f"\n{OURS} / {BASELINE} CPU per request in each pass:")
+    for (server, conc), rs in spread.items():
+        print(f"- {server} at {conc}: " + ", ".join(f"{r:.2f}{TIMES}" for r in rs))
+    print(f"\n({meta['duration_s']} s)")
+
+
+def _parser(available: Sequence[str]) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m rb_bench.overhead",
         description="Client CPU per generation: raw aiohttp, raw httpx, Miles' httpx pattern and ours, "
         "on a loopback server, the reference server (no compute) and a Dynamo frontend + mocker.",
     )
-    available = available_servers()
     p.add_argument(
         "--servers",
         nargs="+",
@@ -795,6 +833,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--plot", help="write a PNG plot here (needs matplotlib)")
     p.add_argument("--smoke", action="store_true", help="seconds-long run with tiny counts (checks wiring only)")
     p.add_argument("--check", action="store_true", help="exit 1 when a judged target is missed")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    available = available_servers()
+    p = _parser(available)
     args = p.parse_args(argv)
     servers = [s for s in SERVERS if s in (args.servers or available)]
     missing = [s for s in servers if s not in available]
@@ -805,14 +849,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     if BASELINE not in args.clients:
         args.clients.insert(0, BASELINE)
     clients = [c for c in CLIENTS if c in args.clients]
-
-    def progress(c: Cell) -> None:
-        print(
-            f"  {c.server:<9} c={c.concurrency:<4} {c.client:<17} {c.requests:>6} req  {c.rps:>8,.0f} req/s  "
-            f"{c.cpu_us:>7,.0f} µs CPU/req  server {c.server_cpu_us:>5,.0f} µs/req",
-            file=sys.stderr,
-            flush=True,
-        )
 
     started = time.time()
     load_at_start = _load()
@@ -828,7 +864,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         uvloop=args.uvloop,
         mocker_speedup_ratio=args.mocker_speedup_ratio,
         log_dir=args.log_dir,
-        progress=progress,
+        progress=_progress,
         notes=notes,
     )
     raw, cells = cells, summarise(cells)
@@ -846,27 +882,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "output_tokens": OUTPUT_TOKENS,
         "servers": {s: notes.get(s, "") for s in servers},
     }
-    print(f"\nClient overhead, {meta['date']}, {meta['machine']}")
-    print(", ".join(f"{k} {v}" for k, v in meta["versions"].items()) + f", loop {meta['loop']}")
-    print(
-        f"{PROMPT_TOKENS}-token prompt, {OUTPUT_TOKENS} output tokens (with logprobs where the server has them); "
-        f"baseline: {BASELINE}; medians of {args.repeat} passes; 1-min load average "
-        f"{meta['load_avg_1m_at_start']} at start, {meta['load_avg_1m_at_end']} at end"
-    )
-    for s in servers:
-        print(f"- {s}: {notes.get(s) or s}")
-    print()
-    print(table(cells))
-    print()
     results = targets(cells)
-    for name, met, detail in results:
-        verdict = "REPORTED" if met is None else "MET" if met else "NOT MET"
-        print(f"- {verdict}: {name}: {detail}")
     spread = pass_ratios(raw)
-    print(f"\n{OURS} / {BASELINE} CPU per request in each pass:")
-    for (server, conc), rs in spread.items():
-        print(f"- {server} at {conc}: " + ", ".join(f"{r:.2f}{TIMES}" for r in rs))
-    print(f"\n({meta['duration_s']} s)")
+    _print_report(meta, servers, notes, cells, results, spread)
     if args.json_path:
         with open(args.json_path, "w") as f:
             json.dump(

@@ -245,26 +245,30 @@ async def soak(
         await backend.aclose()
         gc.collect()
         closed = process_stats()
+    config = {
+        "requests": requests,
+        "workers": workers,
+        "worker_kind": "mocker",
+        "concurrency": concurrency,
+        "max_new_tokens": max_new_tokens,
+        "timeout_s": timeout_s,
+    }
+    return {"config": config, "warmup": warm.summary(), "run": report.summary(),
+            "client": _client_growth(baseline, before, after, closed)}  # fmt: skip
+
+
+def _client_growth(
+    baseline: ProcessStats, before: ProcessStats, after: ProcessStats, closed: ProcessStats
+) -> dict[str, Any]:
+    """The client process's figures at each point, and what the measured run added."""
     return {
-        "config": {
-            "requests": requests,
-            "workers": workers,
-            "worker_kind": "mocker",
-            "concurrency": concurrency,
-            "max_new_tokens": max_new_tokens,
-            "timeout_s": timeout_s,
-        },
-        "warmup": warm.summary(),
-        "run": report.summary(),
-        "client": {
-            "baseline": baseline.as_dict(),
-            "before": before.as_dict(),
-            "after": after.as_dict(),
-            "after_close": closed.as_dict(),
-            "rss_growth_kib": after.rss_kib - before.rss_kib,
-            "fd_growth": after.fds - before.fds,
-            "socket_growth": after.sockets - before.sockets,
-        },
+        "baseline": baseline.as_dict(),
+        "before": before.as_dict(),
+        "after": after.as_dict(),
+        "after_close": closed.as_dict(),
+        "rss_growth_kib": after.rss_kib - before.rss_kib,
+        "fd_growth": after.fds - before.fds,
+        "socket_growth": after.sockets - before.sockets,
     }
 
 

@@ -1390,12 +1390,7 @@ def dry_run(args: argparse.Namespace, rows: Sequence[Row], model_path: str) -> d
 # -- main ------------------------------------------------------------------------------------------
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    raw_argv = list(argv) if argv is not None else sys.argv[1:]
-    if raw_argv[:1] == ["--receive"]:
-        return _receive(raw_argv[1])
-    if raw_argv[:1] == ["--serve"]:
-        return _serve(raw_argv[1])
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m rb_bench.weightsync",
         description="Weight sync through the adapter (distributed, tensors, disk), each against a raw baseline.",
@@ -1417,6 +1412,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument(
         "--dry-run", action="store_true", help="print the plan (rows, devices, receivers) as JSON; run nothing"
     )
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    raw_argv = list(argv) if argv is not None else sys.argv[1:]
+    if raw_argv[:1] == ["--receive"]:
+        return _receive(raw_argv[1])
+    if raw_argv[:1] == ["--serve"]:
+        return _serve(raw_argv[1])
+    p = _parser()
     args = p.parse_args(raw_argv)
     gpu = args.engine == "sglang"
     if args.smoke:
@@ -1470,45 +1475,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         results, notes = asyncio.run(go())
         m = report.meta("python -m rb_bench.weightsync", argv, PACKAGES, started)
         m["duration_s"] = round(time.time() - started, 1)
-        total = nbytes(r.named_cpu)
-        setup = setup_line(gpu, r.place, rows)
-        info = {
-            "setup": setup,
-            "model": f"{size} bf16" + (f" ({model_path})" if args.model_path else ""),
-            "gb": total / 1e9,
-            "tensors": len(r.named_cpu),
-            "bucket_mib": args.bucket_mib,
-            "repeats": args.repeats,
-        }
-        print(f"\nWeight sync, {m['date']}, {m['machine']}, GPU: {m['gpu']}")
-        print(f"{info['model']}: {total / 1e9:.3f} GB in {len(r.named_cpu)} tensors; {setup}\n")
-        print(table(results))
-        for name, met, detail in targets(results, gpu):
-            print(f"- {_verdict(met)}: {name}: {detail}")
-        for line in comparisons(results):
-            print(f"- {line}")
-        print("; ".join(notes))
-        print(f"\n({m['duration_s']} s)")
-        if args.out:
-            title = f"{m['gpu'] if gpu else m['machine']}; {m['date']}; {info['model']}, {total / 1e9:.2f} GB"
-            data = {
-                "meta": m,
-                "info": info,
-                "notes": notes,
-                "results": [{**x.as_dict(), **_interval_dict(interval(x, results))} for x in results],
-                "targets": [{"goal": g, "met": met, "detail": d} for g, met, d in targets(results, gpu)],
-                "comparisons": comparisons(results),
-            }
-            report.write_outputs(
-                args.out,
-                KEY,
-                plot=lambda path: plot(results, path, title),
-                markdown=lambda png: markdown(m, info, results, notes, png, gpu),
-                data=data,
-                log_dirs=[run_dir / "logs"],
-            )
-            out = Path(args.out)
-            progress(f"wrote {', '.join(sorted(x.name for x in out.iterdir()))} in {out}")
+        _report(args, r, rows, size, model_path, m, results, notes)
         code = 0 if any(x.rounds_s for x in results if x.baseline is not None) else 1
     if r is not None and _stuck(r.pool):
         r.progress("a thread is still inside a collective: exiting without waiting for it")
@@ -1522,6 +1489,59 @@ def _interval_dict(iv: Interval | None) -> dict[str, Any]:
     if iv is None:
         return {"ratio": None, "ratio_low": None, "ratio_high": None}
     return {"ratio": iv.estimate, "ratio_low": iv.low, "ratio_high": iv.high}
+
+
+def _report(
+    args: argparse.Namespace,
+    r: _Run,
+    rows: list[Row],
+    size: str,
+    model_path: str,
+    m: dict[str, Any],
+    results: list[Measurement],
+    notes: list[str],
+) -> None:
+    """The table, verdicts and comparisons on stdout, and with ``--out`` the report files and the logs."""
+    gpu = args.engine == "sglang"
+    total = nbytes(r.named_cpu)
+    setup = setup_line(gpu, r.place, rows)
+    info = {
+        "setup": setup,
+        "model": f"{size} bf16" + (f" ({model_path})" if args.model_path else ""),
+        "gb": total / 1e9,
+        "tensors": len(r.named_cpu),
+        "bucket_mib": args.bucket_mib,
+        "repeats": args.repeats,
+    }
+    print(f"\nWeight sync, {m['date']}, {m['machine']}, GPU: {m['gpu']}")
+    print(f"{info['model']}: {total / 1e9:.3f} GB in {len(r.named_cpu)} tensors; {setup}\n")
+    print(table(results))
+    for name, met, detail in targets(results, gpu):
+        print(f"- {_verdict(met)}: {name}: {detail}")
+    for line in comparisons(results):
+        print(f"- {line}")
+    print("; ".join(notes))
+    print(f"\n({m['duration_s']} s)")
+    if args.out:
+        title = f"{m['gpu'] if gpu else m['machine']}; {m['date']}; {info['model']}, {total / 1e9:.2f} GB"
+        data = {
+            "meta": m,
+            "info": info,
+            "notes": notes,
+            "results": [{**x.as_dict(), **_interval_dict(interval(x, results))} for x in results],
+            "targets": [{"goal": g, "met": met, "detail": d} for g, met, d in targets(results, gpu)],
+            "comparisons": comparisons(results),
+        }
+        report.write_outputs(
+            args.out,
+            KEY,
+            plot=lambda path: plot(results, path, title),
+            markdown=lambda png: markdown(m, info, results, notes, png, gpu),
+            data=data,
+            log_dirs=[r.run_dir / "logs"],
+        )
+        out = Path(args.out)
+        r.progress(f"wrote {', '.join(sorted(x.name for x in out.iterdir()))} in {out}")
 
 
 def _stuck(pool: ThreadPoolExecutor, wait_s: float = 5.0) -> bool:

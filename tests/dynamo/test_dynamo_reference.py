@@ -102,6 +102,28 @@ async def test_tokens_and_logprobs_equal_in_process(
                 assert g.prompt_tokens == len(prompt)
 
 
+async def test_top_logprobs_when_sampling_equal_in_process(
+    fleet: tuple[RunningDynamoFleet, HttpFleetBackend], local: ReferenceBackend
+) -> None:
+    """Top logprobs at temperature > 0, pinned (``/v1/completions``) and unpinned (native ``/generate``
+    on 1.6.x): a sampled token outside the top k came back appended as a k + 1-th entry on
+    ``/v1/completions`` and the request failed (ContractViolation; the facade answered 502)."""
+    _, b = fleet
+    for sampling in SAMPLINGS[1:]:
+        sampling = attrs.evolve(sampling, top_logprobs=2)
+        want = await local.generate(GenerateRequest(input_ids=PROMPTS[0], sampling=sampling))
+        assert want.top_logprobs is not None
+        # The seeds pick some tokens outside their position's top 2 (what the frontend appends).
+        assert any(t not in [i for i, _ in top] for t, top in zip(want.output_ids, want.top_logprobs, strict=True))
+        for worker in (None, *b.workers):
+            g = await b.generate(GenerateRequest(input_ids=PROMPTS[0], sampling=sampling, worker=worker))
+            assert (g.output_ids, g.logprobs) == (want.output_ids, want.logprobs), (sampling, worker)
+            assert g.top_logprobs is not None
+            for got, exp in zip(g.top_logprobs, want.top_logprobs, strict=True):
+                assert [t for t, _ in got] == [t for t, _ in exp]
+                assert [lp for _, lp in got] == pytest.approx([lp for _, lp in exp], abs=1e-6)
+
+
 async def test_stop_token(fleet: tuple[RunningDynamoFleet, HttpFleetBackend], local: ReferenceBackend) -> None:
     _, b = fleet
     free = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)

@@ -88,6 +88,22 @@ def test_completion_body() -> None:
     assert http.url == "http://fe/v1/completions" and http.json["nvext"]["backend_instance_id"] == 222
 
 
+def test_the_routing_key_is_the_frontends_session_id() -> None:
+    """``routing_key`` travels as ``x-dynamo-session-id`` (the frontend's session affinity) on every
+    generation route; no key, no header."""
+    req = GenerateRequest(input_ids=[1, 2, 3], sampling=SamplingParams(max_new_tokens=2), routing_key="session-1")
+    native = _wire(native_generate=True)
+    for http in (
+        _wire().generate(req, None),
+        _wire().generate(req, W1),
+        _wire().stream(req, None),
+        native.generate(req, None),
+    ):
+        assert dict(http.headers) == {"x-dynamo-session-id": "session-1"}, http.url
+    assert native.generate(req, None).url == "http://fe/generate"
+    assert dict(_wire().generate(attrs.evolve(req, routing_key=None), None).headers) == {}
+
+
 def test_parse_generation() -> None:
     w = _wire()
     req = GenerateRequest(input_ids=[1, 2, 3], sampling=SamplingParams(max_new_tokens=2))
@@ -258,6 +274,13 @@ def test_launcher_command_lines() -> None:
     assert env["CUDA_VISIBLE_DEVICES"] == "3" and env["PYTHONHASHSEED"] == "0" and env["DYN_SYSTEM_PORT"] == "21000"
     off = DynamoFleet(model_path="/m", router_mode="kv", kv_events=False)
     assert "--no-router-kv-events" in frontend_argv(off, "ns", 1)
+    assert "--router-session-affinity-ttl-secs" not in fe
+    sticky = frontend_argv(attrs.evolve(off, session_affinity_ttl_secs=600), "ns", 1)
+    assert sticky[sticky.index("--router-session-affinity-ttl-secs") + 1] == "600"
+    from rollout_backends.adapters.dynamo.launch import config_from_args, parse_args
+
+    cli = config_from_args(parse_args(["--model-path", "/m", "--session-affinity-ttl-secs", "600"]))
+    assert cli.session_affinity_ttl_secs == 600
     # Unless told otherwise, sglang workers stream every 50 tokens (SGLang's 1 cost 1.20x the step
     # time on an H200); None leaves SGLang's own default.
     plain = DynamoFleet(model_path="/m", worker_kind="sglang", workers=1)
@@ -267,11 +290,15 @@ def test_launcher_command_lines() -> None:
 
 def test_launcher_config_validation() -> None:
     with pytest.raises(InvalidRequest):
-        DynamoFleet(model_path="/m", worker_kind="vllm")
+        DynamoFleet(model_path="/m", worker_kind="trtllm")  # vllm is a worker kind since issue 31
     with pytest.raises(InvalidRequest):
         DynamoFleet(model_path="/m", router_mode="kv", kv_events=False, router_predicted_ttl_secs=5)
     with pytest.raises(InvalidRequest):
         DynamoFleet(model_path="/m", discovery="etcd")
+    for ttl in (0, 3.5, True, 10**9):
+        with pytest.raises(InvalidRequest) as info:
+            DynamoFleet(model_path="/m", session_affinity_ttl_secs=ttl)  # type: ignore[arg-type]
+        assert info.value.field == "session_affinity_ttl_secs"
     cfg = DynamoFleet(model_path="/m", discovery="etcd", etcd_endpoints=["http://10.0.0.1:2379"])
     assert "etcd" in frontend_argv(cfg, "ns", 1)
 
@@ -576,6 +603,35 @@ def test_top_logprobs_by_token_id() -> None:
         _wire(flavor="sglang14").generate(req, None)
     # without top_logprobs the body is as before
     assert "return_tokens_as_token_ids" not in w.generate(attrs.evolve(req, sampling=SamplingParams()), None).json
+
+
+def test_top_logprobs_drop_the_chosen_token_the_frontend_appends() -> None:
+    """A sampled token outside the worker's top k comes as a k + 1-th entry (the frontend's
+    ``convert_backend_top_logprobs``; at temperature > 0 this failed as a ContractViolation): dropped;
+    a k + 1-th entry that is not the chosen token alone is still the frontend's breach. 1.4.2 sends
+    lists of entries, 1.6.1 objects."""
+    w = _wire()
+    req = GenerateRequest(input_ids=[1, 2], sampling=SamplingParams(max_new_tokens=2, temperature=1.0, top_logprobs=2))
+
+    def entry(tid: int, lp: float) -> dict[str, Any]:
+        return {"token": f"token_id:{tid}", "logprob": lp}
+
+    ans = _answer([297, 5], [-4.5, -0.2])
+    tops = [[entry(377, -1.6), entry(237, -1.9), entry(297, -4.5)], [entry(5, -0.2), entry(3, -0.9)]]
+    ans["choices"][0]["logprobs"]["top_logprobs"] = tops
+    g = w.parse_generation(req, HttpResponse.from_json(ans), 0.1)
+    assert g.top_logprobs is not None
+    assert [[t for t, _ in top] for top in g.top_logprobs] == [[377, 237], [5, 3]]
+    # 1.6.1 sends each position as OpenAI's legacy completions object {token: logprob}
+    ans["choices"][0]["logprobs"]["top_logprobs"] = [{e["token"]: e["logprob"] for e in pos} for pos in tops]
+    assert w.parse_generation(req, HttpResponse.from_json(ans), 0.1).top_logprobs == g.top_logprobs
+    for bad in (
+        [entry(377, -1.6), entry(237, -1.9), entry(300, -4.5)],  # the extra one is not the chosen token
+        [entry(297, -1.6), entry(237, -1.9), entry(297, -4.5)],  # the chosen token is in the top k already
+    ):
+        ans["choices"][0]["logprobs"]["top_logprobs"] = [bad, tops[1]]
+        with pytest.raises(ContractViolation, match=r"top_logprobs\[0\]"):
+            w.parse_generation(req, HttpResponse.from_json(ans), 0.1)
 
 
 def test_stop_strings_matched_by_the_frontend() -> None:

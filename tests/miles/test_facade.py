@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import io
+import itertools
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -146,7 +147,7 @@ async def test_finish_reasons(
         ({"sampling_params": {"max_new_tokens": 4, "seed": 1}}, "sampling_params.seed"),
         ({"return_routed_experts": True}, "return_routed_experts"),
         ({"lora_path": "policy"}, "lora_path"),
-        ({"input_ids": [[1, 2], [3]]}, "input_ids"),
+        ({"input_ids": [[1, 2], []]}, "input_ids[1]"),  # a batch is served; its empty prompt is not
         ({"top_logprobs_num": 2}, "top_logprobs_num"),
     ],
 )
@@ -604,7 +605,18 @@ async def test_weight_update_on_the_reference_engine(
         body = (await in_flight).json()
         assert body["meta_info"]["finish_reason"]["type"] == "length"  # not aborted
         assert len(body["output_ids"]) == 400
-        assert body["meta_info"]["weight_version"] == "1"
+        # It spanned the update: Stitch's stamps (the version it was admitted under first, what
+        # Miles records), the end, and the engine's per-token spans (SGLang 0.5.23's shape).
+        meta = body["meta_info"]
+        assert (meta["weight_version"], meta["weight_version_start"], meta["weight_version_end"]) == (
+            "default",
+            "default",
+            1,
+        )
+        spans = meta["weight_versions"]
+        assert spans[0]["start"] == 0 and spans[-1] == {"version": "1", "start": spans[-1]["start"], "end": 400}
+        assert all(a["end"] == b["start"] for a, b in itertools.pairwise(spans))
+        assert {s["version"] for s in spans} <= {"default", "1"}
         for url in urls:
             assert (await client.get(f"{url}/model_info")).json()["weight_version"] == "1"
         # The new weights are served: greedy output equals a fresh engine on the new checkpoint.

@@ -56,6 +56,14 @@ CHAT_BAD: list[tuple[str, Any, str]] = [
 ]
 
 
+#: The codec's bad values, but a batch (a list of prompts) is served here as SGLang serves it; its
+#: bad prompts are refused naming the item.
+FACADE_BAD = [b for b in BAD_VALUES if b[1] != [[1], [2]]] + [
+    (("input_ids",), [[1], []], "input_ids[1]"),
+    (("input_ids",), [[1], [2, 2.0]], "input_ids[1][1]"),
+]
+
+
 def _backend() -> ScriptedBackend:
     backend = ScriptedBackend(("w0", "w1"))
     backend.capabilities = attrs.evolve(backend.capabilities, vocab_size=VOCAB, max_context=CONTEXT)
@@ -84,7 +92,7 @@ def _settings(examples: int) -> settings:
 
 
 @_settings(150)
-@given(valid_bodies(vocab=VOCAB, context=CONTEXT), st.sampled_from(BAD_VALUES))
+@given(valid_bodies(vocab=VOCAB, context=CONTEXT), st.sampled_from(FACADE_BAD))
 def test_any_bad_generate_value_is_a_400_naming_the_field(
     facade: tuple[str, ScriptedBackend], body: dict[str, Any], bad: tuple[tuple[str, ...], Any, str]
 ) -> None:
@@ -165,7 +173,7 @@ def test_refusals_lose_nothing_and_the_facade_stays_healthy(facade: tuple[str, S
                     if any(r.request_id == "keep" for r in backend.requests):
                         break
                     time.sleep(0.005)
-                for where, value, _field in BAD_VALUES:
+                for where, value, _field in FACADE_BAD:
                     assert c.post(f"{url}/generate", json=with_value(long_body, where, value)).status_code == 400
                 # A duplicate in-flight rid is refused; it neither aborts nor disturbs the first.
                 dup = c.post(f"{url}/generate", json=long_body)

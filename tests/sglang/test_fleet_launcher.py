@@ -30,7 +30,7 @@ def test_sglang_worker_command_line_matches_the_gpu_recipe() -> None:
     cfg = SGLangFleetConfig(model_path="/tmp/m/tiny", workers=2, served_model_name="tiny", weight_version="v0")
     argv = worker_argv(cfg, 1, 30001)
     assert argv[:3] == [sys.executable, "-m", "sglang.launch_server"]
-    # /work/shared/gpu/README.md, "Command lines that worked"
+    # the H200 recipe of 2026-11-30 (docs/gpu-tier.md, "The GPU machine"; docs/sglang.md)
     for flag, value in {"--model-path": "/tmp/m/tiny", "--served-model-name": "tiny", "--attention-backend": "triton",
                         "--sampling-backend": "pytorch", "--page-size": "16", "--host": "127.0.0.1",
                         "--port": "30001", "--weight-version": "v0"}.items():  # fmt: skip
@@ -160,6 +160,7 @@ async def test_port_conflict_fails_before_anything_starts(tmp_path: Path) -> Non
 
 @pytest.mark.slow
 async def test_startup_failure_names_the_worker_with_its_log_and_cleans_up(tmp_path: Path) -> None:
+    (tmp_path / "model").mkdir()  # a directory (else refused before anything starts), with no model in it
     cfg = SGLangFleetConfig(model_path=str(tmp_path / "model"), worker_kind="reference", workers=2, router="smg",
                             extra_server_args=["--no-such-flag"], log_dir=str(tmp_path / "logs"),
                             startup_timeout_s=60)  # fmt: skip
@@ -219,7 +220,8 @@ def test_command_line_entry_prints_urls_and_stops_on_ctrl_c(model_a: Path, tmp_p
                 break
         assert lines and lines[-1].startswith("ready"), lines
         worker = next(x for x in lines if x.startswith("worker:")).split()[1]
-        assert worker.startswith("http://127.0.0.1:") and lines[0] == "router:  (none)"
+        assert lines[0].startswith("fleet:   1 x reference worker") and "no router" in lines[0]
+        assert worker.startswith("http://127.0.0.1:") and lines[1] == "router:  (none)"
         port = worker.rsplit(":", 1)[1]
         assert _pids_with(f"--port {port}")
         proc.send_signal(signal.SIGINT)

@@ -255,6 +255,40 @@ async def test_routing_cache_aware_vs_round_robin_vs_prefix_hash(fleet: SGLangFl
         await b.set_weight_version(START_VERSION)
 
 
+async def test_a_session_stays_on_one_worker_behind_smg(fleet: SGLangFleet, model_a: Path) -> None:
+    """Issue 27 item 3: Miles' session server sends each turn with ``X-SMG-Routing-Key``; behind the
+    Miles facade the key reaches smg (the SGLang wire forwards the header), whose ``manual`` policy
+    (what ``--use-session-server`` defaults Miles' router to) and ``consistent_hashing`` keep each
+    session on one worker, every turn finding the previous one's prompt cached; round robin without
+    the key moves them."""
+    from transformers import AutoTokenizer
+
+    from rollout_backends.integrations.miles import MilesFacade, start_facade
+    from tests.affinity_sessions import assert_sticky_and_cached, moved, run_sessions
+
+    b = fleet.backend
+    w0, w1 = fleet.worker_ids
+    await b.set_weight_version("A", workers=[w0])
+    await b.set_weight_version("B", workers=[w1])
+    tokenizer = AutoTokenizer.from_pretrained(str(model_a))
+    try:
+        for policy, keyed, base in (("manual", True, 20), ("consistent_hashing", True, 21), ("round_robin", False, 22)):
+            backend = await connect(await fleet.add_router(policy), workers=list(fleet.worker_urls))
+            facade = await start_facade(MilesFacade(backend, tokenizer=tokenizer, model_path="tiny"), port=0)
+            try:
+                turns = await run_sessions(facade.url, keyed=keyed, base=base)
+            finally:
+                await facade.stop()
+                await backend.client.aclose()
+            print(f"\n{policy} keyed={keyed}: {json.dumps(turns)}", end="")
+            if keyed:
+                assert_sticky_and_cached(turns, 16)
+            else:
+                assert moved(turns), turns
+    finally:
+        await b.set_weight_version(START_VERSION)
+
+
 # -- control fan-out ----------------------------------------------------------------------------
 
 

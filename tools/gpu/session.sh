@@ -29,7 +29,7 @@
 #           needs part1, part2, part3 (send part1+part3 with weightsync first,
 #           then part2 with this)                                               BUDGET 300 s
 set -uo pipefail
-stage=${1:?usage: session.sh client|main|layers|weightsync|grpo|tier|probes}
+stage=${1:?usage: session.sh client|main|layers|weightsync|grpo|tier|capture}
 : "${OUT:?set OUT}"
 root=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$root"
@@ -87,11 +87,10 @@ case "$stage" in
     python3 -m rb_bench.grpo --engine sglang --model-path "$MODEL" --gpu 0 --budget-s "${BUDGET:-300}" \
       --out "$OUT/grpo" "${@:2}" 2>&1 | tee "$OUT/grpo.log" | tail -40
     ;;
-  probes)  # raw SGLang / Dynamo answers for issue 17 (prompt logprobs, streaming), ~420 s
+  capture)  # raw SGLang /generate and Dynamo /v1/completions answers (the codec's fixtures), ~270 s
     need sglang; need dynamo.frontend
-    python3 -m probes.prompt_logprobs "$OUT/prompt" --budget-s "${PROMPT_BUDGET:-150}" >"$OUT/prompt.log" 2>&1; tail -45 "$OUT/prompt.log"
-    python3 -m probes.stream_capture "$OUT/prompt/model" "$OUT/capture" --budget-s "${CAPTURE_BUDGET:-260}" >"$OUT/capture.log" 2>&1
-    tail -30 "$OUT/capture.log"; rm -rf "$OUT/prompt/model"
+    python3 -m rb_bench.capture "$OUT/capture" --budget-s "${BUDGET:-260}" >"$OUT/capture.log" 2>&1
+    tail -30 "$OUT/capture.log"; rm -rf "$OUT/capture/model"
     ;;
   tier)
     need sglang; need dynamo.frontend; need smg

@@ -6,6 +6,8 @@ with no change to Miles:
 * the data plane: ``POST /generate`` (Miles' exact payload, ``X-SMG-Routing-Key`` header) and
   ``POST /v1/chat/completions`` with SGLang's extensions (``input_ids`` in, ``choices[i].meta_info``
   out) for the session server, ``logprobs`` + ``top_logprobs`` answered as SGLang's OpenAI server does;
+  batched ``/generate`` as SGLang serves it; on both, Miles' external-rollout version contract in
+  Stitch's words (``weight_version`` constraints, HTTP 409, start/end stamps: ``_versioning``);
 * the router's worker list: ``GET /workers`` (SMG shape) and ``GET /list_workers`` (Miles router
   shape), each worker listed at ``<facade>/w/<worker>`` so Miles' abort loop
   ``POST <worker url>/abort_request {"abort_all": true}`` reaches it;
@@ -38,6 +40,7 @@ from rollout_backends import (
     GenerateRequest,
     Generation,
     InvalidRequest,
+    NoCompatibleVersion,
     RolloutBackend,
     RolloutBackendError,
     SamplingParams,
@@ -54,6 +57,7 @@ from rollout_backends.sglang_native import (
     ParseRules,
     UnknownKeys,
     answer_body,
+    batch_field,
     decode_text,
     meta_info,
     native_field,
@@ -67,9 +71,18 @@ from rollout_backends.sglang_native import (
     parse_request,
     parse_set_version_body,
     parse_tensors_body,
+    split_batch,
 )
 
 from ._shapes import decode_tensor_payload
+from ._versioning import (
+    WEIGHT_VERSION_KEY,
+    VersionConstraint,
+    parse_constraint,
+    refusal_body,
+    stamp_meta,
+    stamp_top_level,
+)
 
 __all__ = ["ROUTING_KEY_HEADER", "MilesFacade", "RunningFacade", "start_facade"]
 
@@ -96,6 +109,8 @@ class _HttpError(Exception):
 
 
 def _status_of(exc: BaseException) -> int:
+    if isinstance(exc, NoCompatibleVersion):
+        return 409  # Stitch's retryable refusal (the body: _versioning.refusal_body)
     if isinstance(exc, (TransientError, BackendUnavailable)):
         return 503
     if isinstance(exc, ContractViolation):
@@ -185,6 +200,7 @@ _CHAT_KEYS = frozenset(
         "top_logprobs", "tools", "parallel_tool_calls", "user", "metadata", "store", "reasoning_effort",
         "service_tier", "chat_template_kwargs", "continue_final_message", "separate_reasoning",
         "stream_reasoning", "rid", "return_meta_info", "return_prompt_token_ids", "input_ids",
+        WEIGHT_VERSION_KEY,
     }
 )  # fmt: skip
 
@@ -452,35 +468,82 @@ class MilesFacade:
             self._inflight.discard(req.request_id)
 
     async def generate(self, request: web.Request, workers: tuple[str, ...] | None) -> web.StreamResponse:
+        """SGLang's ``/generate``: one request, or a batch (a list of prompts) answered as a list in
+        order, as SGLang 0.5.16 serves it; Stitch's ``weight_version`` constraint on either."""
         body = await _json_body(request)
-        parsed = self.parse(
-            body, routing_key=request.headers.get(ROUTING_KEY_HEADER) or None, worker=self._pinned(workers)
-        )
-        req = parsed.request
-        gen = await self._served(req)
+        constraint = parse_constraint(body, self.unknown_keys)
+        native = {k: v for k, v in body.items() if k != WEIGHT_VERSION_KEY}
+        routing_key, worker = request.headers.get(ROUTING_KEY_HEADER) or None, self._pinned(workers)
+        items = split_batch(native)
+        if items is None:
+            req, parsed = self._versioned(native, routing_key, worker, constraint)
+            return web.json_response(self._generate_answer(parsed, req, await self._served(req)))
+        return web.json_response(await self._generate_batch(native, items, routing_key, worker, constraint))
+
+    def _versioned(
+        self, body: object, routing_key: str | None, worker: str | None, constraint: VersionConstraint
+    ) -> tuple[GenerateRequest, NativeRequest]:
+        parsed = self.parse(body, routing_key=routing_key, worker=worker)
+        return constraint.apply(parsed.request), parsed
+
+    def _generate_answer(self, parsed: NativeRequest, req: GenerateRequest, gen: Generation) -> dict[str, Any]:
         text = decode_text(self.tokenizer, gen, parsed.text_options)
         prompt = req.input_ids if parsed.return_prompt_token_ids else None
-        return web.json_response(
-            answer_body(
-                gen, return_logprob=req.return_logprobs, text=text, prompt_token_ids=prompt, input_ids=req.input_ids
-            )
+        body = answer_body(
+            gen, return_logprob=req.return_logprobs, text=text, prompt_token_ids=prompt, input_ids=req.input_ids
         )
+        stamp_meta(body["meta_info"], gen)
+        return body
+
+    async def _generate_batch(
+        self,
+        batch: Mapping[str, Any],
+        items: Sequence[Mapping[str, Any]],
+        routing_key: str | None,
+        worker: str | None,
+        constraint: VersionConstraint,
+    ) -> list[dict[str, Any]]:
+        """Every prompt of a batch parsed first (a refusal names the item as the batch spelled it),
+        then generated concurrently; one failure cancels the rest (each aborted on the backend) and is
+        the answer, as a failed item fails SGLang's whole batch."""
+        parsed = []
+        for i, item in enumerate(items):
+            try:
+                parsed.append(self._versioned(item, routing_key, worker, constraint))
+            except InvalidRequest as exc:
+                raise InvalidRequest(batch_field(exc.field, i, batch), exc.reason) from None
+        tasks = [asyncio.ensure_future(self._served(req)) for req, _ in parsed]
+        try:
+            await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        for i, t in enumerate(tasks):
+            failure = None if t.cancelled() else t.exception()
+            if isinstance(failure, InvalidRequest):
+                raise InvalidRequest(batch_field(failure.field, i, batch), failure.reason) from None
+            if failure is not None:
+                raise failure
+        return [self._generate_answer(p, req, t.result()) for (req, p), t in zip(parsed, tasks, strict=True)]
 
     async def handle_chat(self, request: web.Request) -> web.StreamResponse:
         try:
             return await self._chat(request)
         except (RolloutBackendError, _HttpError) as exc:
+            if isinstance(exc, NoCompatibleVersion):
+                return _version_refusal(exc)
             return _openai_error(_status_of(exc), str(exc), exc.field if isinstance(exc, InvalidRequest) else None)
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         body = await _json_body(request)
         native = self._chat_native_body(body)
         want_logprobs = _opt_bool(body, "logprobs")
+        constraint = parse_constraint(body, self.unknown_keys)
         try:
-            parsed = self.parse(native, routing_key=request.headers.get(ROUTING_KEY_HEADER) or None)
+            req, parsed = self._versioned(native, request.headers.get(ROUTING_KEY_HEADER) or None, None, constraint)
         except InvalidRequest as exc:
             raise _chat_field(exc, body) from None
-        req = parsed.request
         if req.sampling.top_logprobs and not want_logprobs:
             # OpenAI refuses top_logprobs without logprobs: true (400); SGLang 0.5.x has no such check
             # and drops them (return_logprob=request.logprobs). Refused rather than silently dropped.
@@ -493,6 +556,7 @@ class MilesFacade:
             raise _chat_field(exc, body) from None
         text = decode_text(self.tokenizer, gen, opts)
         meta = meta_info(gen, return_logprob=True)
+        stamp_meta(meta, gen)
         choice: dict[str, Any] = {
             "index": 0,
             "message": {"role": "assistant", "content": text, "reasoning_content": None, "tool_calls": None},
@@ -517,8 +581,7 @@ class MilesFacade:
                 "prompt_tokens_details": {"cached_tokens": gen.cached_tokens},
             },
         }
-        if gen.weight_version is not None:
-            out["metadata"] = {"weight_version": gen.weight_version}
+        stamp_top_level(out, gen)
         return web.json_response(out)
 
     def _chat_native_body(self, body: Mapping[str, Any]) -> dict[str, Any]:
@@ -804,6 +867,12 @@ class MilesFacade:
         return handler
 
 
+def _version_refusal(exc: NoCompatibleVersion) -> web.Response:
+    """Stitch's answer when no worker serves an accepted version: HTTP 409, its body (retryable:
+    Miles' ``post`` resends every failed call)."""
+    return web.json_response(refusal_body(exc), status=_status_of(exc))
+
+
 def _plain_error(status: int, message: str, field: str | None = None) -> web.Response:
     return web.Response(status=status, text=message)
 
@@ -817,6 +886,8 @@ def _wrap(
         try:
             return await handler(request, resolve(request))
         except (RolloutBackendError, _HttpError) as exc:
+            if isinstance(exc, NoCompatibleVersion):
+                return _version_refusal(exc)
             status = _status_of(exc)
             if status >= 500:
                 logger.warning("%s %s: %s", request.method, request.path, exc)

@@ -31,7 +31,7 @@ from rollout_backends.sglang_native import ParseRules, decode_text, meta_info, p
 
 from ._config import add_arguments, get_backend
 
-__all__ = ["GenerateOutput", "apply_generation", "generate", "prompt_ids_from_sample"]
+__all__ = ["GenerateOutput", "apply_generation", "generate", "prompt_ids_from_sample", "served_versions"]
 
 logger = logging.getLogger(__name__)
 
@@ -113,8 +113,6 @@ def _update_from_meta_info(args: Any, sample: Any, meta: Mapping[str, Any]) -> N
         spec.completion_token_num += meta.get("completion_tokens", 0)
     sample.prefix_cache_info.cached_tokens += meta.get("cached_tokens", 0)
     sample.prefix_cache_info.total_prompt_tokens += meta.get("prompt_tokens", 0)
-    if "weight_version" in meta:
-        sample.weight_versions.append(meta["weight_version"])
     status = type(sample).Status
     sample.status = {
         "length": status.TRUNCATED,
@@ -140,11 +138,30 @@ def apply_generation(args: Any, sample: Any, *, input_ids: list[int], gen: Gener
     sample.rollout_routed_experts = None
     sample.rollout_indexer_topk = None
     meta = meta_info(gen, return_logprob=True)
+    meta.pop("weight_version", None)  # recorded below, split where the generation spanned an update
     update = getattr(sample, "update_from_meta_info", None)
     if callable(update):
         update(args, meta)
     else:
         _update_from_meta_info(args, sample, meta)
+    sample.weight_versions.extend(served_versions(gen))
+
+
+def served_versions(gen: Generation) -> list[str]:
+    """Every version that served ``gen``, in order, each once per run: the one it started under, then
+    each run of its tokens (``version_spans``), else the one at its end.
+
+    Miles records one entry in ``Sample.weight_versions`` per generation call (``update_from_meta_info``
+    in ``miles/utils/types.py`` at 31f1ca961a94), so a sample that an abort-mode pause cut and partial
+    rollout resumed under the next version holds both. A call that spanned an in-place or retract
+    update is recorded the same way, one entry per version, rather than under its end alone: Miles'
+    ``oldest_weight_version`` (the staleness it reports) and ``mixed_version`` metric then see it."""
+    runs = [gen.version_at_start, *(v for _, v in gen.version_spans or ()), gen.weight_version]
+    out: list[str] = []
+    for v in runs:
+        if v is not None and (not out or out[-1] != v):
+            out.append(v)
+    return out
 
 
 async def generate(input: Any) -> Any:

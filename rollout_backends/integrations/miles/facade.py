@@ -38,7 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--tokenizer",
         default=None,
-        help="Hugging Face tokenizer (path or name) to produce `text`; Miles' reward functions read it "
+        help="Hugging Face tokenizer (path or name) to produce the answers' text; Miles' reward functions read it "
         "(default: none, answers carry no text)",
     )
     p.add_argument("--model-path", default=None, help="reported by /model_info (default: --tokenizer)")
@@ -135,6 +135,11 @@ async def serve(
 
 def main(argv: Sequence[str] | None = None) -> int:
     ns = build_parser().parse_args(argv)
+    from rollout_backends import BackendUnavailable
+    from rollout_backends.launch import port_in_use
+
+    if ns.port and port_in_use(ns.host, ns.port):  # before waiting for the fleet, not after
+        raise BackendUnavailable(f"port {ns.host}:{ns.port} is already in use; nothing was started")
     logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     asyncio.run(serve(ns))
     return 0

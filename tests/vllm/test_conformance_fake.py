@@ -1,0 +1,64 @@
+"""The conformance suite on two fake vLLM 0.26 servers (``fake_vllm.py``) through ``vllm://``:
+every check the adapter declares passes; what it does not declare skips, for a reason."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+import rollout_backends as rb
+from rollout_backends.conformance import ALL_CHECKS, Outcome, Report, run_checks
+from tests.vllm.conftest import fake_fleet, fake_harness
+
+#: Checks that skip on the fake, and the reason each must give (anything else is a failure).
+EXPECTED_SKIPS = {
+    "tensor_update_matches_fresh": "'tensor' not declared",  # no CUDA IPC on a CPU
+    "distributed_update_matches_fresh": "'distributed' not declared",  # no NCCL on a CPU
+    "stop_strings": "stop_strings=True not declared",  # 0.26's generate answers no text
+    # vLLM is batch invariant only with VLLM_BATCH_INVARIANT=1 (test_batch_invariant_fake below).
+    "seeded_sampling": "seeded_sampling=True not declared",
+    "concurrent_equals_sequential": "batch_invariant=True not declared",
+    # 0.26 keeps no weight version: the fleet stamps spans where no update overlapped.
+    "version_spans_across_update": "version_spans=RESPONSE not declared",
+    "version_spans_across_in_place_update": "version_spans=RESPONSE not declared",
+    "stream_version_spans_across_update": "stream_version_spans not declared",
+    "stream_version_spans_across_in_place_update": "stream_version_spans not declared",
+}
+
+
+@pytest.fixture(scope="module")
+def fake_report(tiny_model: Path, tiny_model_b: Path) -> Report:
+    async def run() -> Report:
+        async with fake_fleet(tiny_model, 2) as (fakes, url):
+            harness = fake_harness(fakes, tiny_model, tiny_model_b, concurrency=24)
+            return await run_checks(lambda: rb.open_backend(url), harness, label="fake vLLM 0.26 x2")
+
+    report = asyncio.run(run())
+    print("\n" + report.summary())
+    return report
+
+
+@pytest.mark.parametrize("name", [c.name for c in ALL_CHECKS])
+def test_fake_vllm_conforms(fake_report: Report, name: str) -> None:
+    result = fake_report[name]
+    if name in EXPECTED_SKIPS:
+        assert result.outcome is Outcome.SKIP, result.line()
+        assert EXPECTED_SKIPS[name] in result.line(), result.line()
+    else:
+        assert result.outcome is Outcome.PASS, f"{result.line()}\n{result.traceback or ''}"
+
+
+def test_batch_invariant_fake(tiny_model: Path, tiny_model_b: Path) -> None:
+    """With ``VLLM_BATCH_INVARIANT=1`` in its environment (``/server_info``) a server declares
+    seeded sampling and batch invariance, and the checks that need them pass."""
+
+    async def run() -> Report:
+        async with fake_fleet(tiny_model, 1, batch_invariant=True) as (fakes, url):
+            harness = fake_harness(fakes, tiny_model, tiny_model_b, concurrency=16)
+            select = ["seeded_sampling", "concurrent_equals_sequential"]
+            return await run_checks(lambda: rb.open_backend(url), harness, select=select)
+
+    report = asyncio.run(run())
+    assert [r.outcome for r in report.results] == [Outcome.PASS, Outcome.PASS], report.summary()
