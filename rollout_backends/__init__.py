@@ -7,6 +7,10 @@
         async with backend.weight_update("step-1") as tx:
             await tx.update_from_disk("/ckpt/step-1")
 
+    buckets = rb.TensorBuckets(dtype=torch.bfloat16)   # flat buffers, reused every step
+    async with backend.weight_update("step-2") as tx:  # colocated: CUDA IPC, one handle a bucket
+        await tx.update_from_tensors(model.named_parameters(), buckets=buckets)
+
 Adapter authors: see ``rollout_backends.kit``; starting engines and routers: ``rollout_backends.launch``.
 Errors: the ``RolloutBackendError`` tree below (``docs/errors.md``).
 """
@@ -32,6 +36,7 @@ from rollout_backends._errors import (
 from rollout_backends._protocol import RolloutBackend
 from rollout_backends._registry import available_schemes, open_backend, register_scheme
 from rollout_backends._streams import Completions, as_completed, generate_group_as_completed
+from rollout_backends._tensors import FlatBucket, TensorBuckets
 from rollout_backends._token_stream import TokenStream
 from rollout_backends._transaction import (
     WeightUpdateTransaction,
@@ -74,6 +79,7 @@ __all__ = [
     "ContractViolation",
     "ControlFailed",
     "FinishReason",
+    "FlatBucket",
     "GenerateRequest",
     "Generation",
     "HealthReport",
@@ -87,6 +93,7 @@ __all__ = [
     "RoutingKind",
     "SamplingParams",
     "StaleWeights",
+    "TensorBuckets",
     "TensorSpec",
     "TokenChunk",
     "TokenStream",

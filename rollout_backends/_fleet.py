@@ -67,6 +67,7 @@ from rollout_backends._ops import (
     UpdateFromDistributed,
     UpdateFromTensors,
 )
+from rollout_backends._tensors import FLATTENED_BUCKET, FlatBucket
 from rollout_backends._token_stream import TokenStream
 from rollout_backends._transaction import WeightUpdateTransaction, wait_ready, weight_update
 from rollout_backends._types import (
@@ -789,7 +790,7 @@ class Fleet:
 
     async def update_weights_from_tensors(
         self,
-        named_tensors: Sequence[tuple[str, Any]],
+        named_tensors: Sequence[tuple[str, Any]] | FlatBucket,
         *,
         version: str | None = None,
         flush_cache: bool = True,
@@ -803,6 +804,15 @@ class Fleet:
         selected = self._select(workers)
         # A bad pair is the caller's InvalidRequest (raised here, or by every driver: fan_out).
         tensors = NamedTensors.of(named_tensors)
+        if tensors.flat is not None:
+            if load_format not in (None, FLATTENED_BUCKET):
+                msg = f"a FlatBucket is sent as {FLATTENED_BUCKET!r}, got {load_format!r}"
+                raise InvalidRequest("load_format", msg)
+            if not self.capabilities.flattened_buckets:
+                raise Unsupported("flattened_buckets", "send its views: update_weights_from_tensors(bucket.views())")
+            load_format = FLATTENED_BUCKET
+        elif load_format == FLATTENED_BUCKET:
+            raise InvalidRequest("load_format", f"{FLATTENED_BUCKET!r} takes a FlatBucket (TensorBuckets.pack)")
         op = UpdateFromTensors(tensors=tensors, version=version, flush_cache=flush_cache, load_format=load_format)
         await self._load(op, selected, version)
 

@@ -19,6 +19,7 @@ from typing import Any, ClassVar, NoReturn, TypeAlias
 import attrs
 
 from rollout_backends._errors import InvalidRequest
+from rollout_backends._tensors import FlatBucket
 from rollout_backends._types import MemoryTag, PauseMode, WeightBucket, WeightGroup
 
 __all__ = [
@@ -51,19 +52,22 @@ __all__ = [
 
 @attrs.define(slots=True, eq=False)
 class NamedTensors:
-    """``(name, tensor)`` pairs for an in-memory load, and their wire payload made once.
+    """``(name, tensor)`` pairs for an in-memory load; ``payload`` makes their wire form.
 
-    Not a value type: it memoises SGLang's serialized form, so a fleet of N workers makes one set
-    of CUDA-IPC handles per load, not N (``serialize_named_tensors`` pickles every tensor).
+    Not a value type (it holds tensors). Made from a ``FlatBucket`` (``flat``), the payload is
+    SGLang's ``flattened_bucket`` (one handle for the bucket) and ``items`` are views into its
+    buffer (what an in-process engine loads).
     """
 
     items: tuple[tuple[str, Any], ...]
-    _payload: str | None = attrs.field(default=None, init=False, repr=False)
+    flat: FlatBucket | None = None
 
     @classmethod
-    def of(cls, named_tensors: Sequence[tuple[str, Any]]) -> NamedTensors:
+    def of(cls, named_tensors: Sequence[tuple[str, Any]] | FlatBucket) -> NamedTensors:
         """The pairs, checked for shape only (``InvalidRequest`` naming a bad one): what a tensor
         is, is the engine's to say (``payload`` for SGLang; an in-process engine its own)."""
+        if isinstance(named_tensors, FlatBucket):
+            return cls(tuple(named_tensors.views()), named_tensors)
         kind = type(named_tensors).__name__
         if isinstance(named_tensors, (str, bytes, Mapping)):
             raise InvalidRequest("named_tensors", f"must be a list of (name, tensor) pairs, got {kind}")
@@ -77,12 +81,21 @@ class NamedTensors:
         return cls(items)
 
     def payload(self) -> str:
-        """SGLang's ``serialized_named_tensors`` entry (``InvalidRequest`` naming a bad pair)."""
-        if self._payload is None:
-            from rollout_backends._tensors import serialize_named_tensors
+        """One receiving process's ``serialized_named_tensors`` entry (``InvalidRequest`` naming a
+        bad pair).
 
-            self._payload = serialize_named_tensors(self.items)
-        return self._payload
+        Made anew for each receiver: every dump takes one reference on each shared storage for the
+        process that will open it (torch's reductions: ``_shared_incref`` for CPU shared memory, a
+        CUDA-IPC reference count), which that process gives back. One payload opened by two
+        workers gave back two and unlinked the CPU segment under the sender (the second push then
+        failed: "unable to open shared memory object"); SGLang serializes once per TP rank too
+        (``sglang/srt/weight_sync/utils.py``).
+        """
+        from rollout_backends._tensors import serialize_flat_bucket, serialize_named_tensors
+
+        if self.flat is not None:
+            return serialize_flat_bucket(self.flat)
+        return serialize_named_tensors(self.items)
 
 
 @attrs.frozen(slots=True)

@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
 from typing import Any, Protocol, runtime_checkable
 
+from rollout_backends._tensors import FlatBucket
 from rollout_backends._token_stream import TokenStream
 from rollout_backends._types import (
     Capabilities,
@@ -126,14 +127,19 @@ class RolloutBackend(Protocol):
 
     async def update_weights_from_tensors(
         self,
-        named_tensors: Sequence[tuple[str, Any]],
+        named_tensors: Sequence[tuple[str, Any]] | FlatBucket,
         *,
         version: str | None = None,
         flush_cache: bool = True,
         load_format: str | None = None,
         workers: WorkerSelection = None,
     ) -> None:
-        """Load in-memory tensors on the same host (CUDA IPC on GPU)."""
+        """Load in-memory tensors on the same host (CUDA IPC on GPU).
+
+        A ``FlatBucket`` (``TensorBuckets.pack``) goes as one flat tensor
+        (``load_format="flattened_bucket"``) where ``Capabilities.flattened_buckets`` is declared,
+        else ``Unsupported``.
+        """
         ...
 
     async def update_weights_from_disk(

@@ -16,7 +16,7 @@ import asyncio
 import functools
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -31,6 +31,7 @@ from rollout_backends._errors import (
     WorkerFailure,
 )
 from rollout_backends._protocol import RolloutBackend
+from rollout_backends._tensors import TensorBuckets
 from rollout_backends._types import (
     GenerateRequest,
     Generation,
@@ -63,9 +64,27 @@ class WeightUpdateTransaction:
         await self.backend.update_weights_from_distributed(bucket, group_name=group_name, flush_cache=False)
 
     async def update_from_tensors(
-        self, named_tensors: Sequence[tuple[str, Any]], *, load_format: str | None = None
+        self,
+        named_tensors: Iterable[tuple[str, Any]],
+        *,
+        load_format: str | None = None,
+        buckets: TensorBuckets | None = None,
     ) -> None:
-        await self.backend.update_weights_from_tensors(named_tensors, flush_cache=False, load_format=load_format)
+        """Load in-memory tensors on the same host (CUDA IPC on GPU).
+
+        With ``buckets`` the tensors are copied into its flat buffers (reused from push to push)
+        and sent bucket by bucket: each bucket as one flat tensor where the backend declares
+        ``flattened_buckets``, else as the bucket's views (per-tensor payloads over one storage).
+        """
+        if buckets is None:
+            named = named_tensors if isinstance(named_tensors, Sequence) else list(named_tensors)
+            await self.backend.update_weights_from_tensors(named, flush_cache=False, load_format=load_format)
+            return
+        if load_format is not None:
+            raise InvalidRequest("load_format", "is the buckets' own (flattened_bucket, or per tensor if undeclared)")
+        flat = self.backend.capabilities.flattened_buckets
+        for bucket in buckets.pack(named_tensors):
+            await self.backend.update_weights_from_tensors(bucket if flat else bucket.views(), flush_cache=False)
 
     async def update_from_disk(self, path: str, *, load_format: str | None = None) -> None:
         await self.backend.update_weights_from_disk(path, load_format=load_format, flush_cache=False)

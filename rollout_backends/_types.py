@@ -700,6 +700,11 @@ class Capabilities:
     abort: bool = True
     seeded_sampling: bool = False
     begin_end_update: bool = False  #: the engine has begin/end weight-update sessions
+    #: ``update_weights_from_tensors`` takes a ``FlatBucket`` (SGLang's
+    #: ``load_format="flattened_bucket"``: one flat tensor per bucket, so one CUDA-IPC handle per
+    #: bucket instead of one per tensor). ``WeightUpdateTransaction.update_from_tensors(...,
+    #: buckets=)`` sends per-tensor payloads where it is not declared.
+    flattened_buckets: bool = False
     version_source: VersionSource = VersionSource.RESPONSE
     #: ``Generation.cached_tokens`` is reported (else it is 0 whatever the cache did). Off unless
     #: declared: no check can tell a reported 0 from an unreported one.

@@ -67,7 +67,13 @@ from rollout_backends._ops import (
     UpdateFromTensors,
     unhandled,
 )
-from rollout_backends._tensors import deserialize_named_tensors, serialize_named_tensors
+from rollout_backends._tensors import (
+    FLATTENED_BUCKET,
+    decode_tensor_payload,
+    deserialize_named_tensors,
+    serialize_flat_bucket,
+    serialize_named_tensors,
+)
 from rollout_backends._types import ensure_tags
 from rollout_backends._versions import VersionBook
 
@@ -120,12 +126,15 @@ __all__ = [
     "StreamParser",
     "Wire",
     "Worker",
+    "FLATTENED_BUCKET",
+    "decode_tensor_payload",
     "deserialize_named_tensors",
     "ensure_tags",
     "fan_out",
     "get_json",
     "json_loads",
     "normalise_url",
+    "serialize_flat_bucket",
     "serialize_named_tensors",
     "sse_json",
     "unhandled",

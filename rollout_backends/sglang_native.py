@@ -1251,8 +1251,8 @@ def distributed_body(op: UpdateFromDistributed) -> dict[str, Any]:
 
 def tensors_body(op: UpdateFromTensors, ranks: int) -> dict[str, Any]:
     body: dict[str, Any] = {
-        # One entry per TP rank of the worker: each rank loads the same handles.
-        "serialized_named_tensors": [op.tensors.payload()] * ranks,
+        # One entry per TP rank of the worker, each its own dump (a reference for each process).
+        "serialized_named_tensors": [op.tensors.payload() for _ in range(ranks)],
         "load_format": op.load_format,
         "flush_cache": op.flush_cache,
         "abort_all_requests": False,

@@ -12,9 +12,9 @@ import rollout_backends.testing as testing
 
 EXPECTED_TOP = {
     "Aborted", "BackendClosed", "BackendTimeout", "BackendUnavailable", "Capabilities", "ConnectionFailed",
-    "Completions", "ContractViolation", "ControlFailed", "FinishReason", "GenerateRequest", "Generation",
+    "Completions", "ContractViolation", "ControlFailed", "FinishReason", "FlatBucket", "GenerateRequest", "Generation",
     "HealthReport", "InvalidRequest", "MemoryTag", "NoCompatibleVersion", "Overloaded", "PauseMode", "RolloutBackend",
-    "RolloutBackendError", "RoutingKind", "SamplingParams", "StaleWeights", "TensorSpec",
+    "RolloutBackendError", "RoutingKind", "SamplingParams", "StaleWeights", "TensorBuckets", "TensorSpec",
     "TokenChunk", "TokenStream", "TransientError", "Unsupported", "VersionSource", "WeightBucket", "WeightGroup",
     "WeightTransport", "WeightUpdateFailed", "WeightUpdateTransaction", "WorkerFailure",
     "WorkerHealth", "WorkerLoss", "WorkerLossPolicy", "__version__", "as_completed", "available_schemes",
@@ -33,8 +33,9 @@ EXPECTED_KIT = {
     "Probe",
     "Progress", "Ready", "ReleaseMemory", "Resume", "ResumeMemory", "SetVersion", "UpdateFromDisk",
     "UpdateFromDistributed", "UpdateFromTensors", "sse_json", "unhandled",
-    "deserialize_named_tensors", "ensure_tags", "fan_out", "get_json", "json_loads",
-    "normalise_url", "serialize_named_tensors", "worker_id_of",
+    "FLATTENED_BUCKET", "decode_tensor_payload", "deserialize_named_tensors", "ensure_tags", "fan_out", "get_json",
+    "json_loads",
+    "normalise_url", "serialize_flat_bucket", "serialize_named_tensors", "worker_id_of",
 }  # fmt: skip
 
 EXPECTED_LAUNCH = {

@@ -144,7 +144,9 @@ class FlavorRoutes:
     rollout_routes: bool = False
     #: ``rollout/abort`` also aborts all (our worker); else SGLang's own abort route.
     rollout_abort_all: bool = False
-    #: ``control/update_weights_from_tensor`` (our worker only).
+    #: ``control/update_weights_from_tensor``: our worker, and dynamo.sglang 1.4.2, which registers it
+    #: (``handler_base.register_engine_routes``) and hands the body to SGLang's tokenizer manager
+    #: as ``UpdateWeightsFromTensorReqInput`` (``load_format`` included: flat buckets pass through).
     tensors: bool = False
     #: Logprobs and cached-token counts in answers (not the mocker).
     logprobs: bool = True
@@ -200,7 +202,7 @@ ROUTES: Mapping[DynamoFlavor, FlavorRoutes] = {
         chunk_versions=True,
         update_while_parked=True,
     ),
-    DynamoFlavor.SGLANG14: FlavorRoutes(sglang=True, abort_all_await_bug=True),
+    DynamoFlavor.SGLANG14: FlavorRoutes(sglang=True, tensors=True, abort_all_await_bug=True),
     # The shim lets 1.4.2 pass top logprobs and returns prompt logprobs (_sglang_shim patch 6). It
     # stamps every chunk with SGLang's version (patch 3), but spans are not declared from them, as on
     # SGLang direct (its wire): across an IN_PLACE update the first chunk stamped new held the old
@@ -210,6 +212,7 @@ ROUTES: Mapping[DynamoFlavor, FlavorRoutes] = {
     DynamoFlavor.SGLANG14_SHIM: FlavorRoutes(
         sglang=True,
         rollout_routes=True,
+        tensors=True,
         abort_all_await_bug=True,
         top_logprobs=5,
         prompt_logprobs=True,
@@ -652,6 +655,8 @@ class DynamoWire:
             abort=True,
             seeded_sampling=routes.deterministic,
             begin_end_update=False,
+            # Every flavor with the tensor route loads SGLang's flat buckets (our worker unflattens).
+            flattened_buckets=WeightTransport.TENSOR in transports,
             version_source=self.version_source,
             cached_tokens=routes.logprobs,
             worker_pinning=self.pinning,

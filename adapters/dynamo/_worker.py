@@ -494,9 +494,9 @@ class DynamoWorker:
         # ForkingPickler dump of [(name, tensor), ...]. TP = 1 here.
         tb = parse_tensors_body(body)
         try:
-            from rollout_backends.kit import deserialize_named_tensors
+            from rollout_backends.kit import decode_tensor_payload
 
-            named = deserialize_named_tensors(tb.payloads[0])
+            named = decode_tensor_payload(tb.payloads[0], tb.load_format)
             await _maybe_await(
                 self.engine.update_weights_from_tensors(
                     named, version=tb.version, flush_cache=tb.flush_cache, load_format=tb.load_format

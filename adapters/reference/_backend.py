@@ -258,6 +258,7 @@ class ReferenceBackend(Fleet):
             abort=True,
             seeded_sampling=True,
             begin_end_update=True,
+            flattened_buckets=True,  # the driver hands the engine the bucket's views
             version_source=VersionSource.RESPONSE,
             cached_tokens=True,
             worker_pinning=True,

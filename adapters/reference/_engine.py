@@ -53,7 +53,8 @@ from ._dist import GlooGroup, open_gloo_group, torch_dtype
 __all__ = ["EngineError", "EngineHealth", "ReferenceEngine"]
 
 _LOAD_FORMATS = (None, "auto", "safetensors")
-_TENSOR_LOAD_FORMATS = (None, "direct")
+#: "flattened_bucket": the pairs were sent as one flat bucket (the server unflattens them; ``FlatBucket``).
+_TENSOR_LOAD_FORMATS = (None, "direct", "flattened_bucket")
 _SELECTORS = ("all", "target")
 
 

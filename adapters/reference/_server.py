@@ -55,7 +55,14 @@ from rollout_backends import (
     SamplingParams,
     TokenChunk,
 )
-from rollout_backends.kit import AbortAll, AbortRequest, deserialize_named_tensors, json_loads, serialize_named_tensors
+from rollout_backends.kit import (
+    AbortAll,
+    AbortRequest,
+    decode_tensor_payload,
+    deserialize_named_tensors,
+    json_loads,
+    serialize_named_tensors,
+)
 from rollout_backends.sglang_native import (
     ADMIN_ROUTES,
     NativeRequest,
@@ -657,7 +664,8 @@ class ReferenceServer:
         if (err := self._session_error()) is not None:
             return err
         try:
-            named = deserialize_named_tensors(entries[0])
+            # A flat bucket's (load_format "flattened_bucket") comes back as views into its buffer.
+            named = decode_tensor_payload(entries[0], load_format)
         except Exception as e:
             return self._result(False, f"cannot decode serialized_named_tensors: {type(e).__name__}: {e}")
         if tb.abort_all_requests:

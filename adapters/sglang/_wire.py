@@ -195,6 +195,9 @@ class SGLangWire:
             abort=True,
             seeded_sampling=self.deterministic,
             begin_end_update=self.has_begin_end,
+            # load_format "flattened_bucket" (SGLang 0.5.16: ModelRunner's weight updater, the
+            # path Miles' colocated updates take); our reference server unflattens it too.
+            flattened_buckets=True,
             version_source=VersionSource.RESPONSE,
             cached_tokens=True,
             worker_pinning=True,

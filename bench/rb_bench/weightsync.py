@@ -1,26 +1,40 @@
-"""Weight sync: a model's weights pushed into a running engine through the adapter, three ways,
-each against a raw baseline of the same bytes measured in the same run.
+"""Weight sync: a model's weights pushed into a running engine through the adapter, each way
+against a raw baseline of the same bytes measured in the same run, the rows interleaved.
 
+* ``tensors`` (colocated, one family of five rows; CUDA IPC on GPU, shared memory on CPU):
+
+  - ``tensors flat``: the library's path. ``rb.TensorBuckets`` copies the tensors into flat
+    buffers it keeps from push to push, and ``update_weights_from_tensors(bucket)`` sends each
+    bucket as SGLang's ``load_format="flattened_bucket"`` (one CUDA-IPC handle per bucket).
+    Baseline ``sglang api flat``: SGLang's HTTP API directly, no library, as Miles' colocated
+    update does it: per bucket ``FlattenedTensorBucket(named_tensors=...)`` (a fresh buffer, as
+    Miles makes one) serialised by SGLang's ``MultiprocessingSerializer`` and posted with aiohttp.
+  - ``tensors``: the per-tensor path (a handle per tensor), kept where an engine does not declare
+    ``flattened_buckets``: the "before" of the flat buckets. Baseline ``raw tensors``: the same
+    payload over a local socket to a bare receiver process with the engine's visibility, which
+    rebuilds the tensors as SGLang's worker does (``monkey_patch_torch_reductions`` +
+    ``MultiprocessingSerializer``; our decoder on CPU), copies them into preallocated tensors,
+    synchronises and answers.
+  - ``raw flat``: a flat bucket to that bare receiver, rebuilt as SGLang's weight updater does
+    (``FlattenedTensorBucket(...).reconstruct_tensors()``) and copied: the floor of the flat path.
+
+* ``disk``: ``update_weights_from_disk`` of the model folder (the file is in the page cache).
+  Baseline ``raw disk``: the bare receiver loads the folder's safetensors files onto the engine's
+  device (``safetensors.torch.load_file(..., device=...)``) and synchronises.
 * ``nccl`` (GPU) / ``gloo`` (CPU): the trainer is rank 0 of a fresh ``torch.distributed`` group
   built without a default process group (the engine joins through ``init_weight_group``), and
-  broadcasts buckets of at most ``--bucket-mib`` MiB (512, as Miles does), each while the
-  adapter's ``update_weights_from_distributed(bucket)`` is in flight. On GPU the sender is on the
-  second of ``--gpus`` and the engine (a real SGLang worker) on the first; with one GPU this
-  transport is not run (NCCL refuses two ranks on one device) and its row says so.
-  Baseline ``raw broadcast``: the same tensors in the same buckets, from the same sender, to a
-  bare receiver process on the engine's device (same backend, same visibility).
-* ``tensors``: ``update_weights_from_tensors`` per bucket with tensors on the engine's own device
-  (CUDA IPC on GPU; shared memory on CPU); the payload is our ``serialize_named_tensors``.
-  Baseline ``raw tensors``: the same payload of the same tensors per bucket, sent over a local
-  socket to a bare receiver process with the engine's visibility, which rebuilds the tensors the
-  way SGLang's worker does (``monkey_patch_torch_reductions`` + ``MultiprocessingSerializer``;
-  our decoder on CPU), copies them into preallocated tensors, synchronises and answers.
-* ``disk``: ``update_weights_from_disk`` of the model folder (the file is in the page cache).
-  Baseline ``raw disk``: the same bare receiver process loads the folder's safetensors files onto
-  the engine's device (``safetensors.torch.load_file(..., device=...)``) and synchronises.
+  broadcasts each bucket while the adapter's ``update_weights_from_distributed(bucket)`` is in
+  flight. On GPU the sender is on the second of ``--gpus``; with one GPU this transport is not run
+  (NCCL refuses two ranks on one device). Baseline ``raw broadcast``: the same tensors, buckets
+  and sender to a bare receiver process on the engine's device.
 
-Each row is timed over ``--repeats`` rounds after one warm-up round, and each adapter row's ratio
-is against its own baseline (the table's "baseline" column); the goal is ≤ 3 times.
+Buckets hold at most ``--bucket-mib`` MiB (512, as Miles). Each family runs in blocks: a block
+pushes the whole model once per row, in a seeded random order; block 0 is a warm-up and is
+discarded; ``--repeats`` blocks are timed. A row's ratio to its baseline is the ratio of its
+total time over the blocks to the baseline's, with a 95 % bootstrap interval over blocks
+(``stats.paired_ratio``); effective GB/s = the model's bytes / a push's wall time. Targets:
+each adapter row ≤ 3 times its baseline (issue 7), ``disk`` ≤ 1.1 times ``raw disk`` and, on GPU,
+``tensors flat`` ≥ 100 GB/s (issue 28), each judged only when the interval lies on one side.
 
 Run: ``python -m rb_bench.weightsync --engine sglang --model-size qwen2.5-0.5b
 --gpus 0 --out DIR`` (one GPU: tensors and disk), ``--gpus 0,1`` (two GPUs: nccl as well),
@@ -36,6 +50,7 @@ import datetime
 import functools
 import json
 import os
+import random
 import socket
 import statistics
 import subprocess
@@ -52,19 +67,27 @@ import attrs
 from rollout_backends import GenerateRequest, SamplingParams, WeightBucket, WeightGroup
 
 from . import report, with_bench_path
+from .fanout import _ready_printer
+from .stats import Interval, judge, paired_ratio
 
 __all__ = [
     "BASELINE",
+    "FAMILIES",
     "TRANSPORTS",
     "Measurement",
     "Placement",
+    "Pusher",
     "Row",
     "buckets",
+    "comparisons",
+    "interval",
     "main",
     "open_group",
     "placement",
     "plan",
     "ratio",
+    "run_family",
+    "sglang_flat_payload",
     "table",
     "targets",
 ]
@@ -73,17 +96,50 @@ KEY = "weightsync"
 TRANSPORTS = ("nccl", "gloo", "tensors", "disk")
 RAW_BROADCAST = "raw broadcast"
 RAW_TENSORS = "raw tensors"
+RAW_FLAT = "raw flat"
+SGLANG_FLAT = "sglang api flat"
+FLAT = "tensors flat"
+FLAT_ONE = "tensors flat, one bucket"
 RAW_DISK = "raw disk"
-#: The raw measurement each adapter transport's ratio is against.
-BASELINE: Mapping[str, str] = {"nccl": RAW_BROADCAST, "gloo": RAW_BROADCAST, "tensors": RAW_TENSORS, "disk": RAW_DISK}
+#: The rows of each ``--transports`` family, in table order (raw rows have no adapter in them).
+FAMILIES: Mapping[str, tuple[str, ...]] = {
+    "tensors": (RAW_TENSORS, "tensors", RAW_FLAT, SGLANG_FLAT, FLAT, FLAT_ONE),
+    "disk": (RAW_DISK, "disk"),
+    "nccl": (RAW_BROADCAST, "nccl"),
+    "gloo": (RAW_BROADCAST, "gloo"),
+}
+RAW_ROWS = frozenset({RAW_BROADCAST, RAW_TENSORS, RAW_FLAT, SGLANG_FLAT, RAW_DISK})
+#: The raw measurement each adapter row's ratio is against.
+BASELINE: Mapping[str, str] = {
+    "nccl": RAW_BROADCAST,
+    "gloo": RAW_BROADCAST,
+    "tensors": RAW_TENSORS,
+    FLAT: SGLANG_FLAT,
+    "disk": RAW_DISK,
+}
 NEEDS_SECOND_GPU = "not run: needs a second GPU"
 NOT_SELECTED = "not run: not selected (--transports)"
-TARGET_RATIO = 3.0
+#: Each adapter row against its own baseline (issue 7's goal), disk against a bare load (issue 28).
+TARGET_RATIO: Mapping[str, float] = {"nccl": 3.0, "gloo": 3.0, "tensors": 3.0, FLAT: 3.0, "disk": 1.1}
+#: Issue 28: colocated tensor updates through the library at this many GB/s or more (GPU only).
+TARGET_GB_S = 100.0
 TIMES = "\N{MULTIPLICATION SIGN}"
 PACKAGES = ("torch", "sglang", "transformers", "safetensors", "aiohttp")
 _GROUP_TIMEOUT_S = 120.0
 #: Table order: each baseline above the adapter row measured against it (the run order differs).
-_ORDER = (RAW_BROADCAST, "nccl", "gloo", RAW_TENSORS, "tensors", RAW_DISK, "disk")
+_ORDER = (
+    RAW_BROADCAST,
+    "nccl",
+    "gloo",
+    RAW_TENSORS,
+    "tensors",
+    RAW_FLAT,
+    SGLANG_FLAT,
+    FLAT,
+    FLAT_ONE,
+    RAW_DISK,
+    "disk",
+)
 
 
 # -- the plan: which rows run where (no torch needed; --dry-run prints it) --------------------------
@@ -91,7 +147,7 @@ _ORDER = (RAW_BROADCAST, "nccl", "gloo", RAW_TENSORS, "tensors", RAW_DISK, "disk
 
 @attrs.frozen
 class Row:
-    """One row of the table: a raw baseline (``baseline`` None) or an adapter transport."""
+    """One row of the table: a raw baseline (``baseline`` None) or an adapter row."""
 
     name: str
     baseline: str | None
@@ -103,7 +159,7 @@ def group_transport(gpu: bool) -> str:
 
 
 def plan(gpu: bool, n_gpus: int, transports: Sequence[str]) -> list[Row]:
-    """Every row, in run order: (baseline, adapter) pairs for tensors, disk, then the group transport.
+    """Every row, in run order: the tensor family, disk, then the group transport.
 
     Rows that cannot or need not run stay in the table with the reason (never dropped). The group
     transport runs last: a collective that hangs can block the engine's other calls.
@@ -115,8 +171,12 @@ def plan(gpu: bool, n_gpus: int, transports: Sequence[str]) -> list[Row]:
             skip = NOT_SELECTED
         elif t == "nccl" and n_gpus < 2:
             skip = NEEDS_SECOND_GPU
-        rows += [Row(BASELINE[t], None, skip), Row(t, BASELINE[t], skip)]
+        rows += [Row(name, BASELINE.get(name), skip) for name in FAMILIES[t]]
     return rows
+
+
+def family_of(name: str) -> str:
+    return next(f for f, names in FAMILIES.items() if name in names)
 
 
 @attrs.frozen
@@ -304,32 +364,54 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes | None:
     return b"".join(chunks)
 
 
-def _decoder(kind: str) -> Callable[[str], list[tuple[str, Any]]]:
-    """How the engine rebuilds tensors from a payload (SGLang's ``TpModelWorker.update_weights_from_tensor``)."""
+#: A payload and its load format -> the (name, tensor) pairs the engine would load.
+Decoder = Callable[[str, "str | None"], "list[tuple[str, Any]]"]
+
+
+def _decoder(kind: str) -> Decoder:
+    """How the engine rebuilds tensors from a payload: SGLang's ``TpModelWorker.update_weights_from_tensor``
+    (``MultiprocessingSerializer.deserialize``, then for a flat bucket its weight updater's
+    ``FlattenedTensorBucket(...).reconstruct_tensors()``), or our decoder (the reference engine's)."""
     if kind == "sglang":
         try:
             from sglang.srt.utils import MultiprocessingSerializer  # type: ignore[import-not-found,unused-ignore]
             from sglang.srt.utils.patch_torch import (  # type: ignore[import-not-found,unused-ignore]
                 monkey_patch_torch_reductions,
             )
+            from sglang.srt.weight_sync.tensor_bucket import (  # type: ignore[import-not-found,unused-ignore]
+                FlattenedTensorBucket,
+                FlattenedTensorMetadata,
+            )
         except Exception as exc:  # as the sender: without SGLang no UUID patch on either side
             print(f"no SGLang here ({type(exc).__name__}: {exc}); our decoder", flush=True)
         else:
             monkey_patch_torch_reductions()
-            return MultiprocessingSerializer.deserialize  # type: ignore[no-any-return]
-    from rollout_backends.kit import deserialize_named_tensors
 
-    return deserialize_named_tensors
+            def sglang_decode(payload: str, load_format: str | None) -> list[tuple[str, Any]]:
+                obj = MultiprocessingSerializer.deserialize(payload)
+                if load_format != "flattened_bucket":
+                    return list(obj)
+                meta = [
+                    FlattenedTensorMetadata(m.name, m.shape, m.dtype, m.start_idx, m.end_idx, m.numel)
+                    for m in obj["metadata"]
+                ]
+                bucket = FlattenedTensorBucket(flattened_tensor=obj["flattened_tensor"], metadata=meta)
+                return list(bucket.reconstruct_tensors())
+
+            return sglang_decode
+    from rollout_backends.kit import decode_tensor_payload
+
+    return decode_tensor_payload
 
 
 class BareReceiver:
-    """What ``--serve`` does with each message: the raw ``tensors`` and ``disk`` baselines.
+    """What ``--serve`` does with each message: the raw ``tensors``, ``flat`` and ``disk`` baselines.
 
     No engine, no HTTP: tensors are rebuilt from the payload and copied into tensors allocated
     once, files are loaded onto the device; each answer is sent after the device is synchronised.
     """
 
-    def __init__(self, device: Any, model_path: str, decode: Callable[[str], list[tuple[str, Any]]]) -> None:
+    def __init__(self, device: Any, model_path: str, decode: Decoder) -> None:
         import torch
         from safetensors.torch import load_file
 
@@ -349,8 +431,8 @@ class BareReceiver:
 
     def handle(self, msg: Mapping[str, Any]) -> dict[str, Any]:
         op = msg.get("op")
-        if op == "tensors":
-            named = self.decode(msg["payload"])
+        if op in ("tensors", "flat"):
+            named = self.decode(msg["payload"], "flattened_bucket" if op == "flat" else None)
             n = 0
             for name, t in named:
                 buf = self.bufs[name]
@@ -537,18 +619,18 @@ class Measurement:
         }
 
 
-async def timed_rounds(
-    repeats: int, one_round: Callable[[], Awaitable[None]], before: Callable[[], Awaitable[None]] | None = None
-) -> tuple[float, tuple[float, ...]]:
-    """One warm-up round then ``repeats`` timed rounds; ``before`` (untimed) runs ahead of each."""
-    times: list[float] = []
-    for _ in range(repeats + 1):
-        if before is not None:
-            await before()
-        t0 = time.perf_counter()
-        await one_round()
-        times.append(time.perf_counter() - t0)
-    return times[0], tuple(times[1:])
+@attrs.define
+class Pusher:
+    """One row, ready to run: ``push`` moves the whole model once (timed); ``before`` (untimed)
+    runs ahead of each push; ``close`` and ``check`` (a note) run after the blocks."""
+
+    what: str
+    nbytes: int
+    buckets: int
+    push: Callable[[], Awaitable[None]]
+    before: Callable[[], Awaitable[None]] | None = None
+    close: Callable[[], Awaitable[None]] | None = None
+    check: Callable[[], Awaitable[str]] | None = None
 
 
 class _Run:
@@ -564,11 +646,11 @@ class _Run:
         self.fleet: Any = None
         self.bare: BareClient | None = None
         self.named_cpu: list[tuple[str, Any]] = []
-        self.named_engine: list[tuple[str, Any]] = []  # on the engine's device: what tensors sends
+        self.named_engine: list[tuple[str, Any]] = []  # on the engine's device: what the tensor rows send
         self.sender_device: Any = None
         self.engine_device: Any = None
         self.hung = False
-        self.checked: list[str] = []
+        self.limit = int(args.bucket_mib * 2**20)
         # Blocking calls (collectives, sockets) run in a pool of our own, never joined by
         # asyncio.run: one stuck past the budget cannot keep this process alive (see main).
         self.pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="weightsync")
@@ -609,8 +691,8 @@ class _Run:
                 monkey_patch_torch_reductions()
             except Exception:  # without SGLang here the device index travels (right when both see GPU 0 as 0)
                 pass
-        # One copy on the engine's device, sent by both the adapter's tensors row and its raw
-        # baseline: the same storages, so the same CUDA-IPC handles (shared memory on CPU).
+        # One copy on the engine's device, the trainer's tensors of a colocated step: every tensor
+        # row sends (or packs) these.
         self.named_engine = self._on(self.named_cpu, self.engine_device)
         self.sync(self.engine_device)
 
@@ -627,14 +709,7 @@ class _Run:
             log_dir=str(self.run_dir / "logs"),
             startup_timeout_s=max(10.0, self.left()),
         )
-        last = [0.0]
-
-        def show(p: Any) -> None:
-            if time.monotonic() - last[0] >= 15.0 or all(p.ready.values()):
-                last[0] = time.monotonic()
-                self.progress(f"engine: {p}")
-
-        self.fleet = await start_sglang_fleet(cfg, progress=show)
+        self.fleet = await start_sglang_fleet(cfg, progress=_ready_printer(self.progress, "engine"))
 
     def start_bare(self) -> None:
         """Start the bare receiver now (it imports torch and allocates while the engine starts)."""
@@ -649,26 +724,160 @@ class _Run:
         await self.thread(self.bare.connect, self.call_timeout())
         return self.bare
 
-    # -- the transports
-
     def _on(self, named: Sequence[tuple[str, Any]], device: Any) -> list[tuple[str, Any]]:
         return [(n, t.to(device).contiguous()) for n, t in named]
 
-    async def raw(self, repeats: int, limit: int) -> Measurement:
+    def prepare(self, name: str, blocks: int) -> Awaitable[Pusher]:
+        jobs: dict[str, Callable[[], Awaitable[Pusher]]] = {
+            RAW_BROADCAST: lambda: self.prep_raw_broadcast(blocks),
+            "nccl": self.prep_group,
+            "gloo": self.prep_group,
+            RAW_TENSORS: lambda: self.prep_bare("tensors"),
+            RAW_FLAT: lambda: self.prep_bare("flat"),
+            SGLANG_FLAT: self.prep_sglang_flat,
+            "tensors": self.prep_tensors,
+            FLAT: lambda: self.prep_flat(self.limit),
+            FLAT_ONE: lambda: self.prep_flat(nbytes(self.named_engine) + 256 * len(self.named_engine)),
+            RAW_DISK: self.prep_raw_disk,
+            "disk": self.prep_disk,
+        }
+        return jobs[name]()
+
+    # -- the tensor rows (colocated: the sender's tensors are on the engine's GPU)
+
+    async def prep_bare(self, op: str) -> Pusher:
+        """``raw tensors`` / ``raw flat``: the payload to the bare receiver, rebuilt and copied there."""
+        from rollout_backends import TensorBuckets
+        from rollout_backends.kit import serialize_flat_bucket, serialize_named_tensors
+
+        bare = await self.bare_ready()
+        timeout = self.call_timeout()
+        groups = buckets(self.named_engine, self.limit)
+        packer = TensorBuckets(self.limit)
+
+        def payloads() -> list[tuple[str, int]]:
+            if op == "flat":
+                return [(serialize_flat_bucket(b), len(b.slots)) for b in packer.pack(self.named_engine)]
+            return [(serialize_named_tensors(b), len(b)) for b in groups]
+
+        def send() -> None:
+            for payload, n in payloads():
+                reply = bare.request({"op": op, "payload": payload}, timeout)
+                if reply.get("tensors") != n:
+                    raise RuntimeError(f"the bare receiver copied {reply.get('tensors')} tensors of {n}")
+
+        async def push() -> None:
+            await self.thread(send)
+
+        async def check() -> str:
+            note: str = await self.thread(self.check_copies, bare, timeout)
+            return f"{op}: {note}"
+
+        how = "CUDA IPC, same GPU" if self.gpu else "shared memory"
+        what = (
+            f"a flat bucket per bucket ({how}) to a bare receiver: SGLang's reconstruct, copy, synchronise"
+            if op == "flat"
+            else f"serialize_named_tensors per bucket ({how}) to a bare receiver: rebuild, copy, synchronise"
+        )
+        return Pusher(what, nbytes(self.named_engine), len(groups), push, check=check)
+
+    def check_copies(self, bare: BareClient, timeout: float) -> str:
+        """Untimed: the receiver's tensors hold what was sent (it really copied the bytes)."""
+        sums = bare.request({"op": "checksum"}, timeout)["sums"]
+        bad = [n for n, t in self.named_engine if n not in sums or not checksums_match(checksum(t), sums[n])]
+        if bad:
+            raise RuntimeError(f"the bare receiver's copies differ from what was sent: {bad[:3]}")
+        return f"the bare receiver's copies of all {len(sums)} tensors match what was sent"
+
+    async def prep_sglang_flat(self) -> Pusher:
+        """SGLang's HTTP API directly, as Miles' colocated update: a FlattenedTensorBucket per bucket."""
+        import aiohttp
+
+        url = f"{self.fleet.worker_urls[0]}/update_weights_from_tensor"
+        groups = buckets(self.named_engine, self.limit)
+        session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.call_timeout()))
+
+        async def push() -> None:
+            for b in groups:
+                payload, keep = sglang_flat_payload(b)
+                body = {"serialized_named_tensors": [payload], "load_format": "flattened_bucket", "flush_cache": False}
+                async with session.post(url, json=body) as resp:
+                    answer = await resp.json(content_type=None)
+                del keep  # the bucket lives until the engine answered
+                if resp.status != 200 or not answer.get("success"):
+                    raise RuntimeError(f"HTTP {resp.status}: {answer}")
+
+        what = "SGLang API directly: FlattenedTensorBucket + MultiprocessingSerializer per bucket, aiohttp POST"
+        return Pusher(what, nbytes(self.named_engine), len(groups), push, close=session.close)
+
+    async def prep_tensors(self) -> Pusher:
+        backend = self.fleet.backend
+        groups = buckets(self.named_engine, self.limit)
+
+        async def push() -> None:
+            for b in groups:
+                await backend.update_weights_from_tensors(b, flush_cache=False)
+
+        what = "update_weights_from_tensors per bucket, per tensor, " + ("CUDA IPC" if self.gpu else "shared memory")
+        return Pusher(what, nbytes(self.named_engine), len(groups), push)
+
+    async def prep_flat(self, limit: int) -> Pusher:
+        """The library's flat path with buckets of at most ``limit`` bytes (FLAT_ONE: the whole
+        model in one bucket, one call, one handle, a model-sized buffer)."""
+        from rollout_backends import TensorBuckets
+
+        backend = self.fleet.backend
+        if not backend.capabilities.flattened_buckets:
+            raise RuntimeError("the engine does not declare flattened_buckets")
+        packer = TensorBuckets(limit)
+
+        async def push() -> None:
+            for b in packer.pack(self.named_engine):
+                await backend.update_weights_from_tensors(b, flush_cache=False)
+
+        what = "TensorBuckets.pack (reused buffers) + update_weights_from_tensors(FlatBucket) per bucket"
+        n = len(packer.pack(self.named_engine))
+        return Pusher(what, nbytes(self.named_engine), n, push, close=_async(packer.release))
+
+    # -- disk
+
+    async def prep_raw_disk(self) -> Pusher:
+        bare = await self.bare_ready()
+        size = sum(p.stat().st_size for p in Path(self.model_path).glob("*.safetensors"))
+        timeout = self.call_timeout()
+
+        async def push() -> None:
+            reply = await self.thread(bare.request, {"op": "disk", "path": self.model_path}, timeout)
+            if not reply.get("bytes"):
+                raise RuntimeError("the bare receiver loaded nothing")
+
+        what = f"safetensors load_file(device={self.place.receiver_device}) of the folder + synchronise, bare process"
+        return Pusher(what + " (page cache warm)", size, 1, push)
+
+    async def prep_disk(self) -> Pusher:
+        backend = self.fleet.backend
+        size = sum(p.stat().st_size for p in Path(self.model_path).glob("*.safetensors"))
+
+        async def push() -> None:
+            await backend.update_weights_from_disk(self.model_path, flush_cache=False)
+
+        return Pusher("update_weights_from_disk (page cache warm)", size, 1, push)
+
+    # -- the group transport
+
+    async def prep_raw_broadcast(self, blocks: int) -> Pusher:
         import torch
 
         from rollout_backends.launch import free_port
 
         named = self._on(self.named_cpu, self.sender_device)
         self.sync(self.sender_device)
-        groups = buckets(named, limit)
+        groups = buckets(named, self.limit)
         index = {n: i for i, (n, _) in enumerate(named)}
-        bucket_idx = [[index[n] for n, _ in b] for b in groups]
-        port = free_port()
         shapes = [(str(t.dtype).removeprefix("torch."), list(t.shape)) for _, t in named]
-        spec = broadcast_spec(self.place, port, shapes, bucket_idx, repeats + 1)
+        port = free_port()
+        spec = broadcast_spec(self.place, port, shapes, [[index[n] for n, _ in b] for b in groups], blocks + 1)
         proc = spawn("--receive", spec, self.place, self.run_dir, "raw-receiver")
-        pg = None
         try:
             joining = self.thread(
                 open_group, spec["backend"], "127.0.0.1", port, 0, 2, "rb-bench-raw", _GROUP_TIMEOUT_S
@@ -680,153 +889,81 @@ class _Run:
                     raise RuntimeError(f"the raw receiver exited with code {proc.returncode}: {tail}")
                 await asyncio.wait([joining], timeout=0.5)
             pg = joining.result()
-            flag = torch.zeros(1, dtype=torch.int32, device=self.sender_device)
+        except BaseException:
+            _kill(proc)
+            raise
+        flag = torch.zeros(1, dtype=torch.int32, device=self.sender_device)
 
-            async def in_step() -> None:
-                await self.thread(broadcast, pg, [flag], self.sender_device)
+        async def in_step() -> None:  # untimed: both sides in step before each timed round
+            await self.thread(broadcast, pg, [flag], self.sender_device)
 
-            async def one_round() -> None:
-                for b in groups:
-                    await self.thread(broadcast, pg, [t for _, t in b], self.sender_device)
+        async def push() -> None:
+            for b in groups:
+                await self.thread(broadcast, pg, [t for _, t in b], self.sender_device)
 
-            warm, rounds = await timed_rounds(repeats, one_round, before=in_step)
-            await self.thread(proc.wait, 60)
-        finally:
-            if pg is not None:
-                close_group(pg)
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait(10)
+        async def close() -> None:
+            close_group(pg)
+            _kill(proc)
+
         where = f"{self.place.sender_device} to a bare receiver on {self.place.engine_device}"
         what = f"torch.distributed.broadcast ({spec['backend']}), {where}"
-        return Measurement(RAW_BROADCAST, what, nbytes(named), len(groups), rounds, warm)
+        return Pusher(what, nbytes(named), len(groups), push, before=in_step, close=close)
 
-    async def raw_tensors(self, repeats: int, limit: int) -> Measurement:
-        from rollout_backends.kit import serialize_named_tensors
-
-        groups = buckets(self.named_engine, limit)
-        bare = await self.bare_ready()
-        timeout = self.call_timeout()
-
-        def send(b: list[tuple[str, Any]]) -> None:
-            reply = bare.request({"op": "tensors", "payload": serialize_named_tensors(b)}, timeout)
-            if reply.get("tensors") != len(b):
-                raise RuntimeError(f"the bare receiver copied {reply.get('tensors')} tensors of {len(b)}")
-
-        async def one_round() -> None:
-            for b in groups:
-                await self.thread(send, b)
-
-        warm, rounds = await timed_rounds(repeats, one_round)
-        await self.thread(self.check_copies, bare, timeout)
-        how = "CUDA IPC, same GPU" if self.gpu else "shared memory"
-        what = f"serialize_named_tensors per bucket ({how}) to a bare receiver: rebuild, copy, synchronise"
-        return Measurement(RAW_TENSORS, what, nbytes(self.named_engine), len(groups), rounds, warm)
-
-    def check_copies(self, bare: BareClient, timeout: float) -> None:
-        """Untimed: the receiver's tensors hold what was sent (it really copied the bytes)."""
-        sums = bare.request({"op": "checksum"}, timeout)["sums"]
-        bad = [n for n, t in self.named_engine if n not in sums or not checksums_match(checksum(t), sums[n])]
-        if bad:
-            raise RuntimeError(f"the bare receiver's copies differ from what was sent: {bad[:3]}")
-        self.checked.append(f"the bare receiver's copies of all {len(sums)} tensors match what was sent")
-
-    async def raw_disk(self, repeats: int) -> Measurement:
-        bare = await self.bare_ready()
-        size = sum(p.stat().st_size for p in Path(self.model_path).glob("*.safetensors"))
-        timeout = self.call_timeout()
-
-        async def one_round() -> None:
-            reply = await self.thread(bare.request, {"op": "disk", "path": self.model_path}, timeout)
-            if not reply.get("bytes"):
-                raise RuntimeError("the bare receiver loaded nothing")
-
-        warm, rounds = await timed_rounds(repeats, one_round)
-        what = f"safetensors load_file(device={self.place.receiver_device}) of the folder + synchronise, bare process"
-        return Measurement(RAW_DISK, what + " (page cache warm)", size, 1, rounds, warm)
-
-    async def distributed(self, repeats: int, limit: int) -> Measurement:
+    async def prep_group(self) -> Pusher:
         from rollout_backends.launch import free_port
 
         backend = self.fleet.backend
         named = self._on(self.named_cpu, self.sender_device)
         self.sync(self.sender_device)
-        groups = buckets(named, limit)
+        groups = buckets(named, self.limit)
         kind = group_transport(self.gpu)
         group = WeightGroup(
-            master_address="127.0.0.1",
-            master_port=free_port(),
-            world_size=2,
-            group_name="rb-bench",
-            backend=kind,
+            master_address="127.0.0.1", master_port=free_port(), world_size=2, group_name="rb-bench", backend=kind
         )
-        sender: Any = None
-        if self.gpu:
+        connect, send, leave = self._sender(group)
+        sender, _ = await asyncio.wait_for(
+            asyncio.gather(self.thread(connect), backend.init_weight_group(group)), max(1.0, self.left())
+        )
 
-            def connect() -> Any:
-                return open_group(kind, "127.0.0.1", group.master_port, 0, 2, group.group_name, _GROUP_TIMEOUT_S)
-
-            def send(tensors: list[Any]) -> None:
-                broadcast(sender, tensors, self.sender_device)
-
-        else:
-            from rollout_backends.adapters.reference import WeightSender
-
-            ws = WeightSender("127.0.0.1", group.master_port, world_size=2, group_name=group.group_name)
-
-            def connect() -> Any:
-                ws.connect()
-                return ws
-
-            def send(tensors: list[Any]) -> None:
-                ws.broadcast([(str(i), t) for i, t in enumerate(tensors)])
-
-        try:
-            sender, _ = await asyncio.wait_for(
-                asyncio.gather(self.thread(connect), backend.init_weight_group(group)), max(1.0, self.left())
-            )
-
-            async def one_round() -> None:
-                for b in groups:
-                    bucket = WeightBucket.from_named_tensors(b)
-                    await asyncio.gather(
-                        backend.update_weights_from_distributed(bucket, group_name=group.group_name, flush_cache=False),
-                        self.thread(send, [t for _, t in b]),
-                    )
-
-            warm, rounds = await timed_rounds(repeats, one_round)
-            # Both ends leave together: a communicator's teardown may wait for its peer.
-            close = self.thread(close_group if self.gpu else lambda ws: ws.close(), sender)
-            sender = None
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(asyncio.gather(backend.destroy_weight_group(group.group_name), close), 30.0)
-        finally:
-            if sender is not None:  # failed half-way: leave without waiting for the engine
-                self.thread(close_group if self.gpu else lambda ws: ws.close(), sender)
-        what = "init_weight_group + update_weights_from_distributed per bucket"
-        return Measurement(kind, what, nbytes(named), len(groups), rounds, warm)
-
-    async def tensors(self, repeats: int, limit: int) -> Measurement:
-        backend = self.fleet.backend
-        groups = buckets(self.named_engine, limit)
-
-        async def one_round() -> None:
+        async def push() -> None:
             for b in groups:
-                await backend.update_weights_from_tensors(b, flush_cache=False)
+                bucket = WeightBucket.from_named_tensors(b)
+                await asyncio.gather(
+                    backend.update_weights_from_distributed(bucket, group_name=group.group_name, flush_cache=False),
+                    self.thread(send, sender, [t for _, t in b]),
+                )
 
-        warm, rounds = await timed_rounds(repeats, one_round)
-        what = "update_weights_from_tensors per bucket, " + ("CUDA IPC, same GPU" if self.gpu else "shared memory")
-        return Measurement("tensors", what, nbytes(self.named_engine), len(groups), rounds, warm)
+        async def close() -> None:
+            # Both ends leave together: a communicator's teardown may wait for its peer.
+            with contextlib.suppress(Exception):
+                leaving = self.thread(leave, sender)
+                await asyncio.wait_for(asyncio.gather(backend.destroy_weight_group(group.group_name), leaving), 30.0)
 
-    async def disk(self, repeats: int) -> Measurement:
-        backend = self.fleet.backend
-        size = sum(p.stat().st_size for p in Path(self.model_path).glob("*.safetensors"))
+        what = "init_weight_group + update_weights_from_distributed per bucket"
+        return Pusher(what, nbytes(named), len(groups), push, close=close)
 
-        async def one_round() -> None:
-            await backend.update_weights_from_disk(self.model_path, flush_cache=False)
+    def _sender(
+        self, group: WeightGroup
+    ) -> tuple[Callable[[], Any], Callable[[Any, list[Any]], None], Callable[[Any], None]]:
+        """The trainer's end of ``group``: (connect, send a bucket, leave)."""
+        if self.gpu:
+            return (
+                lambda: open_group("nccl", "127.0.0.1", group.master_port, 0, 2, group.group_name, _GROUP_TIMEOUT_S),
+                lambda pg, tensors: broadcast(pg, tensors, self.sender_device),
+                close_group,
+            )
+        from rollout_backends.adapters.reference import WeightSender
 
-        warm, rounds = await timed_rounds(repeats, one_round)
-        return Measurement("disk", "update_weights_from_disk (page cache warm)", size, 1, rounds, warm)
+        def connect() -> Any:
+            ws = WeightSender("127.0.0.1", group.master_port, world_size=2, group_name=group.group_name)
+            ws.connect()
+            return ws
+
+        return (
+            connect,
+            lambda ws, tensors: ws.broadcast([(str(i), t) for i, t in enumerate(tensors)]),
+            lambda ws: ws.close(),
+        )
 
     async def check_engine(self) -> str:
         gen = await self.fleet.backend.generate(
@@ -834,28 +971,137 @@ class _Run:
         )
         return f"the engine generated {len(gen.output_ids)} tokens after the updates"
 
-    def job(self, name: str) -> Callable[[], Awaitable[Measurement]]:
-        args = self.args
-        limit = int(args.bucket_mib * 2**20)
-        jobs: dict[str, Callable[[], Awaitable[Measurement]]] = {
-            RAW_BROADCAST: lambda: self.raw(args.repeats, limit),
-            "nccl": lambda: self.distributed(args.repeats, limit),
-            "gloo": lambda: self.distributed(args.repeats, limit),
-            RAW_TENSORS: lambda: self.raw_tensors(args.repeats, limit),
-            "tensors": lambda: self.tensors(args.repeats, limit),
-            RAW_DISK: lambda: self.raw_disk(args.repeats),
-            "disk": lambda: self.disk(args.repeats),
-        }
-        return jobs[name]
+
+def sglang_flat_payload(named: Sequence[tuple[str, Any]]) -> tuple[str, Any]:
+    """Miles' colocated payload built with SGLang's own classes (``FlattenedTensorBucket``,
+    ``MultiprocessingSerializer``): (the string, what must stay alive until the engine answers).
+    Without SGLang (the CPU smoke) the same thing by hand: a ``torch.cat`` of the tensors' bytes and
+    SGLang's metadata fields."""
+    try:
+        from sglang.srt.utils import MultiprocessingSerializer  # type: ignore[import-not-found,unused-ignore]
+        from sglang.srt.weight_sync.tensor_bucket import (  # type: ignore[import-not-found,unused-ignore]
+            FlattenedTensorBucket,
+        )
+    except ImportError:
+        import base64
+        import io
+        import types
+        from multiprocessing.reduction import ForkingPickler
+
+        import torch
+        import torch.multiprocessing as tmp
+
+        flat = torch.cat([t.reshape(-1).view(torch.uint8) for _, t in named])
+        meta, start = [], 0
+        for name, t in named:
+            n = t.numel() * t.element_size()
+            meta.append(
+                types.SimpleNamespace(
+                    name=name, shape=t.shape, dtype=t.dtype, start_idx=start, end_idx=start + n, numel=n
+                )
+            )
+            start += n
+        data: Any = {"flattened_tensor": flat, "metadata": meta}
+        tmp.set_sharing_strategy("file_system")  # type: ignore[no-untyped-call]
+        buf = io.BytesIO()
+        ForkingPickler(buf).dump(data)  # MultiprocessingSerializer.serialize(data, output_str=True)
+        return base64.b64encode(buf.getvalue()).decode("ascii"), data
+    bucket = FlattenedTensorBucket(named_tensors=list(named))
+    data = {"flattened_tensor": bucket.get_flattened_tensor(), "metadata": bucket.get_metadata()}
+    return MultiprocessingSerializer.serialize(data, output_str=True), data
+
+
+def _async(fn: Callable[[], None]) -> Callable[[], Awaitable[None]]:
+    async def call() -> None:
+        fn()
+
+    return call
+
+
+def _kill(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        proc.kill()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(10)
+
+
+async def run_family(r: _Run, rows: Sequence[Row]) -> tuple[list[Measurement], list[str]]:
+    """Prepare each row, then blocks of one push per row in a seeded random order; block 0 is a
+    warm-up. A row that fails or hangs leaves the blocks (its status says why); the others go on."""
+    blocks = int(r.args.repeats)
+    results: dict[str, Measurement] = {}
+    notes: list[str] = []
+    pushers: dict[str, Pusher] = {}
+    for row in rows:
+        try:
+            pushers[row.name] = await asyncio.wait_for(
+                r.prepare(row.name, blocks), min(r.left(), r.args.transport_timeout_s)
+            )
+        except Exception as exc:
+            results[row.name] = _failed(row, f"failed: {report.summarise_error(exc)}", r)
+    times: dict[str, list[float]] = {n: [] for n in pushers}
+    rng = random.Random(f"{r.args.seed}-{family_of(rows[0].name)}")
+    for block in range(blocks + 1):
+        if r.left() <= 1.0 or not pushers:
+            notes.append(f"{family_of(rows[0].name)}: stopped after {block} block(s) (time budget)")
+            break
+        order = sorted(pushers)
+        rng.shuffle(order)
+        for name in order:
+            try:
+                times[name].append(await _timed(pushers[name], min(r.left(), r.args.transport_timeout_s)))
+            except Exception as exc:
+                hung = isinstance(exc, asyncio.TimeoutError)
+                r.hung = r.hung or hung
+                if hung and name in (RAW_TENSORS, RAW_FLAT, RAW_DISK) and r.bare is not None:
+                    r.bare.kill()  # its socket call then fails at once; the other bare rows fail fast
+                why = "cut: no result in time" if hung else f"failed: {report.summarise_error(exc)}"
+                results[name] = _failed(next(x for x in rows if x.name == name), why, r)
+                r.progress(f"{name}: {why}")
+                await _finish(pushers.pop(name), notes)
+    for name, p in pushers.items():
+        got = times[name]
+        results[name] = Measurement(
+            name, p.what, p.nbytes, p.buckets, tuple(got[1:]), got[0] if got else None,
+            status="ok" if len(got) > 1 else "skipped: time budget", baseline=BASELINE.get(name),
+        )  # fmt: skip
+        r.progress(
+            f"{name}: {len(got) - 1} block(s), median {results[name].median_s:.4f} s, {results[name].gb_per_s:.2f} GB/s"
+        )
+        await _finish(p, notes)
+    return [results[x.name] for x in rows], notes
+
+
+async def _timed(p: Pusher, cap: float) -> float:
+    if p.before is not None:
+        await asyncio.wait_for(p.before(), cap)
+    t0 = time.perf_counter()
+    await asyncio.wait_for(p.push(), cap)
+    return time.perf_counter() - t0
+
+
+async def _finish(p: Pusher, notes: list[str]) -> None:
+    """After the blocks (untimed): the row's check, then its teardown; failures become notes."""
+    try:
+        if p.check is not None:
+            notes.append(await asyncio.wait_for(p.check(), 60.0))
+    except Exception as exc:
+        notes.append(f"check failed: {report.summarise_error(exc)}")
+    if p.close is not None:
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(p.close(), 60.0)
+
+
+def _failed(row: Row, status: str, r: _Run) -> Measurement:
+    return Measurement(row.name, "", 0, 0, status=status, baseline=row.baseline)
 
 
 async def _measure(r: _Run, rows: Sequence[Row]) -> tuple[list[Measurement], list[str]]:
-    args = r.args
     notes: list[str] = []
     results: list[Measurement] = []
     runs = [x for x in rows if x.skip is None]
     t0 = time.monotonic()
-    if any(x.name in (RAW_TENSORS, RAW_DISK) for x in runs):
+    if any(x.name in (RAW_TENSORS, RAW_FLAT, RAW_DISK) for x in runs):
         try:
             r.start_bare()
         except Exception as exc:  # its rows fail ("no bare receiver"); the adapter rows still run
@@ -877,38 +1123,17 @@ async def _measure(r: _Run, rows: Sequence[Row]) -> tuple[list[Measurement], lis
         # Set after the engine started (it keeps its own): a collective of ours that times out
         # must not abort this process before the report is written; a stuck thread is handled.
         os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "0"
-    for row in rows:
-        name = row.name
-        if row.skip is not None:
-            results.append(Measurement(name, "", 0, 0, status=row.skip, baseline=row.baseline))
-            r.progress(f"{name}: {row.skip}")
-            continue
-        if r.left() <= 1.0:
-            results.append(Measurement(name, "", 0, 0, status="skipped: time budget", baseline=row.baseline))
-            r.progress(f"{name}: skipped (time budget)")
-            continue
-        cap = min(r.left(), args.transport_timeout_s)
-        try:
-            m = await asyncio.wait_for(r.job(name)(), cap)
-        except asyncio.TimeoutError:
-            r.hung = True  # a thread may still sit in a collective: the process ends with os._exit
-            if name in (RAW_TENSORS, RAW_DISK) and r.bare is not None:
-                r.bare.kill()  # its socket call then fails at once; the other raw row fails fast
-            results.append(Measurement(name, "", 0, 0, status=f"cut: no result in {cap:.0f} s", baseline=row.baseline))
-            r.progress(f"{name}: cut after {cap:.0f} s")
-            continue
-        except Exception as exc:
-            msg = report.summarise_error(exc)
-            results.append(Measurement(name, "", 0, 0, status=f"failed: {msg}", baseline=row.baseline))
-            r.progress(f"{name}: failed: {msg}")
-            continue
-        m = attrs.evolve(m, baseline=row.baseline)
-        results.append(m)
-        r.progress(
-            f"{name}: {m.buckets} bucket(s), {m.nbytes / 1e9:.3f} GB, warm-up {m.warmup_s:.3f} s, "
-            f"median {m.median_s:.3f} s over {len(m.rounds_s)}, {m.gb_per_s:.2f} GB/s"
-        )
-    notes += r.checked
+    for fam in ("tensors", "disk", group_transport(r.gpu)):
+        family = [x for x in rows if x.name in FAMILIES[fam]]
+        todo = [x for x in family if x.skip is None]
+        done: dict[str, Measurement] = {}
+        if todo and r.left() > 1.0:
+            measured, more = await run_family(r, todo)
+            done = {m.transport: m for m in measured}
+            notes += more
+        for x in family:
+            status = x.skip or "skipped: time budget"
+            results.append(done.get(x.name) or Measurement(x.name, "", 0, 0, status=status, baseline=x.baseline))
     if not r.hung:
         try:
             notes.append(await asyncio.wait_for(r.check_engine(), 60.0))
@@ -925,15 +1150,27 @@ def _ordered(results: Sequence[Measurement]) -> list[Measurement]:
 
 
 def _label(m: Measurement) -> str:
-    return m.transport if m.baseline is None else f"adapter: {m.transport}"
+    return m.transport if m.transport in RAW_ROWS else f"adapter: {m.transport}"
+
+
+def _measured(name: str | None, results: Sequence[Measurement]) -> Measurement | None:
+    return next((b for b in results if b.transport == name and b.rounds_s), None)
+
+
+def interval(m: Measurement, results: Sequence[Measurement]) -> Interval | None:
+    """``m`` over its baseline, paired by block (both rows ran in the same blocks), with its 95 %
+    bootstrap interval; None for a baseline or where either was not measured."""
+    base = _measured(m.baseline, results)
+    if base is None or not m.rounds_s:
+        return None
+    n = min(len(m.rounds_s), len(base.rounds_s))  # equal unless one row left the blocks
+    return paired_ratio(m.rounds_s[:n], base.rounds_s[:n], seed=m.transport)
 
 
 def ratio(m: Measurement, results: Sequence[Measurement]) -> float | None:
-    """``m``'s median over its own baseline's; None for a baseline or where either was not measured."""
-    base = next((b for b in results if b.transport == m.baseline and b.rounds_s), None)
-    if base is None or not m.rounds_s or base.median_s <= 0:
-        return None
-    return m.median_s / base.median_s
+    """The point estimate of :func:`interval` (total time over total time)."""
+    iv = interval(m, results)
+    return None if iv is None else iv.estimate
 
 
 def table(results: Sequence[Measurement]) -> str:
@@ -943,33 +1180,33 @@ def table(results: Sequence[Measurement]) -> str:
         if not m.rounds_s:
             rows.append([_label(m), m.path or "—", "—", "—", "—", "—", "—", base, "—", m.status])
             continue
-        x = ratio(m, results)
+        iv = interval(m, results)
         rows.append(
             [
                 _label(m),
                 m.path,
                 f"{m.nbytes / 1e9:.3f}",
                 str(m.buckets),
-                f"{m.warmup_s:.3f}" if m.warmup_s is not None else "—",
+                f"{m.warmup_s:.4f}" if m.warmup_s is not None else "—",
                 f"{m.median_s:.4f} ({len(m.rounds_s)})",
                 f"{m.gb_per_s:.2f}",
                 base,
-                f"{x:.2f}{TIMES}" if x is not None else "—",
+                iv.format(2) if iv is not None else "—",
                 ("" if m.status == "ok" else m.status)
-                + ("" if x is not None or m.baseline is None else f"baseline {m.baseline} not measured"),
+                + ("" if iv is not None or m.baseline is None else f"baseline {m.baseline} not measured"),
             ]
         )
     return report.md_table(
         [
-            "transport",
+            "row",
             "what is timed",
             "GB",
             "buckets",
             "warm-up s",
-            "median s (rounds)",
+            "median s (blocks)",
             "GB/s",
             "baseline",
-            "vs baseline",
+            "vs baseline [95 % CI]",
             "note",
         ],
         rows,
@@ -977,26 +1214,64 @@ def table(results: Sequence[Measurement]) -> str:
     )
 
 
-def targets(results: Sequence[Measurement]) -> list[tuple[str, bool | None, str]]:
-    """The ≤ 3-times goal per adapter row against its own baseline: (goal, met or None if not judged, detail)."""
+def targets(results: Sequence[Measurement], gpu: bool = False) -> list[tuple[str, bool | None, str]]:
+    """Each goal: (goal, met / missed / None if not decided or not run, detail). Each adapter row
+    against its own baseline (``TARGET_RATIO``), and on GPU ``tensors flat`` ≥ ``TARGET_GB_S``."""
     out: list[tuple[str, bool | None, str]] = []
     for m in _ordered(results):
         if m.baseline is None:
             continue
-        goal = f"adapter {m.transport} ≤ {TARGET_RATIO:.0f}{TIMES} {m.baseline}"
-        x = ratio(m, results)
-        if x is None:
+        bound = TARGET_RATIO[m.transport]
+        goal = f"adapter {m.transport} ≤ {bound:g}{TIMES} {m.baseline}"
+        iv = interval(m, results)
+        if iv is None:
             base = next((b for b in results if b.transport == m.baseline), None)
             why = m.status if not m.rounds_s else f"{m.baseline}: {base.status if base else 'absent'}"
             out.append((goal, None, f"not judged ({why})"))
             continue
-        base_s = next(b.median_s for b in results if b.transport == m.baseline and b.rounds_s)
-        out.append((goal, x <= TARGET_RATIO, f"{x:.2f}{TIMES} ({m.median_s:.3f} s vs {base_s:.3f} s)"))
+        out.append((goal, *_judged(goal, iv, bound)))
+    flat = _measured(FLAT, results)
+    if gpu:
+        goal = f"adapter {FLAT} ≥ {TARGET_GB_S:g} GB/s effective"
+        if flat is None:
+            out.append((goal, None, "not judged (not measured)"))
+        else:  # time per push against the time 100 GB/s allows: ≤ 1 is the goal
+            allowed = flat.nbytes / (TARGET_GB_S * 1e9)
+            iv = paired_ratio(flat.rounds_s, [allowed] * len(flat.rounds_s), seed="gb/s")
+            met, detail = _judged(goal, iv, 1.0)
+            gb = [flat.nbytes / 1e9 / (x * allowed) for x in (iv.high, iv.estimate, iv.low)]
+            out.append((goal, met, f"{gb[1]:.1f} GB/s [{gb[0]:.1f}, {gb[2]:.1f}] (mean over blocks); {detail}"))
     return out
 
 
+def _judged(goal: str, iv: Interval, bound: float) -> tuple[bool | None, str]:
+    v = judge(goal, iv, bound)
+    met = {"met": True, "missed": False}.get(v.state)
+    more = ""
+    if v.state == "not decided":
+        more = f"; about {v.more_blocks} more blocks needed" if v.more_blocks is not None else "; on the bound"
+    return met, iv.format(2) + more
+
+
 def _verdict(met: bool | None) -> str:
-    return "NOT JUDGED" if met is None else "MET" if met else "NOT MET"
+    return "NOT DECIDED" if met is None else "MET" if met else "MISSED"
+
+
+def comparisons(results: Sequence[Measurement]) -> list[str]:
+    """What the rows say beside the targets: the flat path against the per-tensor one (before and
+    after), and each path against the bare receiver's floor."""
+    out = []
+    for a, b, what in (
+        (FLAT, "tensors", "flat buckets vs per-tensor, both through the library"),
+        (FLAT_ONE, FLAT, "the whole model in one flat bucket vs buckets of --bucket-mib"),
+        (FLAT, RAW_FLAT, "library flat vs a bare process rebuilding the same buckets"),
+        (SGLANG_FLAT, RAW_FLAT, "SGLang API flat vs a bare process rebuilding the same buckets"),
+    ):
+        ma, mb = _measured(a, results), _measured(b, results)
+        if ma is not None and mb is not None:
+            n = min(len(ma.rounds_s), len(mb.rounds_s))
+            out.append(f"{a} / {b} ({what}): {paired_ratio(ma.rounds_s[:n], mb.rounds_s[:n], seed=a + b).format(3)}")
+    return out
 
 
 def plot(results: Sequence[Measurement], path: str, title: str) -> bool:
@@ -1010,7 +1285,7 @@ def plot(results: Sequence[Measurement], path: str, title: str) -> bool:
     if not shown:
         return False
     labels = [m.transport for m in shown]
-    colors = ["#777777" if m.baseline is None else "#3b75af" for m in shown]
+    colors = ["#777777" if m.transport in RAW_ROWS else "#3b75af" for m in shown]
     fig, axes = plt.subplots(1, 2, figsize=(12, 4))
     axes[0].bar(labels, [m.median_s for m in shown], color=colors)
     axes[0].set_yscale("log")
@@ -1027,34 +1302,43 @@ def plot(results: Sequence[Measurement], path: str, title: str) -> bool:
 
 
 _BASELINES_MD = (
-    "Each adapter row's ratio is against the baseline named in its row, measured in the same run with "
-    "the same bytes and buckets. *raw broadcast*: the same tensors, buckets and sender, broadcast to a bare "
-    "receiver process on the engine's device that only receives into preallocated tensors. *raw tensors*: the "
-    "same tensors' `serialize_named_tensors` payload per bucket (the bytes the adapter posts), sent over a local "
-    "socket to a bare receiver process with the engine's GPU visibility that rebuilds them as SGLang's worker "
-    "does, copies them into preallocated tensors, synchronises and answers; timed from the send to the answer. "
-    "*raw disk*: that bare process loads the folder's safetensors files onto the engine's device and "
-    "synchronises (page cache warm). The adapter rows include the HTTP control call, the engine's receive and "
-    "`load_weights`."
+    "Each adapter row's ratio is against the baseline named in its row, measured in the same blocks with "
+    "the same bytes and buckets (ratio of total times, 95 % bootstrap interval over blocks). *sglang api flat*: "
+    "SGLang's HTTP API directly, no library: per bucket SGLang's `FlattenedTensorBucket` (a fresh buffer, as "
+    "Miles makes one) serialised by its `MultiprocessingSerializer` and posted with aiohttp. *raw tensors* / "
+    "*raw flat*: the per-tensor / flat payload sent over a local socket to a bare receiver process with the "
+    "engine's GPU visibility that rebuilds the tensors as SGLang's worker does, copies them into preallocated "
+    "tensors, synchronises and answers (timed from the send to the answer). *raw disk*: that bare process loads "
+    "the folder's safetensors files onto the engine's device and synchronises (page cache warm). *raw broadcast*: "
+    "the same tensors, buckets and sender, broadcast to a bare receiver process on the engine's device. The "
+    "adapter rows include the HTTP control call, the engine's receive and `load_weights`; *tensors flat* also "
+    "the copy into its reused buffers, as a colocated trainer pays it."
 )
 
 
 def markdown(
-    m: dict[str, Any], info: dict[str, Any], results: Sequence[Measurement], notes: Sequence[str], png: str | None
+    m: dict[str, Any],
+    info: dict[str, Any],
+    results: Sequence[Measurement],
+    notes: Sequence[str],
+    png: str | None,
+    gpu: bool = False,
 ) -> str:
     lines = ["## Weight sync", ""]
     lines += report.meta_lines(m)
     lines += [
         f"- **Setup:** {info['setup']}",
         f"- **Model:** {info['model']}: {info['gb']:.3f} GB in {info['tensors']} tensors; "
-        f"buckets ≤ {info['bucket_mib']:g} MiB; {info['repeats']} timed rounds after one warm-up round",
+        f"buckets ≤ {info['bucket_mib']:g} MiB; {info['repeats']} timed blocks after one warm-up block, "
+        "each row once per block in a seeded random order",
         f"- **Notes:** {'; '.join(notes)}",
         "",
         table(results),
         "",
     ]
-    for name, met, detail in targets(results):
+    for name, met, detail in targets(results, gpu):
         lines.append(f"- {_verdict(met)}: {name}: {detail}")
+    lines += [f"- {c}" for c in comparisons(results)]
     lines += ["", _BASELINES_MD, ""]
     if png:
         lines += [f"![weight sync]({png})", ""]
@@ -1088,7 +1372,7 @@ def dry_run(args: argparse.Namespace, rows: Sequence[Row], model_path: str) -> d
         "rows": [{**attrs.asdict(x), "status": x.skip or "planned"} for x in rows],
         "setup": setup_line(args.engine == "sglang", p, rows),
     }
-    if runs & {RAW_TENSORS, RAW_DISK}:
+    if runs & {RAW_TENSORS, RAW_FLAT, RAW_DISK}:
         out["bare_receiver"] = {
             "command": receiver_command("--serve", "SPEC"),
             "env": env,
@@ -1118,13 +1402,13 @@ def _parser() -> argparse.ArgumentParser:
         "--gpus", default="0,1", help="engine GPU[,sender GPU]; with one GPU, nccl is not run (it needs a second)"
     )
     p.add_argument("--transports", nargs="+", choices=TRANSPORTS, default=None)
-    p.add_argument("--repeats", type=int, default=3, help="timed rounds per row (after one warm-up round)")
+    p.add_argument("--repeats", type=int, default=20, help="timed blocks (after one warm-up block)")
     p.add_argument("--bucket-mib", type=float, default=None, help="bucket limit (default 512; 1 with --smoke)")
     p.add_argument("--budget-s", type=float, default=150.0, help="the whole run, engine start-up included")
     p.add_argument("--transport-timeout-s", type=float, default=90.0, help="give up on one row after this")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", help="output folder (benchmarks.md, results.json, weightsync.png, weightsync-logs.tar.gz)")
-    p.add_argument("--smoke", action="store_true", help="CPU: reference engine, gloo, tiny model, 2 rounds")
+    p.add_argument("--smoke", action="store_true", help="CPU: reference engine, gloo, tiny model, 2 blocks")
     p.add_argument(
         "--dry-run", action="store_true", help="print the plan (rows, devices, receivers) as JSON; run nothing"
     )
@@ -1201,6 +1485,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     return code
 
 
+def _interval_dict(iv: Interval | None) -> dict[str, Any]:
+    if iv is None:
+        return {"ratio": None, "ratio_low": None, "ratio_high": None}
+    return {"ratio": iv.estimate, "ratio_low": iv.low, "ratio_high": iv.high}
+
+
 def _report(
     args: argparse.Namespace,
     r: _Run,
@@ -1211,7 +1501,7 @@ def _report(
     results: list[Measurement],
     notes: list[str],
 ) -> None:
-    """The table and verdicts on stdout, and with ``--out`` the report files and the logs."""
+    """The table, verdicts and comparisons on stdout, and with ``--out`` the report files and the logs."""
     gpu = args.engine == "sglang"
     total = nbytes(r.named_cpu)
     setup = setup_line(gpu, r.place, rows)
@@ -1226,8 +1516,10 @@ def _report(
     print(f"\nWeight sync, {m['date']}, {m['machine']}, GPU: {m['gpu']}")
     print(f"{info['model']}: {total / 1e9:.3f} GB in {len(r.named_cpu)} tensors; {setup}\n")
     print(table(results))
-    for name, met, detail in targets(results):
+    for name, met, detail in targets(results, gpu):
         print(f"- {_verdict(met)}: {name}: {detail}")
+    for line in comparisons(results):
+        print(f"- {line}")
     print("; ".join(notes))
     print(f"\n({m['duration_s']} s)")
     if args.out:
@@ -1236,14 +1528,15 @@ def _report(
             "meta": m,
             "info": info,
             "notes": notes,
-            "results": [{**x.as_dict(), "ratio": ratio(x, results)} for x in results],
-            "targets": [{"goal": g, "met": met, "detail": d} for g, met, d in targets(results)],
+            "results": [{**x.as_dict(), **_interval_dict(interval(x, results))} for x in results],
+            "targets": [{"goal": g, "met": met, "detail": d} for g, met, d in targets(results, gpu)],
+            "comparisons": comparisons(results),
         }
         report.write_outputs(
             args.out,
             KEY,
             plot=lambda path: plot(results, path, title),
-            markdown=lambda png: markdown(m, info, results, notes, png),
+            markdown=lambda png: markdown(m, info, results, notes, png, gpu),
             data=data,
             log_dirs=[r.run_dir / "logs"],
         )

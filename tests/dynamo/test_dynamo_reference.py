@@ -326,6 +326,31 @@ async def test_gloo_update_inside_transaction(
     assert after.weight_version == "gloo-1" and after.output_ids != before.output_ids
 
 
+async def test_flat_bucket_update_inside_transaction(
+    fleet: tuple[RunningDynamoFleet, HttpFleetBackend], tiny_model: Path, tiny_model_b: Path
+) -> None:
+    """One flattened_bucket payload per bucket through control/update_weights_from_tensor."""
+    from safetensors.torch import load_file
+
+    from rollout_backends import TensorBuckets
+
+    _, b = fleet
+    assert b.capabilities.flattened_buckets
+    req = GenerateRequest(input_ids=PROMPTS[1], sampling=SAMPLINGS[0])
+    packer = TensorBuckets(max_bytes=300_000)
+    for model, version in ((tiny_model_b, "flat-1"), (tiny_model, "default")):
+        fresh = ReferenceBackend.create(model, workers=1)
+        try:
+            want = await fresh.generate(req)
+        finally:
+            await fresh.aclose()
+        async with b.weight_update(version) as tx:
+            await tx.update_from_tensors(load_file(str(model / "model.safetensors")).items(), buckets=packer)
+        for w in b.workers:
+            g = await b.generate(GenerateRequest(input_ids=PROMPTS[1], sampling=SAMPLINGS[0], worker=w))
+            assert (g.output_ids, g.logprobs, g.weight_version) == (want.output_ids, want.logprobs, version)
+
+
 async def _started(b: HttpFleetBackend, task: asyncio.Future[object], seconds: float = 0.4) -> None:
     await asyncio.sleep(seconds)
     assert not task.done()

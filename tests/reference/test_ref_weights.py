@@ -104,7 +104,7 @@ async def test_bad_disk_update_changes_nothing(engine: ReferenceEngine, model_di
     with pytest.raises(EngineError, match="load_format"):
         await engine.update_weights_from_disk(str(model_dir_b), load_format="gguf")
     with pytest.raises(EngineError, match="load_format"):
-        await engine.update_weights_from_tensors([], load_format="flattened_bucket")
+        await engine.update_weights_from_tensors([], load_format="my.custom.loader")
     assert engine.weight_checksum() == checksum
     assert engine.weight_version == "default"
 

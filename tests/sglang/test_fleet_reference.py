@@ -438,6 +438,27 @@ async def test_weight_updates_from_disk_and_gloo(fleet: SGLangFleet, model_a: Pa
     await b.set_weight_version(START_VERSION)
 
 
+async def test_flat_bucket_tensor_updates(fleet: SGLangFleet, model_a: Path, model_b: Path) -> None:
+    """TensorBuckets through the transaction: one flattened_bucket payload per bucket to each worker
+    (shared memory on CPU), the buffers reused for the push back."""
+    from safetensors.torch import load_file
+
+    from rollout_backends import TensorBuckets
+
+    b = fleet.backend
+    assert b.capabilities.flattened_buckets
+    packer = TensorBuckets(max_bytes=300_000)  # a few buckets of the tiny model
+    async with b.weight_update("flat-b") as tx:
+        await tx.update_from_tensors(load_file(str(model_b / "model.safetensors")).items(), buckets=packer)
+    await _check_fleet_equals(fleet, model_b, "flat-b")
+    held = packer.allocated_bytes
+    async with b.weight_update("flat-a") as tx:
+        await tx.update_from_tensors(load_file(str(model_a / "model.safetensors")).items(), buckets=packer)
+    assert packer.allocated_bytes == held  # same layout: the same buffers
+    await _check_fleet_equals(fleet, model_a, "flat-a")
+    await b.set_weight_version(START_VERSION)
+
+
 # -- invalid input ------------------------------------------------------------------------------
 
 

@@ -22,8 +22,14 @@
 #           agentic; py-spy on the Dynamo fleet's hottest processes             BUDGET 520 s
 #   layers  where the Dynamo path's time goes (stock worker, worker text, stream
 #           interval, KV events, adapter vs raw), gsm8k at <= 256 new tokens    BUDGET 480 s
+#   weightsync  tensors (flat buckets, per tensor, SGLang API, bare floors),
+#           disk, nccl with two GPUs; needs part1 only                          BUDGET 240 s
+#   grpo    issue 28: examples/grpo/grpo.py colocated, interleaved over sglang
+#           direct / smg / dynamo rr / dynamo kv, one worker each on GPU 0;
+#           needs part1, part2, part3 (send part1+part3 with weightsync first,
+#           then part2 with this)                                               BUDGET 300 s
 set -uo pipefail
-stage=${1:?usage: session.sh client|main|layers|weightsync|tier|capture|miles-chat}
+stage=${1:?usage: session.sh client|main|layers|weightsync|grpo|tier|capture|miles-chat}
 : "${OUT:?set OUT}"
 root=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$root"
@@ -74,7 +80,12 @@ case "$stage" in
   weightsync)
     need sglang; need rb_bench.weightsync; model
     python3 -m rb_bench.weightsync --engine sglang --model-size qwen2.5-0.5b --model-path "$MODEL" \
-      --gpus "$ws_gpus" --budget-s "${BUDGET:-270}" --out "$OUT/weightsync" 2>&1 | tee "$OUT/weightsync.log" | tail -40
+      --gpus "$ws_gpus" --budget-s "${BUDGET:-240}" --out "$OUT/weightsync" "${@:2}" 2>&1 | tee "$OUT/weightsync.log" | tail -40
+    ;;
+  grpo)
+    need sglang; need dynamo.frontend; need smg; need transformers; model
+    python3 -m rb_bench.grpo --engine sglang --model-path "$MODEL" --gpu 0 --budget-s "${BUDGET:-300}" \
+      --out "$OUT/grpo" "${@:2}" 2>&1 | tee "$OUT/grpo.log" | tail -40
     ;;
   capture)  # raw SGLang /generate and Dynamo /v1/completions answers (the codec's fixtures), ~270 s
     need sglang; need dynamo.frontend

@@ -1,0 +1,595 @@
+"""The GRPO loop of ``examples/grpo/grpo.py`` (colocated) on SGLang direct, smg, Dynamo round-robin
+and Dynamo KV: per-step wall-clock split into rollout / train / sync, interleaved, with 95 %
+intervals; each backend's reward curve; GPU memory.
+
+* **Rows.** A row is a fleet of its own (one worker each, all on one GPU) and the loop over it:
+  ``sglang direct`` (an SGLang server, no router), ``smg`` (an SGLang server behind ``smg
+  --policy round_robin``), ``dynamo rr`` / ``dynamo kv`` (``dynamo.sglang`` through our shim behind
+  a ``dynamo.frontend`` with that router mode). Each row's loop has its own policy (the same
+  starting weights, seeds and prompts), so every row trains the same model on the same data.
+* **Same engine settings.** The recipe (triton attention, pytorch sampling, no CUDA graphs, page
+  16), ``--max-total-tokens`` (the pools share the GPU), ``--sleep-on-idle``, ``--stream-interval
+  50`` and, with ``--deterministic`` (default on GPU), ``--enable-deterministic-inference`` (SGLang
+  honours per-request sampling seeds only then: without it the rows sample differently from step 0).
+* **Blocks.** A block is one GRPO step of every row, in a seeded random order; block 0 is a
+  warm-up (kernel compiling) and leaves the timing, not the reward curve. A row's ratio to
+  ``sglang direct`` is its total over the blocks both finished, with a 95 % bootstrap interval
+  over blocks (``stats.paired_ratio``), per part (rollout, train, sync) and for the whole step.
+  The sync share is a row's sync time over its step time (same interval). With ``--per-tensor``
+  (default on) each row also pushes the same weights again per tensor after its step (the path
+  before flat buckets; untimed in the step): the sync share *before*.
+* **Targets** (issue 28): each Dynamo row's step ≤ 1.00 times ``sglang direct``'s with the interval's
+  upper end ≤ 1.03; each row's sync ≤ 5 % of its step. Judged only when the interval says so.
+
+CPU smoke (``--engine reference --smoke``): reference workers behind the same launchers, the tiny
+model, two rows; the same code (``tests/test_bench_grpo.py``). GPU: ``tools/gpu/session.sh grpo``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import hashlib
+import importlib.util
+import random
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import attrs
+
+from . import REPO_ROOT, report
+from .fanout import MEM_FRACTION, RECIPE_FLAGS, _ready_printer, gpu_memory
+from .stats import Interval, judge, paired_ratio
+
+__all__ = [
+    "BASELINE",
+    "ROWS",
+    "LaneResult",
+    "RunResult",
+    "first_difference",
+    "load_example",
+    "main",
+    "part_ratio",
+    "sync_share",
+    "tables",
+    "verdicts",
+]
+
+KEY = "grpo"
+ROWS = ("sglang direct", "smg", "dynamo rr", "dynamo kv")
+BASELINE = "sglang direct"
+PARTS = ("rollout", "train", "sync", "step")
+PACKAGES = ("torch", "sglang", "ai-dynamo", "ai-dynamo-runtime", "smg", "transformers")
+#: Issue 28: a Dynamo row's step against SGLang direct's (estimate, and the interval's upper end).
+STEP_BOUND, STEP_UPPER = 1.00, 1.03
+#: Issue 28: sync at most this share of a colocated step.
+SYNC_SHARE = 0.05
+TIMES = "\N{MULTIPLICATION SIGN}"
+_TEARDOWN_S = 40.0
+
+
+def load_example() -> ModuleType:
+    """``examples/grpo/grpo.py``, loaded from the checkout (an example is a script, not a package)."""
+    name = "rb_examples_grpo"
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, REPO_ROOT / "examples" / "grpo" / "grpo.py")
+    if spec is None or spec.loader is None:
+        raise ImportError("examples/grpo/grpo.py not found in this checkout")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod  # its dataclasses look their module up
+    spec.loader.exec_module(mod)
+    return mod
+
+
+# -- fleets: one per row -----------------------------------------------------------------------------
+
+
+@attrs.frozen
+class Settings:
+    engine: str  #: sglang | reference
+    model_path: str
+    gpu: str
+    kv_tokens: int
+    deterministic: bool
+    startup_timeout_s: float
+    log_root: Path
+
+    @property
+    def on_gpu(self) -> bool:
+        return self.engine == "sglang"
+
+    def pool_flags(self) -> list[str]:
+        """What every GPU worker gets besides the launchers' recipe: a capped KV pool (all share
+        the GPU) and a scheduler that sleeps while another row runs."""
+        return ["--max-total-tokens", str(self.kv_tokens), "--sleep-on-idle"]
+
+
+class Side:
+    """One row's fleet (one worker behind the row's entry) and the backend the loop drives."""
+
+    def __init__(self, row: str, s: Settings) -> None:
+        self.row, self.s = row, s
+        self.backend: Any = None
+        self._fleet: Any = None  # SGLang: the running fleet; Dynamo: the launcher's context
+        self._running: Any = None
+
+    async def start(self, progress: report.Progress) -> None:
+        if self.row.startswith("dynamo"):
+            await self._start_dynamo(progress)
+        else:
+            await self._start_sglang(progress)
+
+    async def _start_sglang(self, progress: report.Progress) -> None:
+        from rollout_backends.adapters.sglang import SGLangFleetConfig, start_sglang_fleet
+
+        s = self.s
+        cfg = SGLangFleetConfig(
+            model_path=s.model_path,
+            workers=1,
+            worker_kind="sglang" if s.on_gpu else "reference",
+            router="smg" if self.row == "smg" else "none",
+            router_policy="round_robin",
+            cuda_visible_devices=(s.gpu,) if s.on_gpu else None,
+            mem_fraction_static=MEM_FRACTION if s.on_gpu else None,
+            kv_events=s.on_gpu,  # every GPU fleet alike (the KV router needs them)
+            deterministic_inference=s.deterministic and s.on_gpu,
+            extra_server_args=[*s.pool_flags(), "--stream-interval", "50"] if s.on_gpu else (),
+            log_dir=str(s.log_root / self.row.replace(" ", "-")),
+            startup_timeout_s=s.startup_timeout_s,
+        )
+        self._fleet = await start_sglang_fleet(cfg, progress=_ready_printer(progress, self.row))
+        self.backend = self._fleet.backend
+
+    async def _start_dynamo(self, progress: report.Progress) -> None:
+        from rollout_backends.adapters.dynamo import DynamoFleetConfig, launch_dynamo_fleet
+
+        s = self.s
+        cfg = DynamoFleetConfig(
+            model_path=s.model_path,
+            workers=1,
+            worker_kind="sglang" if s.on_gpu else "reference",
+            router_mode="kv" if self.row == "dynamo kv" else "round-robin",
+            page_size=16,
+            kv_events=s.on_gpu,  # our reference worker publishes none (approximate KV routing)
+            gpus=(s.gpu,) if s.on_gpu else (),
+            stream_interval=50 if s.on_gpu else None,
+            sglang_args=[
+                *RECIPE_FLAGS,
+                *("--mem-fraction-static", str(MEM_FRACTION), *s.pool_flags()),
+                *(["--enable-deterministic-inference"] if s.deterministic else []),
+            ]
+            if s.on_gpu
+            else [],
+            ready_timeout=s.startup_timeout_s,
+        )
+        self._fleet = launch_dynamo_fleet(
+            cfg, log_dir=s.log_root / self.row.replace(" ", "-"), progress=_ready_printer(progress, self.row)
+        )
+        self._running = await self._fleet.__aenter__()
+        self.backend = await self._running.connect()
+
+    async def aclose(self) -> None:
+        fleet, self._fleet = self._fleet, None
+        if fleet is None:
+            return
+        with contextlib.suppress(Exception):
+            if self._running is not None:
+                await fleet.__aexit__(None, None, None)
+            else:
+                await fleet.aclose()
+
+
+# -- the run: lanes stepping in blocks ---------------------------------------------------------------
+
+
+@attrs.define
+class Lane:
+    """One row: its fleet, its loop and what each of its steps measured."""
+
+    row: str
+    side: Side
+    loop: Any = None  # the example's GRPO
+    steps: list[dict[str, Any]] = attrs.field(factory=list)
+    error: str | None = None
+
+
+def _digest(ids: Sequence[int]) -> str:
+    return hashlib.blake2b(repr(tuple(ids)).encode(), digest_size=6).hexdigest()
+
+
+async def per_tensor_push(loop: Any) -> float:
+    """The same weights again, the way a loop pushed before flat buckets: the parameters cast to the
+    engines' dtype and sent per tensor (one handle each), inside the transaction. Seconds."""
+    t0 = time.perf_counter()
+    dtype = loop.policy.engine_dtype
+    named = [(n, t.detach().to(dtype)) for n, t in loop.policy.named_weights()]
+    async with loop.backend.weight_update(loop.version) as tx:
+        await tx.update_from_tensors(named)
+    return time.perf_counter() - t0
+
+
+async def step_lane(lane: Lane, per_tensor: bool) -> None:
+    record = await lane.loop.step()
+    row: dict[str, Any] = {
+        "step": record.step,
+        "version": record.version,
+        "rollout_s": record.rollout_s,
+        "train_s": record.train_s,
+        "sync_s": record.sync_s,
+        "memory_s": record.memory_s,
+        "step_s": record.step_s,
+        "mean_reward": record.mean_reward,
+        "loss": record.loss,
+        "logprob_gap": record.logprob_gap,
+        "digests": [_digest(s.output) for s in lane.loop.samples],
+    }
+    if per_tensor:
+        row["per_tensor_sync_s"] = await per_tensor_push(lane.loop)
+    lane.steps.append(row)
+
+
+async def run_blocks(
+    lanes: Sequence[Lane], blocks: int, deadline: float, per_tensor: bool, seed: int, progress: report.Progress
+) -> int:
+    """Block after block, each lane once in a seeded random order, while the budget lasts; a lane
+    that fails leaves (its error is kept). Returns the blocks every remaining lane finished."""
+    rng = random.Random(seed)
+    done, last_block_s = 0, 0.0
+    for b in range(blocks):
+        alive = [x for x in lanes if x.error is None]
+        if not alive or time.monotonic() + last_block_s * 1.2 + _TEARDOWN_S > deadline:
+            progress(f"block {b}: stopping ({'no lane left' if not alive else 'time budget'})")
+            break
+        t0 = time.monotonic()
+        rng.shuffle(alive)
+        for lane in alive:
+            try:
+                await asyncio.wait_for(step_lane(lane, per_tensor), max(5.0, deadline - time.monotonic()))
+            except Exception as exc:
+                lane.error = f"block {b}: {report.summarise_error(exc)}"
+                progress(f"{lane.row}: {lane.error}")
+        last_block_s = time.monotonic() - t0
+        done = b + 1
+        summary = ", ".join(
+            f"{x.row} {x.steps[-1]['step_s']:.2f}s r={x.steps[-1]['mean_reward']:.3f}" for x in alive if x.steps
+        )
+        progress(f"block {b} ({last_block_s:.1f} s): {summary}")
+    return done
+
+
+# -- results ----------------------------------------------------------------------------------------
+
+
+@attrs.frozen
+class LaneResult:
+    row: str
+    steps: tuple[dict[str, Any], ...]
+    error: str | None = None
+
+    def series(self, part: str, *, timed: bool = True) -> list[float]:
+        """``part`` (rollout, train, sync, step, per_tensor_sync) per step; ``timed`` drops block 0."""
+        key = f"{part}_s"
+        values = [float(s[key]) for s in self.steps if key in s]
+        return values[1:] if timed else values
+
+
+@attrs.frozen
+class RunResult:
+    lanes: tuple[LaneResult, ...]
+    info: dict[str, Any] = attrs.field(factory=dict)
+
+    def lane(self, row: str) -> LaneResult | None:
+        return next((x for x in self.lanes if x.row == row), None)
+
+
+def _paired(a: Sequence[float], b: Sequence[float], seed: str) -> Interval | None:
+    n = min(len(a), len(b))
+    return paired_ratio(a[:n], b[:n], seed=seed) if n else None
+
+
+def part_ratio(result: RunResult, row: str, part: str) -> Interval | None:
+    """``row``'s ``part`` over the baseline's, paired by block (timed blocks only)."""
+    a, b = result.lane(row), result.lane(BASELINE)
+    if a is None or b is None:
+        return None
+    return _paired(a.series(part), b.series(part), f"{row}/{part}")
+
+
+def sync_share(result: RunResult, row: str, *, before: bool = False) -> Interval | None:
+    """Sync over step time; ``before``: the per-tensor push in place of the flat one."""
+    lane = result.lane(row)
+    if lane is None:
+        return None
+    step, sync = lane.series("step"), lane.series("sync")
+    if not before:
+        return _paired(sync, step, f"{row}/share")
+    old = lane.series("per_tensor_sync")
+    steps = [s - x + y for s, x, y in zip(step, sync, old, strict=False)]
+    return _paired(old, steps, f"{row}/share-before")
+
+
+def first_difference(result: RunResult, row: str) -> str:
+    """Where ``row``'s samples first differ from the baseline's (same seeds: same tokens expected)."""
+    a, b = result.lane(row), result.lane(BASELINE)
+    if a is None or b is None or not a.steps or not b.steps:
+        return "—"
+    n = min(len(a.steps), len(b.steps))
+    for k in range(n):
+        da, db = a.steps[k]["digests"], b.steps[k]["digests"]
+        if da != db:
+            i = next(i for i, (x, y) in enumerate(zip(da, db, strict=False)) if x != y)
+            return f"step {k}, sample {i} (of {len(da)})"
+    return f"identical through step {n - 1}"
+
+
+def verdicts(result: RunResult) -> list[tuple[str, str]]:
+    """(goal, verdict line) for each target that could be judged or not."""
+    out: list[tuple[str, str]] = []
+    for row in ("dynamo rr", "dynamo kv"):
+        iv = part_ratio(result, row, "step")
+        goal = f"{row} step ≤ {STEP_BOUND:.2f}{TIMES} {BASELINE} (upper end ≤ {STEP_UPPER:.2f})"
+        if iv is None:
+            out.append((goal, "NOT RUN"))
+            continue
+        upper = judge(goal, iv, STEP_UPPER)
+        if iv.blocks >= 2 and iv.estimate <= STEP_BOUND and upper.state == "met":
+            out.append((goal, f"MET: {iv.format()}"))
+        elif iv.blocks >= 2 and iv.low > STEP_BOUND:
+            out.append((goal, f"MISSED: {iv.format()}"))
+        else:
+            out.append((goal, f"NOT DECIDED: {iv.format()}"))
+    for lane in result.lanes:
+        iv = sync_share(result, lane.row)
+        goal = f"{lane.row}: sync ≤ {SYNC_SHARE:.0%} of the step"
+        if iv is None:
+            out.append((goal, "NOT RUN"))
+            continue
+        v = judge(goal, iv, SYNC_SHARE)
+        out.append((goal, f"{v.state.upper()}: {_pct(iv)}"))
+    return out
+
+
+def _pct(iv: Interval | None) -> str:
+    if iv is None:
+        return "—"
+    return f"{iv.estimate:.1%} [{iv.low:.1%}, {iv.high:.1%}]" if iv.blocks >= 2 else f"{iv.estimate:.1%}"
+
+
+def _mean(xs: Sequence[float]) -> float:
+    return sum(xs) / len(xs) if xs else float("nan")
+
+
+def tables(result: RunResult) -> str:
+    """Seconds per step by part, ratios to the baseline, sync shares before/after, rewards."""
+    rows = []
+    for lane in result.lanes:
+        cells = [lane.row, str(len(lane.series("step")))]
+        for part in PARTS:
+            cells.append(f"{_mean(lane.series(part)):.3f}")
+        iv = part_ratio(result, lane.row, "step") if lane.row != BASELINE else None
+        cells += [
+            "baseline" if lane.row == BASELINE else (iv.format() if iv else "—"),
+            _pct(sync_share(result, lane.row)),
+            _pct(sync_share(result, lane.row, before=True)),
+            f"{_mean(lane.series('per_tensor_sync')):.3f}" if lane.series("per_tensor_sync") else "—",
+            " ".join(f"{s['mean_reward']:.3f}" for s in lane.steps),
+            first_difference(result, lane.row) if lane.row != BASELINE else "—",
+            lane.error or "",
+        ]
+        rows.append(cells)
+    head = ["row", "timed steps", "rollout s", "train s", "sync s", "step s", f"step vs {BASELINE} [95 % CI]",
+            "sync share (flat)", "sync share before (per tensor)", "per-tensor sync s", "reward per step",
+            f"first sample unlike {BASELINE}", "error"]  # fmt: skip
+    part_rows = []
+    for lane in result.lanes:
+        if lane.row == BASELINE:
+            continue
+        part_rows.append([lane.row, *[_fmt(part_ratio(result, lane.row, p)) for p in PARTS]])
+    parts = report.md_table(["row", *(f"{p} vs {BASELINE}" for p in PARTS)], part_rows)
+    return report.md_table(head, rows, "l" + "r" * 9 + "lll") + "\n\n" + parts
+
+
+def _fmt(iv: Interval | None) -> str:
+    return iv.format() if iv is not None else "—"
+
+
+def plot(result: RunResult, path: str, title: str) -> bool:
+    """Reward per step of each row, and mean seconds per step split into parts."""
+    import matplotlib  # type: ignore[import-not-found,unused-ignore]
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # type: ignore[import-not-found,unused-ignore]
+
+    shown = [x for x in result.lanes if x.steps]
+    if not shown:
+        return False
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4))
+    for lane in shown:
+        axes[0].plot([s["mean_reward"] for s in lane.steps], marker="o", label=lane.row)
+    axes[0].set_title("mean reward per step (same seeds on every row)", fontsize=9)
+    axes[0].set_xlabel("step")
+    axes[0].legend(fontsize=8)
+    bottom = [0.0] * len(shown)
+    for part, color in (("rollout", "#3b75af"), ("train", "#ef8636"), ("sync", "#c53a32")):
+        means = [_mean(x.series(part)) for x in shown]
+        axes[1].bar([x.row for x in shown], means, bottom=bottom, color=color, label=part)
+        bottom = [a + b for a, b in zip(bottom, means, strict=True)]
+    axes[1].set_title("seconds per step (timed blocks, mean)", fontsize=9)
+    axes[1].legend(fontsize=8)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True
+
+
+def markdown(m: dict[str, Any], result: RunResult, png: str | None) -> str:
+    info = result.info
+    lines = ["## GRPO loop", "", *report.meta_lines(m)]
+    lines += [
+        f"- **Loop:** `examples/grpo/grpo.py`, colocated; {info.get('workload', '')}",
+        f"- **Fleets:** {info.get('fleets', '')}",
+        f"- **GPU memory:** {info.get('memory', '—')}",
+        f"- **Notes:** {'; '.join(info.get('notes', [])) or '—'}",
+        "",
+        tables(result),
+        "",
+    ]
+    lines += [f"- {v}: {goal}" if ":" not in v else f"- {v.split(':')[0]}: {goal}: {v.split(': ', 1)[1]}"
+              for goal, v in verdicts(result)]  # fmt: skip
+    if png:
+        lines += ["", f"![grpo]({png})"]
+    return "\n".join(lines) + "\n"
+
+
+# -- main --------------------------------------------------------------------------------------------
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m rb_bench.grpo", description=__doc__.split("\n\n")[0])
+    p.add_argument("--engine", choices=("sglang", "reference"), default="reference")
+    p.add_argument("--rows", nargs="+", choices=ROWS, default=None, help=f"default: all ({', '.join(ROWS)})")
+    p.add_argument("--model-size", default=None, help="qwen2.5-0.5b (GPU default) or tiny (CPU default)")
+    p.add_argument("--model-path", help="an existing model folder (default: make one)")
+    p.add_argument("--gpu", default="0", help="the GPU every worker and trainer shares")
+    p.add_argument("--blocks", type=int, default=10, help="blocks (GRPO steps per row), the first a warm-up")
+    p.add_argument("--prompts", type=int, default=8)
+    p.add_argument("--group", type=int, default=8)
+    p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--lr", type=float, default=None, help="default: 1e-4 on GPU, the example's on CPU")
+    p.add_argument("--bucket-mib", type=float, default=512.0)
+    p.add_argument("--kv-tokens", type=int, default=16384)
+    p.add_argument("--deterministic", action=argparse.BooleanOptionalAction, default=None,
+                   help="--enable-deterministic-inference on every worker (default: on with GPUs)")  # fmt: skip
+    p.add_argument("--per-tensor", action=argparse.BooleanOptionalAction, default=True,
+                   help="also time a per-tensor push after each step (the sync share before flat buckets)")  # fmt: skip
+    p.add_argument("--budget-s", type=float, default=330.0, help="the whole run, start-up and teardown included")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", help="output folder (benchmarks.md, results.json, grpo.png, grpo-logs.tar.gz)")
+    p.add_argument("--smoke", action="store_true", help="CPU: reference workers, tiny model, 2 rows, 3 small blocks")
+    return p
+
+
+def _configure(p: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:
+    args = p.parse_args(argv)
+    gpu = args.engine == "sglang"
+    if args.smoke:
+        if gpu:
+            p.error("--smoke is for --engine reference")
+        args.rows = args.rows or ["sglang direct", "dynamo rr"]
+        args.blocks, args.prompts, args.group = min(args.blocks, 3), 2, 4
+        args.prompt_len, args.max_new_tokens, args.budget_s = 8, 8, min(args.budget_s, 150.0)
+    args.rows = list(args.rows or ROWS)
+    if BASELINE not in args.rows:
+        args.rows.insert(0, BASELINE)
+    if args.deterministic is None:
+        args.deterministic = gpu
+    args.model_size = args.model_size or ("qwen2.5-0.5b" if gpu else "tiny")
+    return args
+
+
+async def _run(args: argparse.Namespace, s: Settings, progress: report.Progress, started: float) -> RunResult:
+    grpo = load_example()
+    deadline = started + args.budget_s
+    lanes = [Lane(row, Side(row, s)) for row in args.rows]
+    notes: list[str] = []
+    try:
+        t0 = time.monotonic()
+        got = await asyncio.gather(
+            *(asyncio.wait_for(x.side.start(progress), max(1.0, deadline - time.monotonic() - _TEARDOWN_S))
+              for x in lanes),
+            return_exceptions=True,
+        )  # fmt: skip
+        for lane, r in zip(lanes, got, strict=True):
+            if isinstance(r, BaseException):
+                lane.error = f"start: {report.summarise_error(r)}"
+        notes.append(f"fleets started in {time.monotonic() - t0:.1f} s (all at once)")
+        device = f"cuda:{s.gpu}" if s.on_gpu else "cpu"  # this process sees every GPU; the workers one
+        cfg_lr = args.lr if args.lr is not None else (1e-4 if s.on_gpu else grpo.Config.lr)
+        for lane in (x for x in lanes if x.error is None):
+            cfg = grpo.Config(
+                backend="(launched)", model=s.model_path, steps=args.blocks, prompts=args.prompts,
+                group=args.group, prompt_len=args.prompt_len, max_new_tokens=args.max_new_tokens,
+                lr=cfg_lr, seed=args.seed, device=device, bucket_mib=args.bucket_mib,
+            )  # fmt: skip
+            try:
+                lane.loop = grpo.GRPO(lane.side.backend, cfg)
+                await lane.loop.setup()
+            except Exception as exc:
+                lane.error = f"setup: {report.summarise_error(exc)}"
+        blocks = await run_blocks(lanes, args.blocks, deadline, args.per_tensor, args.seed, progress)
+        notes.append(f"{blocks} block(s) run")
+        info = {
+            "workload": f"{args.prompts} prompts {TIMES} {args.group} samples {TIMES} {args.max_new_tokens} new tokens "
+            f"(prompts {args.prompt_len} tokens, ignore_eos), temperature 1, AdamW lr {cfg_lr:g}, flat buckets "
+            f"≤ {args.bucket_mib:g} MiB; reward = share of sampled ids that are multiples of 8",
+            "fleets": "one worker each; " + ("all on GPU " + s.gpu if s.on_gpu else "reference workers on CPU")
+            + (", deterministic inference" if args.deterministic else ""),
+            "memory": _memory(s.on_gpu),
+            "notes": notes,
+        }  # fmt: skip
+        return RunResult(tuple(LaneResult(x.row, tuple(x.steps), x.error) for x in lanes), info)
+    finally:
+        for lane in lanes:
+            with contextlib.suppress(Exception):
+                if lane.loop is not None:
+                    await lane.loop.close()
+        await asyncio.gather(*(x.side.aclose() for x in lanes), return_exceptions=True)
+
+
+def _memory(gpu: bool) -> str:
+    if not gpu:
+        return "—"
+    import torch
+
+    peak = torch.cuda.max_memory_allocated() / 2**30
+    return "; ".join([f"trainers (this process: every row's policy and AdamW) peak {peak:.1f} GiB", *gpu_memory()])
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _configure(_parser(), argv)
+    gpu = args.engine == "sglang"
+    if gpu:
+        report.safe_multicast_env()
+    progress = report.Progress("grpo: ")
+    started_wall, started = time.time(), time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="rb-grpo-") as tmp:
+        run_dir = Path(tmp)
+        (run_dir / "logs").mkdir()
+        model_path = args.model_path
+        if model_path is None:
+            from rollout_backends.adapters.reference import make_tiny_model
+
+            progress(f"making the {args.model_size} model")
+            model_path = str(make_tiny_model(run_dir / "model", seed=args.seed, size=args.model_size))
+        s = Settings(args.engine, model_path, args.gpu, args.kv_tokens, args.deterministic,
+                     max(10.0, args.budget_s - _TEARDOWN_S - 30.0), run_dir / "logs")  # fmt: skip
+        result = asyncio.run(_run(args, s, progress, started))
+        m = report.meta("python -m rb_bench.grpo", argv, PACKAGES, started_wall)
+        m["duration_s"] = round(time.monotonic() - started, 1)
+        print(f"\nGRPO loop, {m['date']}, GPU: {m['gpu']}\n")
+        print(tables(result))
+        for goal, v in verdicts(result):
+            print(f"- {goal}: {v}")
+        if args.out:
+            data = {"meta": m, "info": result.info, "lanes": [attrs.asdict(x) for x in result.lanes],
+                    "verdicts": [{"goal": g, "verdict": v} for g, v in verdicts(result)]}  # fmt: skip
+            title = f"{m['gpu'] if gpu else m['machine']}; {m['date']}"
+            report.write_outputs(
+                args.out, KEY, plot=lambda path: plot(result, path, title),
+                markdown=lambda png: markdown(m, result, png), data=data, log_dirs=[run_dir / "logs"],
+            )  # fmt: skip
+    ran = [x for x in result.lanes if x.error is None and len(x.steps) >= 2]
+    return 0 if len(ran) == len(result.lanes) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
