@@ -23,6 +23,9 @@ from rb_bench.miles_chat import TARGETS, compare, compare_turn
 from rb_bench.miles_session import ABORT_TURN_TOKENS
 from rb_bench.tool_call_model import make_tool_call_model
 
+#: rb_bench.miles_chat's results of 2026-12-05 on one H100: stock SGLang 0.5.16's answers.
+STOCK_H100 = Path(__file__).parents[2] / "docs" / "data" / "miles-chat-2026-12-05-stock-h100.json"
+
 
 def _answer(call_id: str = "call_0123456789abcdef01234567") -> dict[str, Any]:
     return {
@@ -313,3 +316,29 @@ def test_the_command_line_refuses_a_baseline_with_stock_among_the_targets(capsys
     with pytest.raises(SystemExit) as exc:
         miles_chat.main(["--out", "x", "--targets", "stock,facade-dynamo", "--baseline", "x.json"])
     assert exc.value.code == 2 and "--baseline stands for stock" in capsys.readouterr().err
+
+
+async def test_a_facade_target_sends_what_stock_was_sent_on_the_gpu(
+    tool_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Stock SGLang's answers of the H100 run (docs/data), replayed to a facade target's session:
+    the prompts it sends are as long as stock counted them (``meta_info.prompt_tokens``), so a
+    rerun's facade answers compare with that baseline (they were 8 tokens longer)."""
+    baseline = json.loads(STOCK_H100.read_text(encoding="utf-8"))["targets"]["stock"]["turns"]
+    answers = iter(baseline.values())
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/chat/completions":
+            return httpx.Response(200, json=next(answers))
+        return httpx.Response(404 if request.url.path == "/workers" else 200, json={})
+
+    @contextlib.asynccontextmanager
+    async def router(*_: Any) -> AsyncIterator[str]:
+        yield "http://router"
+
+    monkeypatch.setattr(miles_chat, "_open", router)
+    cfg = miles_chat.Config(out=tmp_path, engine="reference")
+    result = await miles_chat.run_target("facade-dynamo", cfg, tool_model, 60, transport=httpx.MockTransport(handle))
+    assert result["ok"], result
+    sent = {name: len(ids) for name, ids in result["prompts"].items()}
+    assert sent == {name: a["choices"][0]["meta_info"]["prompt_tokens"] for name, a in baseline.items()}
