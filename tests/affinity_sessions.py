@@ -53,7 +53,9 @@ async def run_sessions(
                     answer = await r.json()
                     assert r.status == 200, answer
                 meta = answer["choices"][0]["meta_info"]
-                cached = answer["usage"]["prompt_tokens_details"]["cached_tokens"]
+                # SGLang's usage (--enable-cache-report): prompt_tokens_details is null when nothing was cached.
+                details = answer["usage"]["prompt_tokens_details"]
+                cached = details["cached_tokens"] if details is not None else 0
                 result[sid].append((meta["weight_version"], len(prompts[sid]), cached))
                 generated = [e[1] for e in meta["output_token_logprobs"]]
                 appended = range(base + 300 + 40 * t + new * s, base + 300 + 40 * t + new * (s + 1))

@@ -982,7 +982,9 @@ def sglang_flat_payload(named: Sequence[tuple[str, Any]]) -> tuple[str, Any]:
         from sglang.srt.weight_sync.tensor_bucket import (  # type: ignore[import-not-found,unused-ignore]
             FlattenedTensorBucket,
         )
-    except ImportError:
+    except (ImportError, KeyError):
+        # SGLang's wheel without its CUDA stack (the CPU venv's sglang-parsers extra): the first import
+        # fails on triton, a later one on the half-initialised package (KeyError: 'sglang').
         import base64
         import io
         import types

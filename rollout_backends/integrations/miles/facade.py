@@ -39,7 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--tokenizer",
         default=None,
-        help="Hugging Face tokenizer (path or name) to produce `text` and chat `content`; Miles' reward "
+        help="Hugging Face tokenizer (path or name) to produce the text and the chat content; Miles' reward "
         "functions and its resume of aborted samples read them (default: --model-path, as SGLang's "
         "--tokenizer-path; with neither the facade refuses to start unless --token-only)",
     )
