@@ -93,8 +93,10 @@ case "$stage" in
     tail -30 "$OUT/capture.log"; rm -rf "$OUT/capture/model"
     ;;
   miles-chat)  # issue 27: Miles' session through the facade over SGLang and Dynamo vs stock SGLang, ~300 s
+    # Every worker on GPU 0 with one GPU (stock one worker, each facade two; rb_bench.miles_chat
+    # repeats --gpus as needed). Rerun a subset: --targets facade-dynamo --baseline /abs/results.json
     need sglang; need dynamo.frontend; need smg; need rb_bench.miles_chat
-    python3 -m rb_bench.miles_chat --out "$OUT/miles-chat" --gpus 0 --budget-s "${BUDGET:-420}" 2>&1 \
+    python3 -m rb_bench.miles_chat --out "$OUT/miles-chat" --gpus "$gpus" --budget-s "${BUDGET:-420}" "${@:2}" 2>&1 \
       | tee "$OUT/miles-chat.log" | tail -30
     ;;
   tier)
