@@ -59,10 +59,13 @@ def _request_of(body: dict[str, Any]) -> GenerateRequest:
     )
 
 
-def _read_stream(wire: VllmWire, request: GenerateRequest, body: str) -> rb.Generation:
+def _read_stream(wire: Any, request: GenerateRequest, body: str, *, skip: bytes | None = None) -> rb.Generation:
+    """A streamed answer through the wire's parser (events holding ``skip`` left out)."""
     parser = wire.stream_parser(request, HttpResponse(200, b""), worker=W.id)
     final = None
     for data in SseDecoder().feed(body.encode()):
+        if skip is not None and skip in data:
+            continue
         chunk = parser.event(data, 0.0)
         if chunk is None:
             break
@@ -344,16 +347,7 @@ def _read_dynamo_stream(wire: Any, ex: dict[str, Any]) -> rb.Generation:
     """The capture asked ``stream_options.include_usage``, which the wire does not: the frontend's
     closing ``choices: []`` usage chunk is not one the wire is sent, so it is left out here."""
     request = GenerateRequest(input_ids=ex["request"]["prompt"], sampling=SamplingParams(max_new_tokens=8))
-    parser = wire.stream_parser(request, HttpResponse(200, b""), worker=None)
-    final = None
-    events = SseDecoder().feed(ex["body"].encode())
-    for data in [e for e in events if b'"choices":[]' not in e]:
-        chunk = parser.event(data, 0.0)
-        if chunk is None:
-            break
-        final = chunk.final or final
-    assert final is not None, "the stream ended without its generation"
-    return final
+    return _read_stream(wire, request, ex["body"], skip=b'"choices":[]')
 
 
 def test_dynamo_vllm_returns_no_prompt_logprobs() -> None:
