@@ -6,7 +6,8 @@ one GPU, for the CPU tests (``tests/vllm/test_captured_answers.py`` reads them f
     PYTHONPATH=bench python -m rb_bench.vllm_capture --out DIR [--budget-s 220] [--only vllm|dynamo]
 
 Makes the tiny Qwen2 model (seed 0, and seed 1 as the other weights), starts at once a vLLM server
-(``VllmServerCommand``: ``VLLM_SERVER_DEV_MODE=1``, ``--enforce-eager``, ``TRITON_ATTN``) and a
+(``VllmServerCommand``: ``VLLM_SERVER_DEV_MODE=1``, ``--enforce-eager``, ``TRITON_ATTN``,
+``--enable-sleep-mode``) and a
 Dynamo fleet (frontend, round robin, one ``dynamo.vllm`` worker), then plays a fixed scenario on
 each and writes every request with its answer (status, raw body, milliseconds; streamed bodies
 whole) to ``DIR/vllm-0.26.0-answers.json`` and ``DIR/dynamo-vllm-1.4.2-answers.json``, plus
@@ -40,18 +41,28 @@ KV_ARGS = ("--kv-cache-memory-bytes", str(1 << 30))
 
 
 class Recorder:
-    """Sends requests and keeps each with its answer, in order."""
+    """Sends requests and keeps each with its answer, in order.
+
+    ``path`` is under ``base``, or a whole URL (a Dynamo worker's system port). Each call opens its
+    own connection: vLLM 0.26 closes a connection after an answer of HTTP 500 (uvicorn, once the
+    exception reached it), and a kept-alive one reused at once was reset under the next request,
+    which never reached the server (the H100 capture of 2026-12-05: ``sleep`` after
+    ``rpc_unknown``, ``reload_missing`` after ``start_weight_update_unconfigured``)."""
 
     def __init__(self, session: aiohttp.ClientSession, base: str, about: str) -> None:
         self.session, self.base = session, base
         self.doc: dict[str, Any] = {"_about": about, "exchanges": []}
 
+    def url(self, path: str) -> str:
+        return path if path.startswith(("http://", "https://")) else self.base + path
+
     async def call(
         self, name: str, method: str, path: str, body: Any = None, *, note: str = "", headers: Any = None
     ) -> tuple[int, Any]:
         t0 = time.perf_counter()
+        headers = {**(headers or {}), "Connection": "close"}
         try:
-            async with self.session.request(method, self.base + path, json=body, headers=headers) as resp:
+            async with self.session.request(method, self.url(path), json=body, headers=headers) as resp:
                 raw = await resp.read()
                 status = resp.status
         except Exception as exc:  # recorded: the next step still runs
@@ -344,7 +355,11 @@ async def _vllm_server(work: Path, model: Path, log_dir: Path) -> AsyncIterator[
 
     async with Supervisor(log_dir) as sup:
         cmd = VllmServerCommand(
-            model_path=str(model), served_model_name="tiny", gpu_memory_utilization=0.2, extra_args=KV_ARGS
+            model_path=str(model),
+            served_model_name="tiny",
+            gpu_memory_utilization=0.2,
+            sleep_mode=True,  # as the fake (and the dynamo.vllm worker) serve /sleep: a real release
+            extra_args=KV_ARGS,
         )
         launch = cmd.build(NodeContext.on(0, "127.0.0.1", str(log_dir), gpu_ids=("0",)))
         await sup.start(launch.spec)
@@ -379,7 +394,8 @@ async def _capture(which: str, out: Path, work: Path, base: Path, alt: Path) -> 
                 rec = Recorder(
                     session,
                     url,
-                    "vLLM 0.26.0 (VLLM_SERVER_DEV_MODE=1, --enforce-eager, TRITON_ATTN), tiny Qwen2 seed 0",
+                    "vLLM 0.26.0 (VLLM_SERVER_DEV_MODE=1, --enforce-eager, TRITON_ATTN, --enable-sleep-mode),"
+                    " tiny Qwen2 seed 0",
                 )
                 try:
                     await vllm_scenario(rec, alt, base)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import time
 import uuid
@@ -52,6 +53,25 @@ KNOWN_DIFFERENCES = {
     "created": "a clock value",
     "model": "the served model's name",
 }
+
+
+#: The GPU capture the fake's ``/server_info`` copies vLLM's configuration from.
+CAPTURE = Path(__file__).resolve().parents[1] / "data" / "vllm-0.26.0-answers.json"
+
+
+@functools.cache
+def _captured_server_info_text() -> str:
+    """vLLM 0.26's ``/server_info`` answer in the capture (``{}`` without the capture: the fake then
+    answers only the keys the adapter reads)."""
+    if not CAPTURE.is_file():
+        return "{}"
+    exchanges = json.loads(CAPTURE.read_text())["exchanges"]
+    return next((ex["body"] for ex in exchanges if ex["name"] == "server_info" and ex["status"] == 200), "{}")
+
+
+def _captured_server_info() -> dict[str, Any]:
+    info = json.loads(_captured_server_info_text())
+    return info if isinstance(info, dict) else {}
 
 
 class VllmValidationError(ValueError):
@@ -450,17 +470,31 @@ class FakeVllm:
         return web.Response(text=text, content_type="text/plain")
 
     async def models(self, http: web.Request) -> web.Response:
-        card = {"id": self.model_name, "object": "model", "created": int(time.time()), "owned_by": "vllm",
-                "root": str(self.model_path), "parent": None, "max_model_len": self.engine.max_context}  # fmt: skip
+        """``OpenAIServingModels.show_available_models`` (``entrypoints/openai/models/serving.py``): a
+        ``ModelCard`` with one default ``ModelPermission`` (``entrypoints/openai/engine/protocol.py``)."""
+        now = int(time.time())
+        permission = {"id": f"modelperm-{uuid.uuid4().hex[:16]}", "object": "model_permission", "created": now,
+                      "allow_create_engine": False, "allow_sampling": True, "allow_logprobs": True,
+                      "allow_search_indices": False, "allow_view": True, "allow_fine_tuning": False,
+                      "organization": "*", "group": None, "is_blocking": False}  # fmt: skip
+        card = {"id": self.model_name, "object": "model", "created": now, "owned_by": "vllm",
+                "root": str(self.model_path), "parent": None, "max_model_len": self.engine.max_context,
+                "permission": [permission]}  # fmt: skip
         return web.json_response({"object": "list", "data": [card]})
 
     async def server_info(self, http: web.Request) -> web.Response:
-        model = {"model": str(self.model_path), "max_model_len": self.engine.max_context,
-                 "max_logprobs": self.max_logprobs, "enable_sleep_mode": self.sleep_mode,
-                 "logprobs_mode": "processed_logprobs"}  # fmt: skip
-        cfg = {"model_config": model, "weight_transfer_config": None}
-        env = {"VLLM_SERVER_DEV_MODE": True, "VLLM_BATCH_INVARIANT": self.batch_invariant}
-        return web.json_response({"vllm_config": cfg, "vllm_env": env, "system_env": {}})
+        """``/server_info?config_format=json``: vLLM's whole ``VllmConfig`` and ``VLLM_*`` environment,
+        taken from the GPU capture (``_captured_server_info``) with this server's own values where
+        the adapter reads them (``adapters/vllm/_client.py`` ``served_config``)."""
+        info = _captured_server_info()
+        cfg, env = info.setdefault("vllm_config", {}), info.setdefault("vllm_env", {})
+        cfg.setdefault("model_config", {}).update(
+            model=str(self.model_path), max_model_len=self.engine.max_context, max_logprobs=self.max_logprobs,
+            enable_sleep_mode=self.sleep_mode, logprobs_mode="processed_logprobs",
+        )  # fmt: skip
+        cfg["weight_transfer_config"] = None  # no transfer engine on CPU (module docstring)
+        env.update(VLLM_SERVER_DEV_MODE=True, VLLM_BATCH_INVARIANT=self.batch_invariant)
+        return web.json_response(info)
 
     def app(self) -> web.Application:
         app = web.Application(middlewares=[self._record])
