@@ -145,7 +145,9 @@ class _Judge:
                 "the update did not load"
             )
         else:
-            compare([gen], [mine], what=f"{rid}: labelled {label!r}, vs the weights of {target!r}", tolerance=0.0)
+            tol = self.ctx.harness.logprob_tolerance
+            compare([gen], [mine], what=f"{rid}: labelled {label!r}, vs the weights of {target!r}", tolerance=tol)
+            raise CheckFailed(f"{rid}: labelled {label!r}, holds neither the weights of {target!r} nor of {other!r}")
 
 
 def _sampling(ctx: CheckContext) -> SamplingParams:
@@ -207,6 +209,7 @@ async def check_labels_follow_weights(ctx: CheckContext) -> None:
     old = await ctx.backend.weight_version()
     if old is None:
         ctx.skip("the backend serves no version label yet (weight_version() is None)")
+    new = _PERMUTED if old != _PERMUTED else f"{_PERMUTED}-2"  # left over by a run that was cut short
     previous = dict(await ctx.backend.weight_versions())
     done = False
     with tempfile.TemporaryDirectory(prefix="rb-conformance-", dir=ctx.harness.scratch_dir) as tmp:
@@ -216,8 +219,8 @@ async def check_labels_follow_weights(ctx: CheckContext) -> None:
             # The served weights are exactly the checkpoint's (a shared server may hold others).
             await _restore(ctx, previous)
             book = await _book(ctx, swap, old)
-            judge = _Judge(ctx, book, {old: book.served, _PERMUTED: book.permuted})
-            await _update_and_judge(ctx, judge, _PERMUTED, _loader_for(ctx, dst))
+            judge = _Judge(ctx, book, {old: book.served, new: book.permuted})
+            await _update_and_judge(ctx, judge, new, _loader_for(ctx, dst))
             await _update_and_judge(ctx, judge, old, _loader_for(ctx, src))
             done = True
         finally:
