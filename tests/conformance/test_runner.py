@@ -618,7 +618,7 @@ async def test_a_stream_that_is_not_live_cannot_show_the_abort_on_leaving_it(tmp
     (c,) = select_checks(["stream_early_exit_aborts"])
     r = await c(fake_factory(driver=_Buffered), fake_harness(tmp_path))
     assert r.outcome is Outcome.SKIP, r.line()
-    assert "the stream does not deliver tokens as they come" in r.message
+    assert "the stream does not deliver tokens as they come" in r.message, r.line()
     # abort_all waits for first tokens no longer than one takes (and then some): a request of 2.4 s
     # shows none by then, and is caught by timing (aborted twice).
     (c,) = select_checks(["abort_all"])
