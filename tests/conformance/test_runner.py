@@ -505,16 +505,21 @@ async def test_abort_all_waits_for_a_request_still_on_its_way(tmp_path: Path) ->
     and runs to completion while the others were aborted: the check cannot tell that from
     abort_all() missing it, an error naming the knob (never a pass, never the backend's fault)."""
     (c,) = select_checks(["abort_all"])
-    harness = fake_harness(tmp_path, long_max_new_tokens=2000)  # 4 s a request: still running at 0.6 s
-    streamed = await c(fake_factory(driver=_LateDriver), harness)
+    # The fake's context caps a long request at 242 tokens: at 5 ms a token (1.2 s) the others
+    # still run when the late one streams its first token (at 0.6 s, within the 1 s the check
+    # waits for first tokens); at the default 2 ms (0.5 s) they had finished on an idle machine.
+    # Timed, abort_all() is sent at ~0.1 s and ~0.3 s: before the late one comes.
+    harness = fake_harness(tmp_path, long_max_new_tokens=2000)
+    streamed = await c(fake_factory(driver=_LateDriver, token_delay=0.005), harness)
     assert streamed.outcome is Outcome.PASS and streamed.measurements["seen_generating"] == 3, streamed.line()
     assert all(streamed.measurements[f"abort_all_{i}_tokens_kept"] >= 1 for i in range(3)), streamed.measurements
-    timed = await c(fake_factory(driver=_LateDriver, declare=attrs.evolve(FULL, streaming=False)), harness)
+    not_streamed = attrs.evolve(FULL, streaming=False)
+    timed = await c(fake_factory(driver=_LateDriver, declare=not_streamed, token_delay=0.005), harness)
     assert timed.outcome is Outcome.ERROR, timed.line()
     assert "request(s) [1] ran to completion while the others were aborted" in timed.message
     assert "raise Harness.progress_wait_s" in timed.message
     # Late by less than the second call waits: aborted, a pass.
-    timed = await c(fake_factory(driver=_SlightlyLate, declare=attrs.evolve(FULL, streaming=False)), harness)
+    timed = await c(fake_factory(driver=_SlightlyLate, declare=not_streamed, token_delay=0.005), harness)
     assert timed.outcome is Outcome.PASS, timed.line()
 
 
