@@ -742,9 +742,9 @@ class Capabilities:
     #: Without it, concurrent traffic can flip near-tied tokens (measured on the H200: 1 of 200).
     batch_invariant: bool = False
     #: Tokens come from a model: ``temperature == 0`` picks its most likely token (the same greedy
-    #: request gives the same tokens), and sampling draws from its distribution. ``False`` for
-    #: load simulators such as ``dynamo.mocker``, whose tokens are random: every check that
-    #: compares tokens then skips.
+    #: request gives the same tokens), sampling draws from its distribution, and every output id is
+    #: in ``vocab_size``. ``False`` for load simulators such as ``dynamo.mocker``, whose tokens are
+    #: random (its ids are not even the model's): every check that compares tokens then skips.
     greedy_decoding: bool = True
     max_context: int | None = None
     vocab_size: int | None = None

@@ -681,12 +681,12 @@ class DynamoWire:
             # The probe is a 1-token generation pinned to the worker: only where pinning works.
             progress_probe=self.pinning,
             batch_invariant=routes.deterministic,
-            # The mocker's tokens are random: ids in [1000, 2000) whatever the model's vocabulary,
-            # prompts of any ids taken (measured, ai-dynamo 1.4.2 and 1.6.1, 2026-12-05). It has no
-            # vocabulary to declare, and greedy requests do not repeat.
+            # The mocker's tokens are random: ids in [1000, 2000) whatever the model's vocabulary
+            # (ai-dynamo 1.4.2 and 1.6.1), greedy requests do not repeat; its prompts are the
+            # model's (1.6.1's frontend refuses ids outside the tokenizer's; measured 2026-12-05).
             greedy_decoding=not mocker,
             max_context=self.max_context,
-            vocab_size=None if mocker else self.vocab_size,
+            vocab_size=self.vocab_size,
             model_path=self.model_path,
         )
 

@@ -218,8 +218,8 @@ def test_capabilities_by_mode_and_flavor() -> None:
     assert _wire(router_mode="direct").capabilities().worker_pinning is True
     m = _wire(flavor="mocker", vocab_size=512, model_path="/m/tiny").capabilities()
     assert not m.pause_modes and not m.weight_transports and not m.logprobs
-    # Random tokens in [1000, 2000) whatever the model's vocabulary, and no abort route.
-    assert not m.greedy_decoding and m.vocab_size is None and not m.abort
+    # Random tokens in [1000, 2000) whatever the model's vocabulary (prompts are the model's), no abort route.
+    assert not m.greedy_decoding and m.vocab_size == 512 and not m.abort
     ours = _wire(vocab_size=512, model_path="/m/tiny").capabilities()
     assert ours.greedy_decoding and ours.vocab_size == 512 and ours.abort and ours.model_path == "/m/tiny"
 
