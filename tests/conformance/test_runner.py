@@ -35,7 +35,7 @@ from rollout_backends.conformance import (
     select_checks,
 )
 from rollout_backends.testing import FakeFleet, permute_checkpoint, write_checkpoint
-from tests.conformance.fake_backend import BUGS, FULL, BuggyDriver, FakeBackend, fake_factory, fake_harness
+from tests.conformance.fake_backend import BUGS, FULL, VOCAB, BuggyDriver, FakeBackend, fake_factory, fake_harness
 
 _NO_ENGINE_SPANS = "capability version_spans=RESPONSE not declared (spans across an update come only from an engine)"
 _NO_STREAM_SPANS = "capability stream_version_spans=True not declared"  # streaming is declared
@@ -629,3 +629,24 @@ async def test_a_stream_that_is_not_live_cannot_show_the_abort_on_leaving_it(tmp
     (c,) = select_checks(["abort_all"])
     r = await c(fake_factory(driver=_Buffered, token_delay=0.01), fake_harness(tmp_path))
     assert r.outcome is Outcome.PASS and r.measurements["seen_generating"] == 0, r.line()
+
+
+class _OutOfVocab(BuggyDriver):
+    """An engine whose last output id is past the vocabulary (what a load simulator's random ids are)."""
+
+    async def generate(self, request: rb.GenerateRequest) -> rb.Generation:
+        gen = await super().generate(request)
+        return attrs.evolve(gen, output_ids=(*gen.output_ids[:-1], VOCAB + 7))
+
+
+async def test_output_ids_are_held_to_the_vocabulary_where_tokens_come_from_a_model() -> None:
+    """Every answer's ids must be in the declared vocabulary, unless the backend declares no model
+    behind its tokens (``greedy_decoding=False``: the Dynamo mocker's ids are random in [1000, 2000)
+    whatever the model's vocabulary, which it still declares: its frontend takes only the model's
+    prompt ids)."""
+    (c,) = select_checks(["finish_length"])
+    r = await c(fake_factory(driver=_OutOfVocab))
+    assert r.outcome is Outcome.FAIL and f"an output id is >= vocab size {VOCAB}" in r.message, r.line()
+    simulator = attrs.evolve(FULL, greedy_decoding=False)
+    r = await c(fake_factory(driver=_OutOfVocab, declare=simulator))
+    assert r.outcome is Outcome.PASS, r.line()
