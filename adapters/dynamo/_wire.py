@@ -21,7 +21,8 @@ Generation path, also detected once (``native_generate``): a 1.6.x frontend star
 ``DYN_SGLANG_ENABLE_GENERATE=1`` serves SGLang's native ``POST /generate`` (SSE); the adapter uses
 it for unpinned requests to our worker, whose answers name the worker and the served version and
 carry every float unrounded. Pinned requests stay on ``/v1/completions``: 1.6.1's ``/generate``
-ignores ``x-dynamo-worker-instance-id`` (measured: ``docs/dynamo.md``, "Dynamo as observed").
+ignores ``x-dynamo-worker-instance-id`` (measured: ``docs/dynamo.md``, "Dynamo as observed"); so do
+requests with stop strings, whose text ``/generate`` does not return.
 """
 
 from __future__ import annotations
@@ -716,7 +717,14 @@ class DynamoWire:
 
     def generate(self, request: GenerateRequest, worker: Worker | None) -> HttpRequest:
         self._refuse_unservable(request)
-        if self.native_generate and worker is None and request.prompt_logprobs_start is None:
+        # Stop strings go by /v1/completions: the native answer carries no text (ai-dynamo 1.6.1,
+        # our worker; the suite's stop_strings failed on the kv fleet, CPU 2026-12-05).
+        if (
+            self.native_generate
+            and worker is None
+            and request.prompt_logprobs_start is None
+            and not request.sampling.stop
+        ):
             return HttpRequest(
                 "POST", f"{self.frontend_url}/generate", json=native_body(request), headers=_session(request)
             )

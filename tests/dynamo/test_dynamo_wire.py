@@ -370,6 +370,11 @@ def test_native_generate_routes_unpinned_requests_only() -> None:
     pinned = w.generate(req, W0)
     assert pinned.url == "http://fe/v1/completions" and pinned.json["nvext"]["backend_instance_id"] == 111
     assert _wire().generate(req, None).url == "http://fe/v1/completions"
+    # 1.6.1's /generate answer carries no text: a request with stop strings (whose text is cut at
+    # the match) stays on /v1/completions too
+    stopping = attrs.evolve(req, sampling=attrs.evolve(req.sampling, stop=("ab",)))
+    http = w.generate(stopping, None)
+    assert http.url == "http://fe/v1/completions" and http.json["stop"] == ["ab"]
 
 
 def test_parse_native_generation() -> None:
