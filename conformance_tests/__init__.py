@@ -63,7 +63,7 @@ from ._core import (
     select_checks,
     validate_generation,
 )
-from ._harness import BackendFactory, Harness, WeightSender, load_safetensors_dir
+from ._harness import BackendFactory, Harness, WeightSender, load_safetensors_dir, permute_safetensors_vocabulary
 from ._health import (
     check_health_live_ready,
     check_health_paused_not_ready,
@@ -75,6 +75,7 @@ from ._health import (
     check_reject_unknown_sampling_key,
     check_staleness_visible,
 )
+from ._labels import check_labels_follow_weights
 from ._logprobs import check_prompt_logprobs_rescore, check_stop_strings, check_top_logprobs
 from ._parity import (
     HFParity,
@@ -85,6 +86,16 @@ from ._parity import (
     default_parity_prompts,
     hf_logprobs,
     pair_parity,
+)
+from ._sampling import (
+    check_frequency_penalty,
+    check_min_new_tokens,
+    check_min_p,
+    check_presence_penalty,
+    check_repetition_penalty,
+    check_temperature,
+    check_top_k,
+    check_top_p,
 )
 from ._streaming import check_stream_early_exit_aborts, check_stream_matches_generate
 from ._versions import (
@@ -133,6 +144,7 @@ __all__ = [
     "check_distributed_update_matches_fresh",
     "check_finish_length",
     "check_finish_stop_token",
+    "check_frequency_penalty",
     "check_generate_group",
     "check_greedy_logprob_bound",
     "check_greedy_repeatable",
@@ -143,18 +155,23 @@ __all__ = [
     "check_hf_logprob_parity",
     "check_ignore_eos",
     "check_injected_failure_rolls_back",
+    "check_labels_follow_weights",
     "check_max_new_tokens",
+    "check_min_new_tokens",
+    "check_min_p",
     "check_min_version_after_partial_update",
     "check_parity",
     "check_pause_abort",
     "check_pause_in_place",
     "check_pause_retract",
+    "check_presence_penalty",
     "check_prompt_logprobs_rescore",
     "check_reject_bad_max_new_tokens",
     "check_reject_empty_prompt",
     "check_reject_out_of_vocab",
     "check_reject_prompt_too_long",
     "check_reject_unknown_sampling_key",
+    "check_repetition_penalty",
     "check_resume_idempotent",
     "check_seeded_sampling",
     "check_set_version_keeps_inflight",
@@ -163,8 +180,11 @@ __all__ = [
     "check_stream_early_exit_aborts",
     "check_stream_matches_generate",
     "check_staleness_visible",
+    "check_temperature",
     "check_tensor_update_matches_fresh",
+    "check_top_k",
     "check_top_logprobs",
+    "check_top_p",
     "check_unknown_exact_version_is_retryable",
     "check_stream_version_spans_across_in_place_update",
     "check_stream_version_spans_across_update",
@@ -178,6 +198,7 @@ __all__ = [
     "hf_logprobs",
     "load_safetensors_dir",
     "pair_parity",
+    "permute_safetensors_vocabulary",
     "prompts",
     "requires",
     "run_check",

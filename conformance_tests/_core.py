@@ -25,6 +25,7 @@ import random
 import time
 import traceback
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from pathlib import Path
 from typing import Any, NoReturn, TypeVar, overload
 
 import attrs
@@ -79,6 +80,7 @@ class Gap(str, enum.Enum):
     HARNESS = "no harness hook"
     FLEET = "fleet too small"
     LIMIT = "limit unknown"
+    WEIGHTS = "served checkpoint not readable here"
     METHOD = "method not offered"
     CHECK = "skipped by the check"
 
@@ -103,6 +105,15 @@ def expect(condition: object, message: str) -> None:
     """``assert`` that is not stripped by ``-O`` and raises ``CheckFailed``."""
     if not condition:
         raise CheckFailed(message)
+
+
+def brief(text: str, limit: int = 120) -> str:
+    """``text``'s first line, cut at a word boundary within ``limit`` characters (marked "...")."""
+    line = text.strip().splitlines()[0] if text.strip() else ""
+    if len(line) <= limit:
+        return line
+    cut = line[: limit - 3].rsplit(" ", 1)[0].rstrip(" ,;:")
+    return cut + "..."
 
 
 def _measure_value(value: object) -> Any:
@@ -275,7 +286,28 @@ def _context_known(c: Capabilities, h: Harness, b: RolloutBackend) -> str | None
     return "context length unknown (Capabilities.max_context and Harness.max_context are None)"
 
 
+def served_checkpoint(c: Capabilities, h: Harness) -> str | None:
+    """The checkpoint the backend serves: ``Harness.base_weights_path``, else ``Capabilities.model_path``."""
+    return h.base_weights_path or c.model_path
+
+
+def _checkpoint_readable(c: Capabilities, h: Harness, b: RolloutBackend) -> str | None:
+    path = served_checkpoint(c, h)
+    if path is None:
+        return "the served checkpoint is unknown (Capabilities.model_path and Harness.base_weights_path are None)"
+    if not Path(path).is_dir():
+        return f"the served checkpoint {path} is not a folder on this host"
+    return None
+
+
+def _versioned(c: Capabilities, h: Harness, b: RolloutBackend) -> str | None:
+    if c.version_source is not VersionSource.NONE:
+        return None
+    return "capability version_source is NONE (answers carry no weight version)"
+
+
 _F = TypeVar("_F", bound=Callable[..., Any])
+_T = TypeVar("_T")
 Body = Callable[["CheckContext"], Awaitable[None]]
 
 
@@ -309,7 +341,10 @@ def requires(
     worker_pinning: bool | None = None,
     progress_probe: bool | None = None,
     batch_invariant: bool | None = None,
+    greedy_decoding: bool | None = None,
     min_workers: int | None = None,
+    versioned: bool = False,
+    served_checkpoint: bool = False,
     vocab_size: bool = False,
     max_context: bool = False,
     hooks: Sequence[str] = (),
@@ -319,9 +354,12 @@ def requires(
 
     * ``pause_mode`` / ``transport``: each given one must be declared in ``Capabilities``;
       ``any_pause_mode`` / ``any_transport``: at least one;
-    * ``abort``, ``seeded_sampling``, ``logprobs``, ``worker_pinning``, ``progress_probe``, ``batch_invariant``: boolean
-      capabilities;
+    * ``abort``, ``seeded_sampling``, ``logprobs``, ``worker_pinning``, ``progress_probe``,
+      ``batch_invariant``, ``greedy_decoding``: boolean capabilities;
     * ``min_workers``: the fleet has at least that many workers;
+    * ``versioned``: answers carry a weight version (``version_source`` is not ``NONE``);
+    * ``served_checkpoint``: the checkpoint the backend serves is a folder on this host
+      (``Harness.base_weights_path``, else ``Capabilities.model_path``);
     * ``vocab_size`` / ``max_context``: the value is known (``Capabilities`` or ``Harness``);
     * ``hooks``: ``Harness`` attributes that must not be ``None``;
     * ``methods``: backend methods beyond the protocol (e.g. ``"expect_version"``).
@@ -350,10 +388,15 @@ def requires(
         "worker_pinning": worker_pinning,
         "progress_probe": progress_probe,
         "batch_invariant": batch_invariant,
+        "greedy_decoding": greedy_decoding,
     }
     reqs.extend(_flag_req(k, v) for k, v in flags.items() if v is not None)
     if min_workers is not None:
         reqs.append(_min_workers_req(min_workers))
+    if versioned:
+        reqs.append(Requirement("version_source not NONE", _versioned))
+    if served_checkpoint:
+        reqs.append(Requirement("served checkpoint readable", _checkpoint_readable, Gap.WEIGHTS))
     if vocab_size:
         reqs.append(Requirement("vocab_size known", _vocab_known, Gap.LIMIT))
     if max_context:
@@ -425,7 +468,7 @@ class CheckContext:
     measurements: dict[str, Any] = attrs.field(factory=dict)
     _counter: int = 0
     _token_time: float | None = None
-    _started: list[asyncio.Task[Generation]] = attrs.field(factory=list)
+    _started: list[asyncio.Task[Any]] = attrs.field(factory=list)
 
     @property
     def capabilities(self) -> Capabilities:
@@ -533,7 +576,7 @@ class CheckContext:
     def start(self, request: GenerateRequest) -> asyncio.Task[Generation]:
         return self.track(asyncio.ensure_future(self.backend.generate(request)))
 
-    def track(self, task: asyncio.Task[Generation]) -> asyncio.Task[Generation]:
+    def track(self, task: asyncio.Task[_T]) -> asyncio.Task[_T]:
         """A task of this check's, cancelled at its end if it still runs."""
         self._started.append(task)
         return task
@@ -548,6 +591,13 @@ class CheckContext:
         for task in self._started:
             task.cancel()
         await asyncio.gather(*self._started, return_exceptions=True)
+
+    def near_ties(self) -> bool:
+        """Whether two runs of one request may part at a near tie (the engine is not batch
+        invariant) and ``compare`` can tell one (top-2 logprobs are declared): ask for them, and
+        pass ``near_ties`` to ``compare``."""
+        caps = self.capabilities
+        return not caps.batch_invariant and caps.logprobs and caps.top_logprobs >= 2
 
     # -- versions --
 
@@ -581,7 +631,7 @@ def validate_generation(
     expect(n <= limit, f"{rid}: {n} output tokens > max_new_tokens={limit}")
     expect(all(isinstance(t, int) and t >= 0 for t in gen.output_ids), f"{rid}: output ids are not ints >= 0")
     vocab = ctx.vocab_size
-    if vocab is not None:
+    if vocab is not None and ctx.capabilities.greedy_decoding:  # a simulator's random ids are no model's
         expect(all(t < vocab for t in gen.output_ids), f"{rid}: an output id is >= vocab size {vocab}")
     if gen.finish_reason is FinishReason.LENGTH:
         ctx_cap = ctx.max_context

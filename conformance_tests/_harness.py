@@ -6,6 +6,8 @@ a reason naming the hook, never failed.
 
 from __future__ import annotations
 
+import json
+import shutil
 from collections.abc import Awaitable, Callable, Collection, Sequence
 from contextlib import AbstractAsyncContextManager
 from pathlib import Path
@@ -15,7 +17,7 @@ import attrs
 
 from rollout_backends import RolloutBackend, WeightBucket, WeightGroup
 
-__all__ = ["BackendFactory", "Harness", "WeightSender", "load_safetensors_dir"]
+__all__ = ["BackendFactory", "Harness", "WeightSender", "load_safetensors_dir", "permute_safetensors_vocabulary"]
 
 #: An async callable returning a *new, ready* backend. The runner calls it once per check and
 #: ``aclose()``s what it returns when the check ends. For a remote server the factory typically
@@ -59,6 +61,68 @@ def load_safetensors_dir(path: str) -> list[tuple[str, Any]]:
     return out
 
 
+#: Module names of input embeddings and LM heads in Hugging Face checkpoints (Llama/Qwen, GPT-2,
+#: BERT-likes, GPT-NeoX, Mistral's original).
+_EMBEDDINGS = frozenset({"embed_tokens", "wte", "word_embeddings", "embed_in", "tok_embeddings"})
+_HEADS = frozenset({"lm_head", "embed_out", "output"})
+
+
+def _by_token(name: str, shape: tuple[int, ...], vocab: int, hidden: int) -> bool:
+    """Whether tensor ``name`` of ``shape`` has a row per token: an embedding's or a head's weight
+    (``[vocab, hidden]``), or a head's bias (``[vocab]``)."""
+    *_, module, kind = ["", *name.split(".")]
+    if kind == "weight" and (module in _EMBEDDINGS or module in _HEADS):
+        return shape == (vocab, hidden)
+    return kind == "bias" and module in _HEADS and shape == (vocab,)
+
+
+def permute_safetensors_vocabulary(src: str, dst: str, pairs: Sequence[tuple[int, int]]) -> None:
+    """Write to ``dst`` the checkpoint ``src`` with each pair of token ids swapped.
+
+    In every tensor indexed by token (an input embedding or an LM head by its module name, of
+    ``vocab_size`` rows of ``hidden_size``, as ``config.json`` says; tied or not) the rows of each
+    pair change places; every other file is copied as it is. The names matter: a tiny model's MLP
+    can be as wide as its vocabulary (512 and 512 in the suite's own), and must not be touched.
+
+    The model on ``dst`` answers a prompt with the ids swapped exactly as the model on ``src``
+    answers the original, with the ids of its answer swapped and the same logprobs: other weights
+    whose outputs are known without running them. ``ValueError`` says why ``src`` cannot be used.
+    """
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    source, target = Path(src), Path(dst)
+    try:
+        config = json.loads((source / "config.json").read_text())
+        vocab, hidden = int(config["vocab_size"]), int(config["hidden_size"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"{src}: no config.json with vocab_size and hidden_size ({exc})") from None
+    files = sorted(source.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"{src}: no *.safetensors files")
+    order = list(range(vocab))
+    for a, b in pairs:
+        order[a], order[b] = order[b], order[a]
+    index = torch.tensor(order)
+    target.mkdir(parents=True, exist_ok=True)
+    permuted = 0
+    for f in files:
+        with safe_open(str(f), framework="pt") as handle:
+            metadata = handle.metadata()
+            tensors = {name: handle.get_tensor(name) for name in handle.keys()}  # noqa: SIM118 - not a dict
+        for name, t in tensors.items():
+            if _by_token(name, tuple(t.shape), vocab, hidden):
+                tensors[name] = t.index_select(0, index).contiguous()
+                permuted += 1
+        save_file(tensors, str(target / f.name), metadata=metadata)
+    if not permuted:
+        raise ValueError(f"{src}: no tensor of shape [vocab_size={vocab}, hidden_size={hidden}] (no embedding)")
+    for other in source.iterdir():
+        if other.is_file() and other.suffix != ".safetensors":
+            shutil.copy2(other, target / other.name)
+
+
 @attrs.frozen(kw_only=True)
 class Harness:
     """Environment hooks and knobs for the conformance checks (all optional).
@@ -83,6 +147,9 @@ class Harness:
       queued), seen on the engines themselves; the streaming checks use it where given.
     * ``load_weights(path)``: reads ``(name, tensor)`` pairs of a checkpoint for the tensor and
       distributed updates (default: every ``*.safetensors`` file).
+    * ``permute_vocabulary(src, dst, pairs)``: writes to ``dst`` the checkpoint ``src`` with each
+      pair of token ids swapped (default: ``permute_safetensors_vocabulary``); the checks that need
+      no alt weights derive theirs from the served checkpoint with it.
 
     Knobs: ``concurrency`` (requests in the concurrent-vs-sequential check; lower it on slow
     backends), tolerances, token budgets and timeouts; ``vocab_size``/``max_context`` fill in what
@@ -97,6 +164,12 @@ class Harness:
     hf_model_path: str | None = None
     held_requests: Callable[[RolloutBackend], Awaitable[Collection[str]]] | None = None
     load_weights: Callable[[str], Sequence[tuple[str, Any]]] = load_safetensors_dir
+    permute_vocabulary: Callable[[str, str, Sequence[tuple[int, int]]], None] = permute_safetensors_vocabulary
+    #: Where derived weights are written (default: the system's temporary folder); the engines
+    #: load them from there, so it must be a folder they can read.
+    scratch_dir: str | None = None
+    #: Largest served checkpoint the suite copies to derive other weights from (bytes).
+    max_derived_bytes: int = 4 << 30
 
     #: Requests sent at once in ``check_concurrent_equals_sequential`` (the issue's default: 200).
     concurrency: int = 200

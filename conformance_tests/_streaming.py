@@ -26,6 +26,7 @@ from ._core import (
     check,
     compare,
     expect,
+    requires,
     validate_generation,
 )
 from ._harness import Harness
@@ -68,6 +69,7 @@ async def _collect(ctx: CheckContext, req: GenerateRequest) -> tuple[list[TokenC
 
 @check("streaming")
 @_streaming
+@requires(greedy_decoding=True)
 async def check_stream_matches_generate(ctx: CheckContext) -> None:
     """A greedy stream is generate's run, chunk by chunk: the chunks' tokens (indices contiguous
     from 0, none repeated or missing) and logprobs put together are generate's, and the last
@@ -102,19 +104,42 @@ async def check_stream_matches_generate(ctx: CheckContext) -> None:
     ctx.measure("most_chunks", most)
 
 
+async def _chunk_times(ctx: CheckContext, prompt: tuple[int, ...]) -> tuple[float, float]:
+    """Seconds from sending a 64-token stream to its first token chunk, and to its end."""
+    req = ctx.request(prompt, ctx.greedy(ctx.cap_new_tokens(len(prompt), 64), ignore_eos=True), "timed")
+    t0 = time.perf_counter()
+    first: float | None = None
+    async with ctx.backend.stream(req) as stream:
+        async for c in stream:
+            if first is None and c.output_ids:
+                first = time.perf_counter() - t0
+    last = time.perf_counter() - t0
+    return (first if first is not None else last), last
+
+
 @check("streaming")
 @_streaming
 async def check_stream_early_exit_aborts(ctx: CheckContext) -> None:
     """Leaving a stream's block after its first chunk aborts the request: the engines hold it no
     more (``Harness.held_requests``, where given) and its id is taken again at once."""
     prompt = ctx.prompts(1, seed=72)[0]
+    first_s, last_s = await _chunk_times(ctx, prompt)
+    ctx.measure("first_chunk_of_64_at", f"{first_s:.3f}s of {last_s:.3f}s")
+    if first_s > last_s / 2:
+        # Chunks that come when the request ends (Dynamo with our reference worker: 29 s for the
+        # first chunk of 2048 tokens, CPU 2026-12-05): the engine is done before the first chunk,
+        # so leaving the stream then cannot be told from its end.
+        ctx.skip(
+            f"the first chunk of a 64-token stream came {first_s:.2f}s after the request, its end {last_s:.2f}s "
+            "after: the stream does not deliver tokens as they come, so an abort on leaving it cannot be seen"
+        )
     req = ctx.long_request(prompt)
     rid = req.request_id
     first: TokenChunk | None = None
     async with ctx.backend.stream(req) as stream:
         async for c in stream:
             first = c
-            break
+            break  # leave the block after the first chunk
     expect(first is not None, f"{rid}: the stream yielded no chunk")
     assert first is not None
     if first.final is not None:

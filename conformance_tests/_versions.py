@@ -142,7 +142,9 @@ async def check_min_version_after_partial_update(ctx: CheckContext) -> None:
 
 
 def _spans_declared(c: Capabilities, h: Harness, b: RolloutBackend) -> str | None:
-    return None if c.version_spans is not VersionSource.NONE else "capability version_spans not declared"
+    if c.version_spans is not VersionSource.NONE:
+        return None
+    return "capability version_spans not declared (it is NONE: answers carry no per-token versions)"
 
 
 def _engine_spans(c: Capabilities, h: Harness, b: RolloutBackend) -> str | None:
@@ -197,9 +199,10 @@ _ACROSS_IN_PLACE = requires(
 
 
 def _stream_spans(c: Capabilities, h: Harness, b: RolloutBackend) -> str | None:
-    if c.streaming and c.stream_version_spans:
+    missing = [name for name in ("streaming", "stream_version_spans") if not getattr(c, name)]
+    if not missing:
         return None
-    return "capabilities streaming and stream_version_spans not declared"
+    return f"capabilit{'ies' if len(missing) > 1 else 'y'} {' and '.join(f'{m}=True' for m in missing)} not declared"
 
 
 _engine_spans_req = _Requires([Requirement("version_spans=RESPONSE", _engine_spans)])

@@ -3,9 +3,14 @@
 The "model" is a hash: the logits for the next token are drawn from ``Random((seed, last
 tokens))``, where ``seed`` stands for the weights (a checkpoint is a directory holding
 ``weights.json`` with ``{"seed": N}``; ``update_weights_from_tensors`` takes ``[("seed", N)]``).
-Each token takes ``token_delay`` seconds, so requests can be caught in flight. The fake keeps
-SGLang's control semantics where the protocol states them: pause modes, a flush refused while
-requests are frozen in place, the prefix cache, version labels, aborts that keep partial tokens.
+A checkpoint may also name a vocabulary permutation (``"perm": [[i, j], ...]``, token ``i`` of
+the model is token ``j`` of the seed's hash), the fake's version of a checkpoint whose embedding
+rows were permuted (``permute_checkpoint``). Each token takes ``token_delay`` seconds, so
+requests can be caught in flight. The fake keeps SGLang's control semantics where the protocol
+states them: pause modes, a flush refused while requests are frozen in place, the prefix cache,
+version labels, aborts that keep partial tokens; and its sampling parameters, in SGLang's order
+(penalties on the tokens generated so far, the ``min_new_tokens`` mask of stop tokens, then
+temperature, ``top_k``, ``top_p``, ``min_p`` and the draw).
 
 It passes the conformance suite (``tests/conformance``), and the suite's fake with switchable bugs
 subclasses ``FakeDriver`` to prove each check can fail. The ``_``-prefixed methods are the hooks
@@ -15,6 +20,7 @@ it overrides; they are not part of the public surface.
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
 import math
 import random
@@ -70,6 +76,7 @@ __all__ = [
     "fake_factory",
     "fake_fleet",
     "load_checkpoint",
+    "permute_checkpoint",
     "read_checkpoint",
     "write_checkpoint",
 ]
@@ -106,34 +113,98 @@ def fake_text(ids: Sequence[int]) -> str:
     return "".join(_CHARS[t % len(_CHARS)] for t in ids)
 
 
-def write_checkpoint(path: str | Path, seed: int) -> str:
-    """Write a fake checkpoint (the weights are ``seed``) under ``path``; returns the path."""
+#: A vocabulary permutation: token ``i`` -> ``perm[i]`` (ids it does not name map to themselves).
+Perm = dict[int, int]
+
+
+def write_checkpoint(path: str | Path, seed: int, perm: Perm | None = None) -> str:
+    """Write a fake checkpoint (the weights are ``seed``, conjugated by ``perm``) under ``path``;
+    returns the path."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    (path / "weights.json").write_text(json.dumps({"seed": seed}))
+    data: dict[str, Any] = {"seed": seed}
+    if perm:
+        data["perm"] = sorted([i, j] for i, j in perm.items() if i != j)
+    (path / "weights.json").write_text(json.dumps(data))
     return str(path)
 
 
-def read_checkpoint(path: str | Path) -> int:
-    """The seed of a fake checkpoint (``InvalidRequest`` naming ``path`` if there is none)."""
+def _read_weights(path: str | Path) -> tuple[int, Perm]:
     try:
-        return int(json.loads((Path(path) / "weights.json").read_text())["seed"])
+        data = json.loads((Path(path) / "weights.json").read_text())
+        return int(data["seed"]), {int(i): int(j) for i, j in data.get("perm", ())}
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise InvalidRequest("path", f"cannot load fake checkpoint {path}: {exc}") from exc
 
 
+def read_checkpoint(path: str | Path) -> int:
+    """The seed of a fake checkpoint (``InvalidRequest`` naming ``path`` if there is none)."""
+    return _read_weights(path)[0]
+
+
 def load_checkpoint(path: str | Path) -> list[tuple[str, Any]]:
     """A fake checkpoint as the named tensors ``update_weights_from_tensors`` takes."""
-    return [("seed", read_checkpoint(path))]
+    seed, perm = _read_weights(path)
+    return [("seed", seed), *([("perm", sorted(perm.items()))] if perm else [])]
 
 
-def _logprobs(seed: int, prompt_seed: int, seq: Sequence[int]) -> list[float]:
+def permute_checkpoint(src: str, dst: str, pairs: Sequence[tuple[int, int]]) -> None:
+    """``Harness.permute_vocabulary`` for fake checkpoints: ``dst`` holds ``src``'s weights with
+    each pair of token ids swapped (the model on ``dst`` answers ``swap(x)`` with ``swap`` of what
+    ``src`` answers to ``x``)."""
+    seed, perm = _read_weights(src)
+    swap: Perm = {}
+    for a, b in pairs:
+        swap[a], swap[b] = b, a
+    # Token i of the new model is token swap[i] of the old one, which is perm[swap[i]] of the hash.
+    keys = set(perm) | set(swap)
+    write_checkpoint(dst, seed, {i: perm.get(swap.get(i, i), swap.get(i, i)) for i in keys})
+
+
+def _logprobs(seed: int, prompt_seed: object, seq: Sequence[int]) -> list[float]:
     rng = random.Random(f"{seed}/{prompt_seed}/{tuple(seq[-3:])}/{len(seq) % 5}")
     logits = [rng.gauss(0.0, 3.0) for _ in range(VOCAB_SIZE)]
     logits[EOS] -= 4.0  # keep natural stops rare but possible
+    return _normalised(logits)
+
+
+def _normalised(logits: Sequence[float]) -> list[float]:
     m = max(logits)
-    z = m + math.log(sum(math.exp(x - m) for x in logits))
+    z = m + math.log(sum(math.exp(x - m) for x in logits if x != -math.inf))
     return [x - z for x in logits]
+
+
+def _penalised(logits: Sequence[float], out: Sequence[int], sp: SamplingParams) -> list[float]:
+    """SGLang's penalties on the tokens generated so far (not the prompt's): repetition (a logit
+    divided by it where positive, multiplied where negative), then ``frequency * count +
+    presence``, subtracted."""
+    z = list(logits)
+    for t, n in collections.Counter(out).items():
+        x = z[t]
+        if sp.repetition_penalty != 1.0:
+            x = x / sp.repetition_penalty if x > 0 else x * sp.repetition_penalty
+        z[t] = x - (sp.frequency_penalty * n + sp.presence_penalty)
+    return z
+
+
+def _filtered(logprobs: Sequence[float], sp: SamplingParams) -> tuple[list[int], list[float]]:
+    """The tokens ``top_k``, ``top_p`` and ``min_p`` keep (SGLang's rules, on the temperature-scaled
+    distribution; the most likely token always stays), and their weights."""
+    weights = [math.exp(x / sp.temperature) for x in logprobs]
+    total = sum(weights)
+    probs = [w / total for w in weights]
+    order = sorted(range(VOCAB_SIZE), key=lambda i: (-probs[i], i))
+    kept, mass = [], 0.0
+    for rank, i in enumerate(order):
+        if rank and (
+            (sp.top_k > 0 and rank >= sp.top_k)
+            or (sp.top_p < 1.0 and mass > sp.top_p)
+            or (sp.min_p > 0.0 and probs[i] < sp.min_p * probs[order[0]])
+        ):
+            break
+        kept.append(i)
+        mass += probs[i]
+    return kept, [weights[i] for i in kept]
 
 
 @attrs.define(eq=False)
@@ -171,10 +242,12 @@ class FakeDriver:
         self._caps = capabilities
         self.token_delay = token_delay
         self.seed = seed
+        #: The vocabulary permutation the weights are conjugated by (``permute_checkpoint``).
+        self.perm: Perm = {}
         self.version = version
         self.paused: PauseMode | None = None
-        #: Prefix -> the seed its KV was computed with.
-        self.cache: dict[tuple[int, ...], int] = {}
+        #: Prefix -> the weights its KV was computed with (``weights_key``).
+        self.cache: dict[tuple[int, ...], object] = {}
         self.ops: list[Command] = []
         self.requests: list[GenerateRequest] = []
         self.closed = False
@@ -291,13 +364,13 @@ class FakeDriver:
     async def _steps(self, r: _Running) -> AsyncGenerator[None, None]:
         """Generate ``r``, yielding each time a token was drawn and more are to come (the last one
         is the answer's); ``r.finish`` and ``r.cached`` say how it ended."""
-        sp = r.request.sampling
+        sp = self._effective(r.request.sampling)
         prompt = r.request.input_ids
         await self._wait_resumed(r)
         cached = max((len(p) for p in self.cache if prompt[: len(p)] == p and len(p) < len(prompt)), default=0)
-        prompt_seed, r.cached = self._prefix(prompt, cached)
+        prompt_key, r.cached = self._prefix(prompt, cached)
         for k in range(1, len(prompt) + 1):
-            self.cache.setdefault(prompt[:k], self.seed)
+            self.cache.setdefault(prompt[:k], self.weights_key)
         rng = self._rng(sp)
         limit = self._limit(sp)
         start = r.request.prompt_logprobs_start
@@ -306,7 +379,7 @@ class FakeDriver:
             scored = range(start + 1, len(prompt))
             r.prompt_lps = (
                 None,
-                *(_logprobs(self.seed, prompt_seed, self._scored_prefix(prompt, j))[prompt[j]] for j in scored),
+                *(self._dist(prompt_key, self._scored_prefix(prompt, j))[prompt[j]] for j in scored),
             )
         r.finish = FinishReason.LENGTH
         while len(r.out) < limit:
@@ -317,12 +390,7 @@ class FakeDriver:
             if r.aborted:
                 r.finish = FinishReason.ABORT
                 break
-            lps = _logprobs(self.seed, prompt_seed, prompt + tuple(r.out))
-            if sp.temperature == 0.0:
-                tok = self._greedy(r, lps)
-            else:
-                weights = [math.exp(x / sp.temperature) for x in lps]
-                tok = rng.choices(range(VOCAB_SIZE), weights)[0]
+            tok, lps = self._next_token(r, sp, self._dist(prompt_key, prompt + tuple(r.out)), rng)
             r.out.append(tok)
             r.lps.append(self._logprob(lps[tok]))
             if sp.top_logprobs:
@@ -336,6 +404,23 @@ class FakeDriver:
             if self._stops(tok, sp):
                 r.finish = FinishReason.STOP
                 break
+
+    def _next_token(
+        self, r: _Running, sp: SamplingParams, logprobs: Sequence[float], rng: random.Random
+    ) -> tuple[int, list[float]]:
+        """The next token and the logprobs it was chosen from (SGLang's order: penalties, the
+        ``min_new_tokens`` mask of stop tokens, then greedy or temperature + filters + draw)."""
+        logits = _penalised(logprobs, r.out, sp)
+        if len(r.out) < sp.min_new_tokens:
+            for t in (EOS, *sp.stop_token_ids):
+                logits[t] = -math.inf
+        lps = _normalised(logits)
+        if sp.temperature == 0.0:
+            return self._greedy(r, lps), lps
+        if sp.top_k == -1 and sp.top_p == 1.0 and sp.min_p == 0.0:
+            return rng.choices(range(VOCAB_SIZE), [math.exp(x / sp.temperature) for x in lps])[0], lps
+        kept, weights = _filtered(lps, sp)
+        return rng.choices(kept, weights)[0], lps
 
     def _stop_string(self, out: Sequence[int], sampling: SamplingParams) -> str | None:
         """SGLang's check: the last (longest stop + 1) tokens' text; the first stop it contains."""
@@ -353,12 +438,29 @@ class FakeDriver:
         self._changed.set()
         self._changed = asyncio.Event()
 
-    def _prefix(self, prompt: tuple[int, ...], cached: int) -> tuple[int, int]:
-        """The seed the prompt's KV stands for, and the cached tokens: KV computed with other
+    @property
+    def weights_key(self) -> object:
+        """What the loaded weights are: the seed, with the permutation where there is one."""
+        return (self.seed, tuple(sorted(self.perm.items()))) if self.perm else self.seed
+
+    def _dist(self, prompt_key: object, seq: Sequence[int]) -> list[float]:
+        """The model's next-token logprobs after ``seq``, the prompt's KV computed with the weights
+        ``prompt_key``: the seed's hash, conjugated by the permutation."""
+        perm = self.perm
+        fresh = prompt_key == self.weights_key
+        hashed = _logprobs(self.seed, self.seed if fresh else prompt_key, [perm.get(t, t) for t in seq])
+        return [hashed[perm.get(i, i)] for i in range(VOCAB_SIZE)] if perm else hashed
+
+    def _prefix(self, prompt: tuple[int, ...], cached: int) -> tuple[object, int]:
+        """The weights the prompt's KV stands for, and the cached tokens: KV computed with other
         weights is not reused."""
-        if cached and self.cache[prompt[:cached]] != self.seed:
+        if cached and self.cache[prompt[:cached]] != self.weights_key:
             cached = 0
-        return self.seed, cached
+        return self.weights_key, cached
+
+    def _effective(self, sampling: SamplingParams) -> SamplingParams:
+        """The sampling parameters the engine applies (all of them)."""
+        return sampling
 
     def _greedy(self, r: _Running, logprobs: Sequence[float]) -> int:
         """The temperature-0 pick: the most likely token."""
@@ -441,15 +543,16 @@ class FakeDriver:
                 return None
             case UpdateFromDisk():
                 try:
-                    seed = read_checkpoint(op.path)
+                    seed, perm = _read_weights(op.path)
                 except InvalidRequest as exc:  # the engine cannot load it, as SGLang answers success: false
                     raise ControlFailed(op.name, [WorkerFailure(self._id, op.name, str(exc))]) from exc
-                self._load(seed, op.version, op.flush_cache)
+                self._load(seed, perm, op.version, op.flush_cache)
             case UpdateFromTensors():
                 named = dict(op.tensors.items)
                 if "seed" not in named:
-                    raise InvalidRequest("named_tensors", "the fake's weights are one tensor named 'seed'")
-                self._load(int(named["seed"]), op.version, op.flush_cache)
+                    raise InvalidRequest("named_tensors", "the fake's weights are a tensor named 'seed'")
+                perm = {int(i): int(j) for i, j in named.get("perm", ())}
+                self._load(int(named["seed"]), perm, op.version, op.flush_cache)
             case SetVersion():
                 self.version = op.version
             case ReleaseMemory() | ResumeMemory():
@@ -474,8 +577,8 @@ class FakeDriver:
             )
         self.cache.clear()
 
-    def _load(self, seed: int, version: str | None, flush_cache: bool) -> None:
-        self.seed = seed
+    def _load(self, seed: int, perm: Perm, version: str | None, flush_cache: bool) -> None:
+        self.seed, self.perm = seed, perm
         if flush_cache:
             self.cache.clear()
         if version is not None:

@@ -81,7 +81,8 @@ class RolloutBackend(Protocol):
         ...
 
     async def abort_all(self, *, workers: WorkerSelection = None) -> None:
-        """Abort every in-flight request. Raises ``ControlFailed`` naming unreachable workers."""
+        """Abort every request the engines hold (one still on its way through a router when this is
+        called is not among them). Raises ``ControlFailed`` naming unreachable workers."""
         ...
 
     # -- pause / resume -----------------------------------------------------------------------

@@ -741,8 +741,17 @@ class Capabilities:
     #: Greedy outputs do not depend on what else is batched (SGLang: deterministic inference).
     #: Without it, concurrent traffic can flip near-tied tokens (measured on the H200: 1 of 200).
     batch_invariant: bool = False
+    #: Tokens come from a model: ``temperature == 0`` picks its most likely token (the same greedy
+    #: request gives the same tokens), sampling draws from its distribution, and every output id is
+    #: in ``vocab_size``. ``False`` for load simulators such as ``dynamo.mocker``, whose tokens are
+    #: random (its ids are not even the model's): every check that compares tokens then skips.
+    greedy_decoding: bool = True
     max_context: int | None = None
     vocab_size: int | None = None
+    #: The checkpoint directory the workers loaded at start, where the backend knows it (the
+    #: engine reports it, e.g. SGLang's ``/model_info``; a launcher's connect URL names it). The
+    #: conformance suite derives other weights from it where it is readable on its host.
+    model_path: str | None = None
 
     def supports_pause(self, mode: PauseMode) -> bool:
         return mode in self.pause_modes

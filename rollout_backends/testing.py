@@ -16,7 +16,9 @@ the transaction), over ``FakeDriver``s: a hash stands for the model (token ids b
 ``VOCAB_SIZE``, prompts shorter than ``MAX_CONTEXT``), a checkpoint is a directory holding a seed
 (``write_checkpoint``), and each worker records the operations it received (``FakeDriver.ops``)
 and can be told to fail the next one (``FakeDriver.fail_next(UpdateFromDisk)``). It passes the
-conformance suite: ``run_checks(fake_factory(), ...)``.
+conformance suite: ``run_checks(fake_factory(), ...)`` (with
+``Harness(permute_vocabulary=permute_checkpoint)`` for the checks that derive other weights from
+the served checkpoint, which here is not a safetensors one).
 """
 
 from rollout_backends._fake import (
@@ -29,6 +31,7 @@ from rollout_backends._fake import (
     fake_factory,
     fake_fleet,
     load_checkpoint,
+    permute_checkpoint,
     read_checkpoint,
     write_checkpoint,
 )
@@ -43,6 +46,7 @@ __all__ = [
     "fake_factory",
     "fake_fleet",
     "load_checkpoint",
+    "permute_checkpoint",
     "read_checkpoint",
     "write_checkpoint",
 ]

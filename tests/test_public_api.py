@@ -61,7 +61,7 @@ EXPECTED_SGLANG_NATIVE = {
 
 EXPECTED_TESTING = {
     "EOS", "FAKE_CAPABILITIES", "MAX_CONTEXT", "VOCAB_SIZE", "FakeDriver", "FakeFleet", "fake_factory",
-    "fake_fleet", "load_checkpoint", "read_checkpoint", "write_checkpoint",
+    "fake_fleet", "load_checkpoint", "permute_checkpoint", "read_checkpoint", "write_checkpoint",
 }  # fmt: skip
 
 DOORS = (rb, kit, launch, sglang_native, testing)

@@ -17,6 +17,7 @@ from rollout_backends.testing import (
     fake_factory,
     fake_fleet,
     load_checkpoint,
+    permute_checkpoint,
     read_checkpoint,
     write_checkpoint,
 )
@@ -51,6 +52,7 @@ def _harness(tmp: Path) -> Harness:
         fresh_factory_on=lambda path: fake_factory(seed=read_checkpoint(path)),
         inject_failure=inject,
         load_weights=load_checkpoint,
+        permute_vocabulary=permute_checkpoint,  # labels_follow_weights: derive from a fake checkpoint
         concurrency=40,
         long_max_new_tokens=200,
         pause_max_new_tokens=120,

@@ -151,4 +151,4 @@ def test_a_fresh_install_with_the_extra_runs_the_suite_on_the_toy(tmp_path: Path
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
-    assert re.search(r"\b3\d passed", run.stdout), run.stdout[-1500:]
+    assert re.search(r"\b[3-9]\d passed", run.stdout), run.stdout[-1500:]  # 42 with the sampling checks

@@ -212,6 +212,7 @@ async def connect(
         memory_saver=memory_saver,
         max_context=int(ctx) if isinstance(ctx, int) else None,
         vocab_size=int(vocab) if isinstance(vocab, int) else None,
+        model_path=model_path,
         eos_token_ids=eos,
         namespace=namespace,
         native_generate=native,

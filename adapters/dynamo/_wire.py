@@ -21,7 +21,8 @@ Generation path, also detected once (``native_generate``): a 1.6.x frontend star
 ``DYN_SGLANG_ENABLE_GENERATE=1`` serves SGLang's native ``POST /generate`` (SSE); the adapter uses
 it for unpinned requests to our worker, whose answers name the worker and the served version and
 carry every float unrounded. Pinned requests stay on ``/v1/completions``: 1.6.1's ``/generate``
-ignores ``x-dynamo-worker-instance-id`` (measured: ``docs/dynamo.md``, "Dynamo as observed").
+ignores ``x-dynamo-worker-instance-id`` (measured: ``docs/dynamo.md``, "Dynamo as observed"); so do
+requests with stop strings, whose text ``/generate`` does not return.
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ from rollout_backends import (
     PauseMode,
     RoutingKind,
     TokenChunk,
+    Unsupported,
     VersionSource,
     WeightTransport,
     WorkerFailure,
@@ -187,6 +189,10 @@ class FlavorRoutes:
     #: dynamo.vllm's engine routes (``_vllm_routes.vllm_control``); a request's id travels as the
     #: frontend's context id (``CONTEXT_ID_HEADER``), which ``abort_request`` takes.
     vllm: bool = False
+    #: ``SamplingParams.min_new_tokens`` reaches the engine (sent as ``min_tokens``). dynamo.sglang
+    #: 1.4.2 builds SGLang's sampling params without it (``request_handlers/llm/decode_handler.py``
+    #: ``_build_sampling_params``): where it does not arrive it is refused, never dropped.
+    min_new_tokens: bool = True
 
 
 ROUTES: Mapping[DynamoFlavor, FlavorRoutes] = {
@@ -202,7 +208,7 @@ ROUTES: Mapping[DynamoFlavor, FlavorRoutes] = {
         chunk_versions=True,
         update_while_parked=True,
     ),
-    DynamoFlavor.SGLANG14: FlavorRoutes(sglang=True, tensors=True, abort_all_await_bug=True),
+    DynamoFlavor.SGLANG14: FlavorRoutes(sglang=True, tensors=True, abort_all_await_bug=True, min_new_tokens=False),
     # The shim lets 1.4.2 pass top logprobs and returns prompt logprobs (_sglang_shim patch 6). It
     # stamps every chunk with SGLang's version (patch 3), but spans are not declared from them, as on
     # SGLang direct (its wire): across an IN_PLACE update the first chunk stamped new held the old
@@ -214,6 +220,7 @@ ROUTES: Mapping[DynamoFlavor, FlavorRoutes] = {
         rollout_routes=True,
         tensors=True,
         abort_all_await_bug=True,
+        min_new_tokens=False,
         top_logprobs=5,
         prompt_logprobs=True,
         stop_strings=True,
@@ -225,7 +232,7 @@ ROUTES: Mapping[DynamoFlavor, FlavorRoutes] = {
     # frontend makes of dynamo.vllm's answers (docs/vllm.md). RETRACT preempts the paused requests
     # (vLLM's keep + clear_cache), so a load completes with them parked.
     DynamoFlavor.VLLM: FlavorRoutes(sglang=False, vllm=True, update_while_parked=True),
-    DynamoFlavor.NONE: FlavorRoutes(sglang=False),
+    DynamoFlavor.NONE: FlavorRoutes(sglang=False, min_new_tokens=False),
 }
 FLAVORS = tuple(f.value for f in DynamoFlavor)
 
@@ -598,6 +605,8 @@ class DynamoWire:
     memory_saver: bool = True
     max_context: int | None = None
     vocab_size: int | None = None
+    #: The checkpoint the workers loaded (the launcher's connect URL names it).
+    model_path: str | None = None
     eos_token_ids: tuple[int, ...] = ()
     namespace: str | None = None
     probe_timeout: float = 20.0
@@ -642,6 +651,7 @@ class DynamoWire:
     def capabilities(self) -> Capabilities:
         routes = self.routes
         pause_modes, transports = self._control_surface()
+        mocker = self.flavor is DynamoFlavor.MOCKER
         return Capabilities(
             pause_modes=pause_modes,
             weight_transports=transports,
@@ -652,7 +662,9 @@ class DynamoWire:
             stop_strings=routes.stop_strings,
             streaming=True,  # /v1/completions SSE (_CompletionStream)
             routing=_ROUTING.get(self.router_mode, RoutingKind.OTHER),
-            abort=True,
+            # The mocker has no abort route: abort(id) cancels the client's call (no partial tokens
+            # come back) and abort_all() is Unsupported (control()).
+            abort=not mocker,
             seeded_sampling=routes.deterministic,
             begin_end_update=False,
             # Every flavor with the tensor route loads SGLang's flat buckets (our worker unflattens).
@@ -670,8 +682,13 @@ class DynamoWire:
             # The probe is a 1-token generation pinned to the worker: only where pinning works.
             progress_probe=self.pinning,
             batch_invariant=routes.deterministic,
+            # The mocker's tokens are random: ids in [1000, 2000) whatever the model's vocabulary
+            # (ai-dynamo 1.4.2 and 1.6.1), greedy requests do not repeat; its prompts are the
+            # model's (1.6.1's frontend refuses ids outside the tokenizer's; measured 2026-12-05).
+            greedy_decoding=not mocker,
             max_context=self.max_context,
             vocab_size=self.vocab_size,
+            model_path=self.model_path,
         )
 
     # -- generation -------------------------------------------------------------------------
@@ -687,6 +704,10 @@ class DynamoWire:
         if request.sampling.stop and request.sampling.ignore_eos and not self.routes.worker_stop_strings:
             # SGLang keeps stop strings under ignore_eos; the 1.4.2 frontend drops them (measured).
             raise InvalidRequest("sampling.stop", "Dynamo's frontend ignores stop strings with ignore_eos=True")
+        if request.sampling.min_new_tokens and not self.routes.min_new_tokens:
+            raise Unsupported(
+                "sampling.min_new_tokens", f"{self.flavor.value} workers do not pass min_tokens on to the engine"
+            )
         if request.sampling.stop and self.flavor is DynamoFlavor.MOCKER:
             raise InvalidRequest("sampling.stop", "the mocker generates no text: stop strings cannot match")
         if request.prompt_logprobs_start is not None and not self.routes.prompt_logprobs:
@@ -696,7 +717,14 @@ class DynamoWire:
 
     def generate(self, request: GenerateRequest, worker: Worker | None) -> HttpRequest:
         self._refuse_unservable(request)
-        if self.native_generate and worker is None and request.prompt_logprobs_start is None:
+        # Stop strings go by /v1/completions: the native answer carries no text (ai-dynamo 1.6.1,
+        # our worker; the suite's stop_strings failed on the kv fleet, CPU 2026-12-05).
+        if (
+            self.native_generate
+            and worker is None
+            and request.prompt_logprobs_start is None
+            and not request.sampling.stop
+        ):
             return HttpRequest(
                 "POST", f"{self.frontend_url}/generate", json=native_body(request), headers=_session(request)
             )
@@ -990,7 +1018,10 @@ class DynamoWire:
         if isinstance(op, AbortRequest):
             return None  # no route aborts one request: the fleet cancels its own call
         if not self.routes.sglang:
-            return self._engine(worker, f"control/{op.name}")  # the mocker answers 404: ControlFailed
+            if isinstance(op, SetVersion) and self.version_source is VersionSource.STAMPED:
+                return None  # no engine holds a label: the version is the fleet's (stamped on answers)
+            # The mocker (and a bare instance) has no engine routes: 404 for every one of them.
+            raise Unsupported(op.name, f"{self.flavor.value} workers have no engine control routes")
         return self._sglang_control(op, worker)
 
     def _sglang_control(self, op: Command, worker: Worker) -> HttpRequest | None:

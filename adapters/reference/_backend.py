@@ -272,6 +272,7 @@ class ReferenceBackend(Fleet):
             batch_invariant=True,  # every request runs alone through the model (no padded batches)
             max_context=first.max_context,
             vocab_size=first.vocab_size,
+            model_path=str(first.model_path),
         )
         drivers = [ReferenceDriver(e, caps, owns_engine=owns_engines) for e in engines]
         super().__init__(drivers, capabilities=caps, name="reference")

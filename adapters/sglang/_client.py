@@ -69,6 +69,8 @@ class ServedLimits:
 
     vocab_size: int | None
     context_length: int | None
+    #: The checkpoint directory the server loaded (``/model_info``'s ``model_path``).
+    model_path: str | None = None
 
 
 async def discover_limits(client: HttpClient, worker_url: str, server_info: Mapping[str, Any]) -> ServedLimits:
@@ -91,10 +93,13 @@ async def discover_limits(client: HttpClient, worker_url: str, server_info: Mapp
     if info is None:
         info = await _get_json(client, f"{worker_url}/get_model_info")
     info = info if isinstance(info, dict) else {}
+    path = info.get("model_path") or server_info.get("model_path")
     vocab = _positive_int(info.get("vocab_size"))
     if vocab is None:
-        vocab = vocab_size_of(info.get("model_path") or server_info.get("model_path"))
-    return ServedLimits(vocab_size=vocab, context_length=ctx)
+        vocab = vocab_size_of(path)
+    return ServedLimits(
+        vocab_size=vocab, context_length=ctx, model_path=path if isinstance(path, str) and path else None
+    )
 
 
 async def connect(
@@ -166,6 +171,7 @@ async def connect(
         stop_strings=isinstance(info, dict) and info.get("skip_tokenizer_init") is False,
         max_context=ctx,
         vocab_size=vocab_size,
+        model_path=limits.model_path,
         url_workers={u.rstrip("/"): worker_id_of(u) for u in worker_urls},
     )
     fleet = [Worker(id=worker_id_of(u), control_url=u, generate_url=u) for u in worker_urls]

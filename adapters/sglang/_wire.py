@@ -177,6 +177,8 @@ class SGLangWire:
     deterministic: bool = False
     max_context: int | None = None
     vocab_size: int | None = None
+    #: The checkpoint the first worker reported at connect (``Capabilities.model_path``).
+    model_path: str | None = None
     probe_timeout: float = 20.0
     #: Worker URL (no trailing slash) -> worker id: names the worker a router reports it routed to.
     url_workers: Mapping[str, str] = attrs.field(factory=dict)
@@ -220,6 +222,7 @@ class SGLangWire:
             batch_invariant=self.deterministic,
             max_context=self.max_context,
             vocab_size=self.vocab_size,
+            model_path=self.model_path,
         )
 
     # -- generation -------------------------------------------------------------------------

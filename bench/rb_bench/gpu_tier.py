@@ -10,15 +10,16 @@ What it does, within ``--budget-s`` seconds from start to the last process stopp
 1. makes the tiny Qwen2 model twice with ``make_tiny_model``: seed 0 (the served weights) and
    seed 1 (the *alt* weights of the weight-update checks), in a temporary work directory;
 2. starts, concurrently: **sglang-direct** (one SGLang server), **sglang-smg-rr** (two SGLang
-   workers behind ``smg``, round robin), **dynamo-rr** (a Dynamo 1.4.2 frontend, round robin, and
-   one ``dynamo.sglang`` worker through our shim) and an **oracle** SGLang server on the alt weights
+   workers behind ``smg``, round robin), **dynamo-rr** and **dynamo-kv** (a Dynamo 1.4.2 frontend,
+   round robin or the kv router (``launch dynamo``'s default), each with one ``dynamo.sglang``
+   worker through our shim) and an **oracle** SGLang server on the alt weights
    (radix cache off): the "fresh engine on the new weights" of every backend's harness. With
    ``--engine reference`` the same orchestration runs reference workers (SGLang-protocol reference
    servers, Dynamo reference workers) on CPU, so the whole command is tested in CI;
-3. measures parity across the three backends (cold caches, ``check_parity``, with a float32
+3. measures parity across the four backends (cold caches, ``check_parity``, with a float32
    transformers forward pass on CPU) and the cache-hit drift of each (the same prompts twice,
    no flush in between);
-4. runs the conformance checks on each backend (the three suites concurrently; a check is started
+4. runs the conformance checks on each backend (the four suites concurrently; a check is started
    only while enough of the budget is left, and the rest are reported "not run");
 5. writes ``DIR/conformance-results.md``, ``DIR/conformance-results.json`` and ``DIR/logs-tail.txt``
    (log tails of what failed; small), prints a short summary, and stops every process it started,
@@ -105,14 +106,18 @@ BACKENDS: Mapping[str, str] = {
     "direct": "sglang-direct",
     "smg": "sglang-smg-rr",
     "dynamo": "dynamo-rr",
+    "dynamo_kv": "dynamo-kv",
     "vllm": "vllm-direct",
     "dynamo_vllm": "dynamo-vllm-rr",
     "dynamo16": "dynamo16-rr",  # a second Dynamo install (--dynamo16-python), stock dynamo.sglang
 }
 #: What ``--backends`` runs unless told: the SGLang engines (and ``dynamo16`` with --dynamo16-python).
-DEFAULT_BACKENDS = ("direct", "smg", "dynamo")
+DEFAULT_BACKENDS = ("direct", "smg", "dynamo", "dynamo_kv")
 #: What this runner starts itself (``DEFAULT_BACKENDS`` and the second Dynamo fleet).
 OWN_BACKENDS = (*DEFAULT_BACKENDS, "dynamo16")
+#: The Dynamo backends' router modes: round robin, and the kv router ``launch dynamo`` starts by
+#: default (where ``abort_all`` failed 3 of 7 runs on CPU before the check waited for late requests).
+DYNAMO_ROUTERS: Mapping[str, str] = {"dynamo": "round-robin", "dynamo_kv": "kv", "dynamo16": "round-robin"}
 ORACLE = "oracle"
 DIST_CHECK = "distributed_update_matches_fresh"
 #: SGLang flags that work on the H200 image (see the GPU notes): FA3 is not carried, flashinfer's
@@ -177,7 +182,7 @@ class TierConfig:
     #: ``.venv-dynamo16/bin/python`` (CPU). Its workers run stock ``dynamo.sglang`` unless ``dynamo16_shim``.
     dynamo16_python: str | None = None
     dynamo16_shim: bool = False
-    #: Run the three suites at once (each backend has its own servers; only the oracle is shared).
+    #: Run the suites at once (each backend has its own servers; only the oracle is shared).
     parallel: bool = True
     mem_fraction: float = 0.12
     max_total_tokens: int = 65536
@@ -565,13 +570,13 @@ class _Tier:
             return f"1 {kind} server, no router{where}"
         if key == "smg":
             return f"2 {kind} workers behind smg (round_robin){where}"
-        if key in ("dynamo", "dynamo16"):
-            shim = key == "dynamo" or self.cfg.dynamo16_shim
+        if key in DYNAMO_ROUTERS:
+            shim = key != "dynamo16" or self.cfg.dynamo16_shim
             worker = (
                 f"dynamo.sglang ({'our shim' if shim else 'stock'})" if self.cfg.sglang else "Dynamo reference worker"
             )
             which = f" of {self.cfg.dynamo16_python}" if key == "dynamo16" else ""
-            return f"Dynamo frontend{which} (round-robin) + 1 {worker}{where}"
+            return f"Dynamo frontend{which} ({DYNAMO_ROUTERS[key]}) + 1 {worker}{where}"
         return f"1 {kind} server on the alt weights (seed 1), radix cache off{where}: the fresh-engine oracle"
 
     def _stage(self, name: str, t: float) -> None:
@@ -644,7 +649,8 @@ class _Tier:
         )
 
     async def _start_dynamo(self, key: str = "dynamo", config: Any = None) -> _Running:
-        """A Dynamo fleet: ``config`` (a ``DynamoFleetConfig``; default: this tier's dynamo.sglang one)."""
+        """A Dynamo fleet: ``config`` (a ``DynamoFleetConfig``; default: this tier's dynamo.sglang
+        one behind the router ``DYNAMO_ROUTERS[key]``)."""
         from rollout_backends.adapters.dynamo import DynamoFleetConfig, launch_dynamo_fleet
 
         c = self.cfg
@@ -655,7 +661,7 @@ class _Tier:
             served_model_name="tiny",
             workers=1,
             worker_kind="sglang" if c.sglang else "reference",
-            router_mode="round-robin",
+            router_mode=DYNAMO_ROUTERS[key],
             page_size=16,
             gpus=self.cfg.gpus_of(key) if c.sglang else (),
             sglang_args=sglang_args if c.sglang else (),
@@ -689,7 +695,7 @@ class _Tier:
 
     async def _start(self, key: str) -> _Running:
         """Start one backend (or the oracle): what ``rb_bench.vllm_tier`` overrides."""
-        if key in ("dynamo", "dynamo16"):
+        if key in DYNAMO_ROUTERS:
             return await self._start_dynamo(key)
         if key == ORACLE:
             return await self._start_sglang(ORACLE, self.alt, 1)

@@ -43,11 +43,21 @@ from rollout_backends.testing import (
     FakeDriver,
     FakeFleet,
     load_checkpoint,
+    permute_checkpoint,
     read_checkpoint,
     write_checkpoint,
 )
 
-__all__ = ["BUGS", "FULL", "FakeBackend", "fake_factory", "fake_harness", "read_checkpoint", "write_checkpoint"]
+__all__ = [
+    "BUGS",
+    "FULL",
+    "BuggyDriver",
+    "FakeBackend",
+    "fake_factory",
+    "fake_harness",
+    "read_checkpoint",
+    "write_checkpoint",
+]
 
 VOCAB = VOCAB_SIZE
 CONTEXT = MAX_CONTEXT
@@ -91,8 +101,28 @@ BUGS = frozenset(
         # the first greedy pick after a RETRACT resume is the second most likely token (a recompute
         # that flips more than a near tie)
         "retract_flips_token",
+        # a weight load inside the transaction is acknowledged at once and applied later, after the
+        # commit moved the label
+        "label_before_load",
+        # one sampling parameter each, dropped before the engine applies them
+        *(f"{name}_ignored" for name in ("temperature", "top_k", "top_p", "min_p", "min_new_tokens")),
+        *(f"{name}_penalty_ignored" for name in ("repetition", "frequency", "presence")),
     }
 )
+
+#: What each "<parameter>_ignored" bug sets the parameter to (its neutral value; greedy for temperature).
+_IGNORED: dict[str, dict[str, Any]] = {
+    "temperature_ignored": {"temperature": 0.0},
+    "top_k_ignored": {"top_k": -1},
+    "top_p_ignored": {"top_p": 1.0},
+    "min_p_ignored": {"min_p": 0.0},
+    "min_new_tokens_ignored": {"min_new_tokens": 0},
+    "repetition_penalty_ignored": {"repetition_penalty": 1.0},
+    "frequency_penalty_ignored": {"frequency_penalty": 0.0},
+    "presence_penalty_ignored": {"presence_penalty": 0.0},
+}
+#: How long a "label_before_load" engine takes to apply a load it acknowledged (seconds).
+LATE_LOAD_S = 0.3
 
 FULL = FAKE_CAPABILITIES
 _LOADS = (UpdateFromDisk, UpdateFromTensors)
@@ -111,6 +141,7 @@ class BuggyDriver(FakeDriver):
         self.loaded_version = self.version  #: what a "version_lag" engine keeps stamping
         self.left_running: list[asyncio.Future[None]] = []  #: "stream_no_abort": what runs on
         self.retracted: set[int] = set()  #: "retract_flips_token": requests parked mid-generation
+        self.late_loads: list[asyncio.Future[None]] = []  #: "label_before_load": loads still to apply
 
     def _check(self, request: rb.GenerateRequest) -> None:
         if "accept_oov" not in self.bugs:
@@ -134,6 +165,10 @@ class BuggyDriver(FakeDriver):
             self.retracted.discard(id(r))
             return super()._ranked(logprobs)[1]
         return super()._greedy(r, logprobs)
+
+    def _effective(self, sampling: rb.SamplingParams) -> rb.SamplingParams:
+        changes = {k: v for bug, change in _IGNORED.items() if bug in self.bugs for k, v in change.items()}
+        return sampling.replace(**changes) if changes else sampling
 
     def _rng(self, sampling: rb.SamplingParams) -> random.Random:
         return random.Random() if "seed_ignored" in self.bugs else super()._rng(sampling)
@@ -235,6 +270,16 @@ class BuggyDriver(FakeDriver):
             return
         if isinstance(op, Pause) and op.mode is PauseMode.RETRACT and "retract_as_abort" in self.bugs:
             op = Pause(PauseMode.ABORT)
+        if isinstance(op, _LOADS) and op.version is None and "label_before_load" in self.bugs:
+            # A load inside the transaction (it labels nothing itself): the label moves at commit.
+
+            async def late(load: Command = op) -> None:  # the bug: "done" before the weights are in
+                await asyncio.sleep(LATE_LOAD_S)
+                with contextlib.suppress(rb.RolloutBackendError):  # nobody is told any more
+                    await FakeDriver.control(self, load)
+
+            self.late_loads.append(asyncio.ensure_future(late()))
+            return
         try:
             await super().control(op)
         except Exception:
@@ -245,6 +290,11 @@ class BuggyDriver(FakeDriver):
             self.loaded_version = op.version
         if isinstance(op, SetVersion) and "set_version_aborts" in self.bugs:
             await super().control(AbortAll())
+
+    async def aclose(self) -> None:
+        for task in self.late_loads:
+            task.cancel()
+        await super().aclose()
 
     async def probe(self, op: Probe) -> bool | None:
         if isinstance(op, Progress) and "probe_none" in self.bugs:
@@ -265,12 +315,13 @@ class FakeBackend(FakeFleet):
         declare: Capabilities = FULL,
         bugs: frozenset[str] = frozenset(),
         token_delay: float = 0.002,
+        driver: type[BuggyDriver] = BuggyDriver,
     ) -> None:
         unknown = set(bugs) - BUGS
         assert not unknown, unknown
         self.bugs = frozenset(bugs)
         drivers = [
-            BuggyDriver(f"fake-{i}", bugs=self.bugs, seed=seed, capabilities=declare, token_delay=token_delay)
+            driver(f"fake-{i}", bugs=self.bugs, seed=seed, capabilities=declare, token_delay=token_delay)
             for i in range(workers)
         ]
         super().__init__(drivers, capabilities=declare)
@@ -330,6 +381,7 @@ def fake_harness(tmp: Path, **changes: Any) -> Harness:
             yield
 
     h = Harness(
+        permute_vocabulary=permute_checkpoint,
         alt_weights_path=alt,
         base_weights_path=base,
         fresh_factory_on=fresh_on,

@@ -20,6 +20,7 @@ import pytest_asyncio
 
 from rollout_backends import GenerateRequest, SamplingParams, TransientError
 from rollout_backends.adapters.dynamo import DynamoFleet, RunningDynamoFleet, launch_dynamo_fleet
+from rollout_backends.conformance import Harness, run_checks
 from rollout_backends.kit import HttpFleetBackend
 
 from .conftest import HAS_DYNAMO
@@ -72,9 +73,33 @@ async def test_capabilities(kv_fleet: tuple[RunningDynamoFleet, HttpFleetBackend
     assert caps.worker_pinning and caps.routing.value == "kv"
     assert not caps.logprobs and not caps.pause_modes and not caps.weight_transports
     assert caps.version_source.value == "stamped"
+    # Random tokens (ids in [1000, 2000) whatever the model's vocabulary), no abort route; prompts
+    # are the model's (the 1.6.1 frontend refuses others).
+    assert not caps.greedy_decoding and caps.vocab_size == 512 and not caps.abort
     assert len(b.workers) == 2
     g = await b.generate(GenerateRequest(input_ids=[1, 2, 3], sampling=SAMPLING))
     assert len(g.output_ids) == 4 and g.logprobs is None and g.weight_version == "default"
+
+
+async def test_the_conformance_suite_on_a_mocker_fleet(kv_fleet: tuple[RunningDynamoFleet, HttpFleetBackend]) -> None:
+    """A mocker fleet declares only what it serves: the suite fails nothing on it (it failed 22
+    checks on ids outside the model's vocabulary, and abort_all / set_weight_version answered 404
+    though declared); what it does not serve skips, saying which capability is not declared. Its
+    output ids are random, so they are not held to the model's vocabulary (greedy_decoding=False)."""
+    fleet, _ = kv_fleet
+
+    async def factory() -> HttpFleetBackend:
+        return await fleet.connect()
+
+    report = await run_checks(factory, Harness(concurrency=16, check_timeout_s=60.0), label="mocker")
+    print("\n" + report.summary())
+    assert not report.failed and not report.errors, report.summary()
+    ran = {r.name for r in report.passed}
+    # Relabelling is the fleet's (STAMPED versions): the label checks run on two mockers.
+    assert {"staleness_visible", "min_version_after_partial_update", "set_version_keeps_inflight"} <= ran, ran
+    assert "capability greedy_decoding=True not declared" in report["greedy_repeatable"].message
+    assert report["abort_all"].message == "capability abort=True not declared"
+    assert "reject_out_of_vocab" in ran  # refused before sending, as for every fleet that knows its vocabulary
 
 
 async def test_kv_prefix_affinity(kv_fleet: tuple[RunningDynamoFleet, HttpFleetBackend]) -> None:

@@ -22,6 +22,7 @@ from rollout_backends import (
     PauseMode,
     SamplingParams,
     Unsupported,
+    VersionSource,
     WeightGroup,
 )
 from rollout_backends._http import HttpClient, HttpRequest, HttpResponse, MockTransport
@@ -215,8 +216,42 @@ def test_stringified_struct_results_keep_their_success() -> None:
 def test_capabilities_by_mode_and_flavor() -> None:
     assert _wire(router_mode="round-robin").capabilities().worker_pinning is False
     assert _wire(router_mode="direct").capabilities().worker_pinning is True
-    m = _wire(flavor="mocker").capabilities()
+    m = _wire(flavor="mocker", vocab_size=512, model_path="/m/tiny").capabilities()
     assert not m.pause_modes and not m.weight_transports and not m.logprobs
+    # Random tokens in [1000, 2000) whatever the model's vocabulary (prompts are the model's), no abort route.
+    assert not m.greedy_decoding and m.vocab_size == 512 and not m.abort
+    ours = _wire(vocab_size=512, model_path="/m/tiny").capabilities()
+    assert ours.greedy_decoding and ours.vocab_size == 512 and ours.abort and ours.model_path == "/m/tiny"
+
+
+async def test_the_mocker_relabels_in_the_fleet_and_refuses_engine_controls_typed() -> None:
+    """The mocker has no engine routes: a relabel is the fleet's own (its versions are STAMPED),
+    and every engine command is ``Unsupported`` naming it (each answered 404 before)."""
+    sent: list[str] = []
+
+    async def handler(req: HttpRequest) -> HttpResponse:
+        sent.append(req.url)
+        return HttpResponse(status=404, body=b"Route not found")
+
+    wire = _wire(flavor="mocker", version_source=VersionSource.STAMPED)
+    b = HttpFleetBackend(wire, [W0, W1], client=HttpClient(MockTransport(handler)))
+    b.set_installed_version("v0")
+    await b.set_weight_version("v1", workers=[W1.id])
+    assert dict(await b.weight_versions()) == {W0.id: "v0", W1.id: "v1"} and sent == []
+    for call, name in ((b.abort_all, "abort_all"), (b.flush_cache, "flush_cache")):
+        with pytest.raises(Unsupported, match=name):
+            await call()
+    assert sent == []
+    await b.aclose()
+
+
+def test_min_new_tokens_is_refused_where_the_workers_drop_it() -> None:
+    """dynamo.sglang 1.4.2 builds SGLang's sampling params without min_tokens: refused, not dropped."""
+    req = GenerateRequest(input_ids=[1, 2], sampling=SamplingParams(max_new_tokens=8, min_new_tokens=4))
+    for flavor in ("sglang14", "sglang14-shim"):
+        with pytest.raises(Unsupported, match=r"sampling\.min_new_tokens"):
+            _wire(flavor=flavor).generate(req, None)
+    assert _wire().generate(req, None).json["min_tokens"] == 4  # our worker passes it on
 
 
 async def test_abort_cancels_the_in_flight_call() -> None:
@@ -335,6 +370,11 @@ def test_native_generate_routes_unpinned_requests_only() -> None:
     pinned = w.generate(req, W0)
     assert pinned.url == "http://fe/v1/completions" and pinned.json["nvext"]["backend_instance_id"] == 111
     assert _wire().generate(req, None).url == "http://fe/v1/completions"
+    # 1.6.1's /generate answer carries no text: a request with stop strings (whose text is cut at
+    # the match) stays on /v1/completions too
+    stopping = attrs.evolve(req, sampling=attrs.evolve(req.sampling, stop=("ab",)))
+    http = w.generate(stopping, None)
+    assert http.url == "http://fe/v1/completions" and http.json["stop"] == ["ab"]
 
 
 def test_parse_native_generation() -> None:

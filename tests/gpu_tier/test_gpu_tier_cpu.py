@@ -143,7 +143,7 @@ def test_gpu_tier_reference_end_to_end(tmp_path: Path) -> None:
         assert b["cache_hit_drift"]["cached_tokens_second_run"] > 0
     assert data["oracle"]["started"]
     parity = data["parity"]
-    assert parity["ok"] and len(parity["pairs"]) == 3 and all(p["ids_equal"] for p in parity["pairs"])
+    assert parity["ok"] and len(parity["pairs"]) == 6 and all(p["ids_equal"] for p in parity["pairs"])
     assert all(h["tokens"] > 0 and h["max_abs_dlogprob"] < 2e-2 for h in parity["transformers"])
     # The reference servers return prompt logprobs: parity compares them, and the table says so.
     assert all(p["prompt_logprobs_compared"] and p["max_abs_dprompt_logprob"] == 0 for p in parity["pairs"])

@@ -23,8 +23,8 @@ EXPECTED_SKIPS = {
     # 0.26 keeps no weight version: the fleet stamps spans where no update overlapped.
     "version_spans_across_update": "version_spans=RESPONSE not declared",
     "version_spans_across_in_place_update": "version_spans=RESPONSE not declared",
-    "stream_version_spans_across_update": "stream_version_spans not declared",
-    "stream_version_spans_across_in_place_update": "stream_version_spans not declared",
+    "stream_version_spans_across_update": "stream_version_spans=True not declared",
+    "stream_version_spans_across_in_place_update": "stream_version_spans=True not declared",
 }
 
 
