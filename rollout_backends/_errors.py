@@ -88,7 +88,11 @@ class ConnectionFailed(TransientError):
 
 
 class Overloaded(TransientError):
-    """The server answered that it is busy (HTTP 429, or 503 from a serving worker)."""
+    """The server answered that it is busy (HTTP 429, or 503 from a serving worker).
+
+    Inside a driver it also marks a command an engine refused only because it was busy, having
+    done nothing (an immediate flush with requests still running): the driver sends the command
+    again while it may wait, then raises ``ControlFailed`` with the engine's words."""
 
 
 class NoCompatibleVersion(TransientError):

@@ -21,13 +21,14 @@ import attrs
 from rollout_backends._errors import (
     ContractViolation,
     ControlFailed,
+    Overloaded,
     RolloutBackendError,
     TransientError,
     WorkerFailure,
 )
 from rollout_backends._fleet import Fleet
 from rollout_backends._http import HttpClient, HttpRequest, HttpResponse
-from rollout_backends._ops import AbortRequest, Command, GetVersion, Operation, Probe
+from rollout_backends._ops import AbortRequest, Command, GetVersion, Operation, Probe, busy_wait_s
 from rollout_backends._types import Capabilities, GenerateRequest, Generation, TokenChunk
 
 __all__ = ["ControlCalls", "HttpDriver", "HttpEntry", "HttpFleetBackend", "HttpLink", "StreamParser", "Wire", "Worker"]
@@ -122,7 +123,9 @@ class Wire(Protocol):
         ...
 
     def parse_control(self, op: Command, worker: Worker, response: HttpResponse) -> None:
-        """Check a command's answer: return, or raise ``ControlFailed``/``ContractViolation``."""
+        """Check a command's answer: return, or raise ``ControlFailed``/``ContractViolation``; or
+        ``Overloaded`` where the engine refused it only because it is busy and did nothing (the
+        driver sends it again while the command may wait: ``busy_wait_s``)."""
         ...
 
     def parse_version(self, worker: Worker, response: HttpResponse) -> str | None:
@@ -270,7 +273,26 @@ class HttpDriver:
     async def control(self, op: Command) -> None:
         # Several calls: in order, each answer checked before the next is sent (ControlCalls).
         for req in _calls(self.link.wire.control(op, self.worker)):
-            self.link.wire.parse_control(op, self.worker, await self._call(op, req))
+            await self._until_taken(op, req)
+
+    async def _until_taken(self, op: Command, req: HttpRequest) -> None:
+        """Send one call; while the engine refuses it as busy (``Overloaded`` from the wire), send
+        it again, backing off, until the command's wait (``busy_wait_s``) has passed; then
+        ``ControlFailed`` with the engine's last answer."""
+        wait_s = busy_wait_s(op)
+        loop = asyncio.get_running_loop()
+        deadline, pause = loop.time() + wait_s, 0.02
+        while True:
+            try:
+                self.link.wire.parse_control(op, self.worker, await self._call(op, req))
+                return
+            except Overloaded as exc:
+                left = deadline - loop.time()
+                if left <= 0:
+                    busy = f"{exc} (still refused after {wait_s:g} s)" if wait_s else str(exc)
+                    raise ControlFailed(op.name, [WorkerFailure(self.worker.id, op.name, busy)]) from exc
+            await asyncio.sleep(min(pause, left))
+            pause = min(2 * pause, 0.25)
 
     async def probe(self, op: Probe) -> bool | None:
         resp = await self._send(op)

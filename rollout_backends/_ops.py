@@ -46,6 +46,7 @@ __all__ = [
     "UpdateFromDisk",
     "UpdateFromDistributed",
     "UpdateFromTensors",
+    "busy_wait_s",
     "unhandled",
 ]
 
@@ -259,6 +260,14 @@ Command: TypeAlias = (
 )
 Probe: TypeAlias = Live | Ready | Progress
 Operation: TypeAlias = Command | GetVersion | Probe
+
+
+def busy_wait_s(op: Command) -> float:
+    """How long a driver sends ``op`` again while its engine refuses it as busy (a wire's
+    ``parse_control`` raised ``Overloaded``: the engine did nothing). Only a flush waits: its
+    ``wait_s``, the time SGLang itself defers a flush given ``timeout_s``; every other command
+    fails at its first refusal."""
+    return op.wait_s if isinstance(op, FlushCache) else 0.0
 
 
 def unhandled(op: NoReturn) -> NoReturn:

@@ -288,6 +288,19 @@ def _struct_result(data: Any) -> Any:
     return {**data, "success": ok.group(1) == "True", "message": (msg.group("m") if msg else "") or data["result"]}
 
 
+def _flush_refused_busy(data: Any) -> bool:
+    """Whether a 1.6.x ``flush_cache`` answer is SGLang refusing because requests are pending.
+
+    ai-dynamo 1.6.1's route (``--engine-route flush_cache``, target ``engine``;
+    ``dynamo/sglang/engine_routes.py``) calls ``Engine.flush_cache()``, which asks the scheduler
+    with no ``timeout_s``; SGLang 0.5.16 then flushes at once or answers
+    ``FlushCacheReqOutput(success=False)`` with an empty message, only when it is not idle
+    (``scheduler_components/flush_wrapper.py``, ``Scheduler.flush_cache``: "Cache not flushed
+    because there are pending requests"); the route answers its fields as JSON. A request that has
+    just answered still counts as running for a scheduler step (H100, 2026-12-05, issue 30)."""
+    return isinstance(data, dict) and data.get("success") is False and not data.get("message")
+
+
 def stop_strings_from_annotations(request: Mapping[str, Any]) -> tuple[str, ...]:
     """The stop strings a preprocessed request's ``annotations`` carry (``STOP_ANNOTATION``; ``()``
     without); ``InvalidRequest`` naming ``sampling.stop`` for a malformed one."""
@@ -1047,7 +1060,7 @@ class DynamoWire:
             case Resume():
                 return native_or_tm("continue_generation", {}, "ContinueGenerationReqInput")
             case FlushCache(wait_s=wait_s):
-                if native:  # 1.6.x's flush_cache route takes no wait (its body is not passed on)
+                if native:  # 1.6.x: Engine.flush_cache() takes no wait; refused while busy, resent
                     return self._engine(worker, "flush_cache")
                 # TokenizerManager.flush_cache(timeout_s=): SGLang defers the flush until idle.
                 body = {"method": "flush_cache", "args": [], "kwargs": {"timeout_s": wait_s}}
@@ -1080,6 +1093,11 @@ class DynamoWire:
         failed = not response.ok
         if failed and isinstance(op, AbortAll) and self.routes.abort_all_await_bug and "await" in response.text:
             return  # dispatched: see ``FlavorRoutes.abort_all_await_bug``
+        if isinstance(op, FlushCache) and self.routes.native and response.ok:
+            data = response.json()
+            if _flush_refused_busy(data):  # the driver resends it while the flush may wait
+                said = json.dumps(data)[:200]
+                raise Overloaded(f"refused while requests are pending (SGLang answered {said})", worker=worker.id)
         self._checked(op.name, worker, response)
 
     def _checked(self, name: str, worker: Worker, response: HttpResponse) -> Any:
@@ -1093,7 +1111,8 @@ class DynamoWire:
             # engine did it is unknown, and a refused flush must never read as done.
             raise ContractViolation(f"{name}: unreadable engine result {str(data['result'])[:120]!r}", worker=worker.id)
         if isinstance(data, dict) and (data.get("success") is False or data.get("status") == "error"):
-            raise ControlFailed(name, [WorkerFailure(worker.id, name, str(data.get("message", data)))])
+            said = data.get("message") or json.dumps(data)[:200]  # never an empty reason
+            raise ControlFailed(name, [WorkerFailure(worker.id, name, str(said))])
         return data
 
     def parse_version(self, worker: Worker, response: HttpResponse) -> str | None:

@@ -12,6 +12,7 @@
 # unless those bundles are installed now (a chunk or part not sent, or the machine was released in
 # between: start again from the first). Prints, per installed bundle, the PYTHONPATH its runs use.
 set -uo pipefail
+ROOT=$(cd "$(dirname "$0")/../.." && pwd)   # the checkout, wherever this is started from
 STASH=${STASH:-/tmp/bundle-chunks}
 REG=${REG:-/tmp/bundle-registry}   # the BUNDLE file of every bundle seen on this machine
 T0=$(date +%s)
@@ -72,8 +73,9 @@ check() {  # check REGFILE: the bundle's modules import under its PYTHONPATH (on
   installed "$site" "$archive" "$sha256" || return 0
   result="$site/.checked-${sha256:0:16}-$name"
   if [ ! -e "$result" ]; then
+    # From / : the checkout's rollout_backends/ must not shadow an installed one (python3 -c).
     # shellcheck disable=SC2086
-    PYTHONPATH=$pythonpath python3 -c '
+    (cd / && PYTHONPATH=$pythonpath python3 -c '
 import importlib, sys
 bad = []
 for m in sys.argv[1:]:
@@ -81,7 +83,7 @@ for m in sys.argv[1:]:
         importlib.import_module(m)
     except Exception as exc:  # noqa: BLE001 - list every missing piece
         bad.append(f"{m}: {type(exc).__name__}: {exc}")
-print("\n".join(bad) if bad else "ok")' $check > "$result" 2>&1
+print("\n".join(bad) if bad else "ok")' $check) > "$result" 2>&1
   fi
   if [ "$(tail -1 "$result")" = ok ]; then log "$name: imports ok; runs use PYTHONPATH=$pythonpath"; return 0; fi
   log "$name: IMPORT FAILED with PYTHONPATH=$pythonpath:"; tail -5 "$result"; return 1
@@ -89,7 +91,7 @@ print("\n".join(bad) if bad else "ok")' $check > "$result" 2>&1
 
 mkdir -p "$REG"
 rc=0
-for bundle in .gpu-wheels/*/BUNDLE; do
+for bundle in "$ROOT"/.gpu-wheels/*/BUNDLE; do
   [ -e "$bundle" ] || continue
   take "$(dirname "$bundle")" || rc=1
 done

@@ -5,9 +5,10 @@
 
 Both fleets serve ``M0``. For the same token prompts (greedy, one request at a time, the radix cache
 flushed before each), ``--test`` must give the ids ``--ref`` gives; then both load ``M1`` through
-``update_weights_from_disk`` (the outputs must change, and agree again), then ``M0`` again (the
-first answers must come back). Prints one line per step; exit 0 iff every step held. Used by
-``tools/gpu/newer-engines.sh`` (ai-dynamo 1.6.1 over SGLang 0.5.16 / 0.5.17, issue 30).
+``update_weights_from_disk`` (each fleet flushed first; the outputs must change, and agree
+again), then ``M0`` again (the first answers must come back). Prints one line per step; exit 0
+iff every step held. Used by ``tools/gpu/newer-engines.sh`` (ai-dynamo 1.6.1 over SGLang 0.5.16 /
+0.5.17, issue 30).
 """
 
 from __future__ import annotations
@@ -58,6 +59,10 @@ async def run(args: argparse.Namespace) -> int:
         for step, path in (("seed0", None), ("seed1", args.alt), ("seed0-again", args.model)):
             if path is not None:
                 for b in (ref, test):
+                    # Idle first: SGLang's load flushes and asserts the flush took
+                    # (weight_updater.py, 0.5.16), and a request that has just answered may still
+                    # count as running; the library's flush waits for idle (FlushCache.wait_s).
+                    await b.flush_cache()
                     await b.update_weights_from_disk(path, version=step)
             a = await _answers(ref, prompts, args.new_tokens)
             b_ = await _answers(test, prompts, args.new_tokens)

@@ -23,7 +23,7 @@
 set -uo pipefail
 stage=${1:?usage: newer-engines.sh stash|dyn16 [0.5.16|0.5.17|both]|tier16|vllm [dynamo-only]}
 : "${OUT:?set OUT}"
-ROOT=$(pwd)
+ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)
 W=/tmp/newer-engines
 mkdir -p "$W/logs"
@@ -47,6 +47,12 @@ M0=/tmp/m/tiny M1=/tmp/m/tiny-s1
 bash "$ROOT/tools/gpu/run-gpu.sh" --install-only > "$W/install-rb.log" 2>&1 || { tail -20 "$W/install-rb.log"; exit 2; }
 bash "$ROOT/tools/gpu/install-bundles.sh" || log "some bundle failed its import check (above)"
 [ "$stage" = stash ] && exit 0
+# Every process from here starts in a neutral folder: from the checkout root, Python puts the
+# checkout's rollout_backends/ (adapters/ sits beside it; only the wheel maps it in) ahead of the
+# installed wheel for `python3 -m` and `-c` ("No module named 'rollout_backends.adapters'", H100
+# call 7, 2026-12-05). Scripts are named by $ROOT; VLLM_CAPTURE / DYNAMO_VLLM_CAPTURE get ROOT.
+cd "$W" || exit 2
+export ROOT
 
 start() {  # start NAME ENV... -- CMD...: own session, log $W/logs/NAME.log, pid $W/NAME.pid
   local name=$1; shift

@@ -17,7 +17,7 @@
 # Results: $OUT/conformance-results.{md,json}, $OUT/logs-tail.txt; a summary on stdout.
 set -uo pipefail
 T0=$(date +%s)
-ROOT=$(pwd)
+ROOT=$(cd "$(dirname "$0")/../.." && pwd)   # the checkout, wherever this is started from
 SITE=${SITE:-/tmp/site}
 OUT=${OUT:-/tmp/gpu-tier-out}
 ENGINE=${ENGINE:-sglang}
