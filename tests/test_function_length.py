@@ -24,7 +24,6 @@ KNOWN = {
     "conformance_tests/_core.py::run_check",
     "rollout_backends/_transaction.py::weight_update",
     "adapters/dynamo/_sglang_shim.py::patch_token_stream",
-    "adapters/dynamo/_wire.py::DynamoWire.parse_completion",
 }
 
 
