@@ -21,7 +21,6 @@ LIMIT = 80
 #: Longer than LIMIT on 2026-12-05 (issue 29); each to be split.
 KNOWN = {
     "adapters/dynamo/_client.py::connect",
-    "adapters/dynamo/_sglang_shim.py::patch_token_stream",
 }
 
 
