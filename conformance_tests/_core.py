@@ -786,6 +786,36 @@ async def _cleanup(backend: RolloutBackend) -> str | None:
     return "; ".join(problems) or None
 
 
+def _verdict_on(exc: Exception, backend: RolloutBackend, ctx: CheckContext, harness: Harness) -> tuple[Outcome, str]:
+    """What a check's body raising ``exc`` (other than ``SkipCheck``) makes of the check: FAIL where
+    the backend is wrong, ERROR where the setup or the harness is."""
+    if isinstance(exc, CheckFailed):
+        return Outcome.FAIL, str(exc)
+    if isinstance(exc, RolloutBackendError):
+        unknown = _unknown_limits(ctx)
+        if isinstance(exc, InvalidRequest) and unknown:
+            # The suite built the request within what it knew; with the limits unknown, a
+            # refusal says the setup lacks them, not that the backend is wrong.
+            return (
+                Outcome.ERROR,
+                f"setup: the backend refused a request the suite built ({exc}) while {unknown} "
+                "unknown: give them (--rb-vocab-size / --rb-max-context, or Harness.vocab_size / "
+                "max_context), or let the adapter discover them",
+            )
+        return Outcome.FAIL, f"backend raised {type(exc).__name__}: {exc}"
+    if isinstance(exc, asyncio.TimeoutError):
+        return Outcome.FAIL, f"timed out (Harness.check_timeout_s={harness.check_timeout_s}s): the backend hung"
+    if isinstance(exc, AssertionError):
+        return Outcome.FAIL, str(exc) or "assertion failed"
+    if isinstance(exc, HarnessError):
+        return Outcome.ERROR, f"harness: {exc}"
+    if raised_by_backend(exc, backend):
+        # Not a typed error, but the backend's: e.g. a plain ValueError out of the
+        # adapter's own parsing is the adapter's bug, not the harness's.
+        return Outcome.FAIL, f"backend raised {type(exc).__name__} (not a RolloutBackendError): {exc}"
+    return Outcome.ERROR, f"{type(exc).__name__}: {exc}"
+
+
 async def run_check(
     c: Check, factory: BackendFactory, harness: Harness | None = None, *, label: str | None = None
 ) -> CheckResult:
@@ -827,53 +857,9 @@ async def run_check(
                 await asyncio.wait_for(c.body(ctx), harness.check_timeout_s)
             except SkipCheck as exc:
                 outcome = result(Outcome.SKIP, exc.reason, meas=ctx.measurements, gaps=((Gap.CHECK, exc.reason),))
-            except CheckFailed as exc:
-                outcome = result(Outcome.FAIL, str(exc), traceback.format_exc(), ctx.measurements)
-            except RolloutBackendError as exc:
-                unknown = _unknown_limits(ctx)
-                if isinstance(exc, InvalidRequest) and unknown:
-                    # The suite built the request within what it knew; with the limits unknown, a
-                    # refusal says the setup lacks them, not that the backend is wrong.
-                    outcome = result(
-                        Outcome.ERROR,
-                        f"setup: the backend refused a request the suite built ({exc}) while {unknown} "
-                        "unknown: give them (--rb-vocab-size / --rb-max-context, or Harness.vocab_size / "
-                        "max_context), or let the adapter discover them",
-                        traceback.format_exc(),
-                        ctx.measurements,
-                    )
-                else:
-                    outcome = result(
-                        Outcome.FAIL,
-                        f"backend raised {type(exc).__name__}: {exc}",
-                        traceback.format_exc(),
-                        ctx.measurements,
-                    )
-            except asyncio.TimeoutError:
-                outcome = result(
-                    Outcome.FAIL,
-                    f"timed out (Harness.check_timeout_s={harness.check_timeout_s}s): the backend hung",
-                    traceback.format_exc(),
-                    ctx.measurements,
-                )
-            except AssertionError as exc:
-                outcome = result(Outcome.FAIL, str(exc) or "assertion failed", traceback.format_exc(), ctx.measurements)
-            except HarnessError as exc:
-                outcome = result(Outcome.ERROR, f"harness: {exc}", traceback.format_exc(), ctx.measurements)
             except Exception as exc:
-                if raised_by_backend(exc, backend):
-                    # Not a typed error, but the backend's: e.g. a plain ValueError out of the
-                    # adapter's own parsing is the adapter's bug, not the harness's.
-                    outcome = result(
-                        Outcome.FAIL,
-                        f"backend raised {type(exc).__name__} (not a RolloutBackendError): {exc}",
-                        traceback.format_exc(),
-                        ctx.measurements,
-                    )
-                else:
-                    outcome = result(
-                        Outcome.ERROR, f"{type(exc).__name__}: {exc}", traceback.format_exc(), ctx.measurements
-                    )
+                verdict, message = _verdict_on(exc, backend, ctx, harness)
+                outcome = result(verdict, message, traceback.format_exc(), ctx.measurements)
             else:
                 outcome = result(Outcome.PASS, meas=ctx.measurements)
     finally:

@@ -99,6 +99,42 @@ def _failures(step: str, exc: BaseException, workers: Sequence[str]) -> list[Wor
     return [WorkerFailure(w, step, msg) for w in targets]
 
 
+#: ``weight_update``'s step runner: runs a named step, records its failures, says whether it succeeded.
+_StepRunner = Callable[[str, Callable[[], Awaitable[None]]], Awaitable[bool]]
+
+
+async def _pause_and_flush(backend: RolloutBackend, mode: PauseMode, step: _StepRunner) -> tuple[bool, bool]:
+    """``weight_update``'s first steps: pause, then flush the prefix cache. Returns ``(ok,
+    cache_flushed)``; the caller resumes whatever this paused, in its ``finally``."""
+    ok = await step("pause", lambda: backend.pause(mode))
+    cache_flushed = True
+    if ok and mode is not PauseMode.IN_PLACE:
+        ok = await step("flush_cache", backend.flush_cache)
+    elif ok:
+        # IN_PLACE: an engine refuses to flush while frozen requests hold KV, and that is not a
+        # failure. When none is frozen the flush succeeds, and prefixes cached under the old
+        # weights are not served after the update (miles#2783).
+        try:
+            await backend.flush_cache()
+        except RolloutBackendError:
+            cache_flushed = False
+    return ok, cache_flushed
+
+
+async def _restore_labels(
+    backend: RolloutBackend, previous: Mapping[str, str | None], prev_common: str | None, step: _StepRunner
+) -> None:
+    """After a failed update whose labels may have moved: put each worker's old label back and
+    declare the old common version (``None`` where workers disagreed before)."""
+    # Put back the labels that moved: a half-updated fleet must not advertise `version`.
+    for worker, old in previous.items():
+        if old is not None:
+            await step("rollback_version", functools.partial(backend.set_weight_version, old, workers=[worker]))
+    # The fleet is expected to serve the old version again: declare it (a set_version that
+    # succeeded declared `version`). Where workers disagreed before, None withdraws it.
+    backend.expect_version(prev_common)
+
+
 @asynccontextmanager
 async def weight_update(
     backend: RolloutBackend,
@@ -140,18 +176,7 @@ async def weight_update(
     labelled = False
     first_exc: BaseException | None = None
     try:
-        ok = await step("pause", lambda: backend.pause(mode))
-        cache_flushed = True
-        if ok and mode is not PauseMode.IN_PLACE:
-            ok = await step("flush_cache", backend.flush_cache)
-        elif ok:
-            # IN_PLACE: an engine refuses to flush while frozen requests hold KV, and that is not a
-            # failure. When none is frozen the flush succeeds, and prefixes cached under the old
-            # weights are not served after the update (miles#2783).
-            try:
-                await backend.flush_cache()
-            except RolloutBackendError:
-                cache_flushed = False
+        ok, cache_flushed = await _pause_and_flush(backend, mode, step)
         if ok and caps.begin_end_update:
             n_failed = len(failures)
             ok = await step("begin", lambda: backend.begin_weight_update(selector))
@@ -173,13 +198,7 @@ async def weight_update(
             closing, began = began, []
             ok = await step("end", functools.partial(backend.end_weight_update, workers=closing)) and ok
         if not ok and labelled:
-            # Put back the labels that moved: a half-updated fleet must not advertise `version`.
-            for worker, old in previous.items():
-                if old is not None:
-                    await step("rollback_version", functools.partial(backend.set_weight_version, old, workers=[worker]))
-            # The fleet is expected to serve the old version again: declare it (a set_version that
-            # succeeded declared `version`). Where workers disagreed before, None withdraws it.
-            backend.expect_version(prev_common)
+            await _restore_labels(backend, previous, prev_common, step)
     except BaseException as exc:  # cancellation or an error thrown into the body's frame
         first_exc = first_exc or exc
         failures.extend(_failures("update", exc, workers))

@@ -426,6 +426,75 @@ def parse_sampling(
     return (None if sampling.max_new_tokens == 0 else sampling), opts
 
 
+def _read_sampling_key(
+    key: str, field: str, v: object, rules: ParseRules, ours: dict[str, Any], text: dict[str, bool]
+) -> None:
+    """One set (non-null) sampling key other than ``max_new_tokens``, read into ``ours`` (the
+    ``SamplingParams`` fields) and ``text`` (the text options); ``field`` is the key's field as written."""
+    if key in _SAMPLING_FLOATS:
+        x = _number(field, v)
+        if key == "temperature" and 0.0 <= x < _GREEDY_EPS:
+            x = 0.0
+        ours[_SAMPLING_FLOATS[key]] = x
+    elif key == "top_k":
+        ours["top_k"] = _int(field, v)
+    elif key == "min_new_tokens":
+        ours["min_new_tokens"] = _int(field, v, low=0)
+    elif key == "stop_token_ids":
+        ours["stop_token_ids"] = _token_ids(field, v, vocab=rules.vocab_size, max_len=rules.max_stop_token_ids)
+    elif key == "ignore_eos":
+        ours["ignore_eos"] = _bool(field, v)
+    elif key == "sampling_seed":
+        # SGLang takes a signed int64; the protocol's seed is [0, 2**63): map it there.
+        ours["seed"] = _int(field, v) % 2**63
+    elif key == "n":
+        if _int(field, v) != 1:
+            raise InvalidRequest(field, "n > 1 is not supported: send n requests (one per sample)")
+    elif key == "beam_width":
+        if _int(field, v) not in (0, 1):
+            raise InvalidRequest(field, "beam search is not part of the protocol")
+    elif key == "stream_interval":
+        _int(field, v, low=1)  # shapes streamed chunks only: nothing to honour in one answer
+    elif key in _TEXT_KEYS:
+        text[key] = _bool(field, v)
+        if key == "no_stop_trim":
+            ours["no_stop_trim"] = text[key]
+    elif key == "stop" and rules.stop_strings:
+        # SGLang takes one string or a list of them; SamplingParams checks each.
+        if type(v) is str:
+            ours["stop"] = (v,)
+        elif type(v) is list:
+            ours["stop"] = tuple(v)
+        else:
+            raise InvalidRequest(field, f"must be a string or a list of strings, got {_type_name(v)}")
+    elif not _unset(v):
+        raise InvalidRequest(field, _SAMPLING_REFUSED[key])
+
+
+def _max_new_in_context(
+    max_new: int | None, *, explicit: bool, field: str, rules: ParseRules, prompt_len: int | None
+) -> int:
+    """``max_new_tokens`` under SGLang's context rule: ``None`` (up to the context) resolved, the
+    default capped, an explicit one past the context refused."""
+    ctx = rules.max_context
+    room = None if ctx is None or prompt_len is None else max(ctx - prompt_len - 1, 1)
+    if max_new is None:
+        if room is None:
+            raise InvalidRequest(f"{field}.max_new_tokens", "null (up to the context) needs a known context length")
+        return room
+    if not explicit and room is not None:
+        return min(max_new, room)  # SGLang's default, capped by the scheduler
+    if ctx is not None and prompt_len is not None and prompt_len + max_new >= ctx:
+        # SGLang's TokenizerManager rule and words (refused, not truncated).
+        raise InvalidRequest(
+            f"{field}.max_new_tokens",
+            f"Requested token count exceeds the model's maximum context length of {ctx} tokens. You requested "
+            f"a total of {prompt_len + max_new} tokens: {prompt_len} tokens from the input messages and "
+            f"{max_new} tokens for the completion.",
+        )
+    return max_new
+
+
 def _parse_sampling(
     params: object, *, field: str, rules: ParseRules, prompt_len: int | None
 ) -> tuple[SamplingParams, TextOptions]:
@@ -451,60 +520,9 @@ def _parse_sampling(
             continue
         if key == "max_new_tokens":
             max_new, explicit = _int(f, v, low=0), True
-        elif key in _SAMPLING_FLOATS:
-            x = _number(f, v)
-            if key == "temperature" and 0.0 <= x < _GREEDY_EPS:
-                x = 0.0
-            ours[_SAMPLING_FLOATS[key]] = x
-        elif key == "top_k":
-            ours["top_k"] = _int(f, v)
-        elif key == "min_new_tokens":
-            ours["min_new_tokens"] = _int(f, v, low=0)
-        elif key == "stop_token_ids":
-            ours["stop_token_ids"] = _token_ids(f, v, vocab=rules.vocab_size, max_len=rules.max_stop_token_ids)
-        elif key == "ignore_eos":
-            ours["ignore_eos"] = _bool(f, v)
-        elif key == "sampling_seed":
-            # SGLang takes a signed int64; the protocol's seed is [0, 2**63): map it there.
-            ours["seed"] = _int(f, v) % 2**63
-        elif key == "n":
-            if _int(f, v) != 1:
-                raise InvalidRequest(f, "n > 1 is not supported: send n requests (one per sample)")
-        elif key == "beam_width":
-            if _int(f, v) not in (0, 1):
-                raise InvalidRequest(f, "beam search is not part of the protocol")
-        elif key == "stream_interval":
-            _int(f, v, low=1)  # shapes streamed chunks only: nothing to honour in one answer
-        elif key in _TEXT_KEYS:
-            text[key] = _bool(f, v)
-            if key == "no_stop_trim":
-                ours["no_stop_trim"] = text[key]
-        elif key == "stop" and rules.stop_strings:
-            # SGLang takes one string or a list of them; SamplingParams checks each.
-            if type(v) is str:
-                ours["stop"] = (v,)
-            elif type(v) is list:
-                ours["stop"] = tuple(v)
-            else:
-                raise InvalidRequest(f, f"must be a string or a list of strings, got {_type_name(v)}")
-        elif not _unset(v):
-            raise InvalidRequest(f, _SAMPLING_REFUSED[key])
-    ctx = rules.max_context
-    room = None if ctx is None or prompt_len is None else max(ctx - prompt_len - 1, 1)
-    if max_new is None:
-        if room is None:
-            raise InvalidRequest(f"{field}.max_new_tokens", "null (up to the context) needs a known context length")
-        max_new = room
-    elif not explicit and room is not None:
-        max_new = min(max_new, room)  # SGLang's default, capped by the scheduler
-    elif ctx is not None and prompt_len is not None and prompt_len + max_new >= ctx:
-        # SGLang's TokenizerManager rule and words (refused, not truncated).
-        raise InvalidRequest(
-            f"{field}.max_new_tokens",
-            f"Requested token count exceeds the model's maximum context length of {ctx} tokens. You requested "
-            f"a total of {prompt_len + max_new} tokens: {prompt_len} tokens from the input messages and "
-            f"{max_new} tokens for the completion.",
-        )
+        else:
+            _read_sampling_key(key, f, v, rules, ours, text)
+    max_new = _max_new_in_context(max_new, explicit=explicit, field=field, rules=rules, prompt_len=prompt_len)
     opts = TextOptions(**text)
     if max_new == 0:
         if not rules.allow_prefill_only:
@@ -610,21 +628,9 @@ _TOP_REFUSED = {
 }
 
 
-def parse_request(
-    body: object,
-    *,
-    rules: ParseRules = ParseRules(),
-    encode: Callable[[str], Sequence[int]] | None = None,
-    routing_key: str | None = None,
-    worker: str | None = None,
-    new_rid: Callable[[], str] | None = None,
-) -> NativeRequest:
-    """A ``/generate`` body -> the protocol's request. Raises ``InvalidRequest`` naming the field as
-    the caller spelled it. ``encode`` turns a ``text`` prompt into ids (a server with a tokenizer);
-    ``routing_key`` (a header) wins over the body's; ``worker`` pins the request."""
-    if type(body) is not dict:
-        raise InvalidRequest("body", f"must be a JSON object, got {_type_name(body)}")
-    check_depth(body, rules.max_depth)
+def _check_top_level_keys(body: dict[str, Any], rules: ParseRules) -> None:
+    """Every top-level key is carried, inert with the right JSON type, refused-but-unset, or (with
+    ``UnknownKeys.REFUSE``) known: else ``InvalidRequest`` naming the key."""
     for key, v in body.items():
         if key in _CARRIED:
             continue
@@ -639,16 +645,13 @@ def parse_request(
             continue
         if rules.unknown_keys is UnknownKeys.REFUSE:
             raise InvalidRequest(key, "unknown field: SGLang's /generate has no such key (a typo?)")
-    stream = body.get("stream")
-    if stream is not None and _bool("stream", stream) and not rules.allow_stream:
-        raise InvalidRequest("stream", "streaming is not supported by this server (send stream=false)")
-    start = body.get("logprob_start_len")
-    prompt_start = None if start is None or _int("logprob_start_len", start, low=-1) == -1 else start
-    top = body.get("top_logprobs_num")
-    top_k = 0 if top is None else _int("top_logprobs_num", top, low=0, high=MAX_TOP_LOGPROBS)
-    tid_lp = body.get("token_ids_logprob")
-    if tid_lp is not None and (type(tid_lp) is not list or tid_lp):
-        raise InvalidRequest("token_ids_logprob", "token-id logprobs are not part of the protocol")
+
+
+def _prompt_ids(
+    body: dict[str, Any], rules: ParseRules, encode: Callable[[str], Sequence[int]] | None
+) -> tuple[int, ...]:
+    """The prompt's token ids, from ``input_ids`` or (with ``encode``) ``text``: non-empty, within
+    the vocabulary and shorter than the context."""
     max_len = rules.max_input_ids if rules.max_context is None else rules.max_context
     ids_value, text = body.get("input_ids"), body.get("text")
     if ids_value is not None and text is not None:
@@ -672,6 +675,48 @@ def parse_request(
             f"The input ({len(input_ids)} tokens) is longer than the model's context length "
             f"({rules.max_context} tokens).",
         )
+    return input_ids
+
+
+def _request_id(body: dict[str, Any], rules: ParseRules, new_rid: Callable[[], str] | None) -> str | None:
+    """The body's ``rid`` (one non-empty string), else ``new_rid()`` where given."""
+    rid = body.get("rid")
+    if type(rid) is list:
+        raise InvalidRequest("rid", "a list of rids (a batch) is not supported")
+    if rid is None:
+        rid = new_rid() if new_rid is not None else None
+    elif not _str("rid", rid, rules.max_rid_chars):
+        raise InvalidRequest("rid", "must not be empty")
+    return rid
+
+
+def parse_request(
+    body: object,
+    *,
+    rules: ParseRules = ParseRules(),
+    encode: Callable[[str], Sequence[int]] | None = None,
+    routing_key: str | None = None,
+    worker: str | None = None,
+    new_rid: Callable[[], str] | None = None,
+) -> NativeRequest:
+    """A ``/generate`` body -> the protocol's request. Raises ``InvalidRequest`` naming the field as
+    the caller spelled it. ``encode`` turns a ``text`` prompt into ids (a server with a tokenizer);
+    ``routing_key`` (a header) wins over the body's; ``worker`` pins the request."""
+    if type(body) is not dict:
+        raise InvalidRequest("body", f"must be a JSON object, got {_type_name(body)}")
+    check_depth(body, rules.max_depth)
+    _check_top_level_keys(body, rules)
+    stream = body.get("stream")
+    if stream is not None and _bool("stream", stream) and not rules.allow_stream:
+        raise InvalidRequest("stream", "streaming is not supported by this server (send stream=false)")
+    start = body.get("logprob_start_len")
+    prompt_start = None if start is None or _int("logprob_start_len", start, low=-1) == -1 else start
+    top = body.get("top_logprobs_num")
+    top_k = 0 if top is None else _int("top_logprobs_num", top, low=0, high=MAX_TOP_LOGPROBS)
+    tid_lp = body.get("token_ids_logprob")
+    if tid_lp is not None and (type(tid_lp) is not list or tid_lp):
+        raise InvalidRequest("token_ids_logprob", "token-id logprobs are not part of the protocol")
+    input_ids = _prompt_ids(body, rules, encode)
     sampling, opts = _parse_sampling(
         body.get("sampling_params"), field="sampling_params", rules=rules, prompt_len=len(input_ids)
     )
@@ -680,13 +725,7 @@ def parse_request(
         # A bare prefill (no prompt logprobs): the server answers it; the protocol's request asks
         # for one token, which the server ignores.
         sampling = SamplingParams(max_new_tokens=1)
-    rid = body.get("rid")
-    if type(rid) is list:
-        raise InvalidRequest("rid", "a list of rids (a batch) is not supported")
-    if rid is None:
-        rid = new_rid() if new_rid is not None else None
-    elif not _str("rid", rid, rules.max_rid_chars):
-        raise InvalidRequest("rid", "must not be empty")
+    rid = _request_id(body, rules, new_rid)
     ret_lp = body.get("return_logprob")
     ret_lp = False if ret_lp is None else _bool("return_logprob", ret_lp)
     if top_k and not ret_lp:

@@ -95,6 +95,108 @@ def _eos_ids(cfg: Mapping[str, Any]) -> tuple[int, ...]:
     return ()
 
 
+def _instances_by_rpc_port(instances: Sequence[Mapping[str, Any]]) -> dict[int, int]:
+    """Instance ids by request-plane port, from each instance's ``transport.tcp`` in ``/health``."""
+    by_rpc_port: dict[int, int] = {}
+    for inst in instances:
+        tcp = (inst.get("transport") or {}).get("tcp") if isinstance(inst.get("transport"), dict) else None
+        if isinstance(tcp, str) and ":" in tcp:
+            with contextlib.suppress(ValueError, KeyError):
+                by_rpc_port[int(tcp.split("/", 1)[0].rsplit(":", 1)[1])] = int(inst["instance_id"])
+    return by_rpc_port
+
+
+def _instance_workers(frontend: str, instances: Sequence[Mapping[str, Any]]) -> list[Worker]:
+    """Without worker URLs: each generate instance is a worker with no control routes."""
+    fleet = [Worker(id=f"instance-{int(i['instance_id']):x}", control_url="", instance_id=int(i["instance_id"]))
+             for i in instances]  # fmt: skip
+    if not fleet:
+        raise BackendUnavailable(f"{frontend}: no generate instances are registered")
+    return fleet
+
+
+async def _control_workers(
+    client: HttpClient,
+    urls: Sequence[str],
+    flavor: str | None,
+    rpc_ports: Mapping[str, int] | None,
+    by_rpc_port: Mapping[int, int],
+) -> tuple[str, list[Worker], dict[str, Any] | None]:
+    """The workers at ``urls`` (system ports), each with its instance id where known; the flavor
+    (detected from the first when ``None``) and the first ``rollout/info`` answer (our worker's)."""
+    info0: dict[str, Any] | None = None
+    if flavor is None:
+        flavor, info0 = await detect_flavor(client, urls[0])
+    fleet: list[Worker] = []
+    for u in urls:
+        instance: int | None = None
+        if flavor == "rollout":
+            resp = await _send(client, HttpRequest("POST", f"{u}/engine/rollout/info", json={}, timeout=10.0))
+            data = resp.json() if resp.ok else None
+            if isinstance(data, dict):
+                info0 = info0 or data
+                if isinstance(data.get("instance_id"), int):
+                    instance = data["instance_id"]
+        if instance is None and rpc_ports and u in rpc_ports:
+            instance = by_rpc_port.get(int(rpc_ports[u]))
+        fleet.append(Worker(id=worker_id_of(u), control_url=u, instance_id=instance))
+    return flavor, fleet, info0
+
+
+async def _use_native_generate(
+    client: HttpClient, frontend: str, native_generate: bool | None, flavor: str, info0: Mapping[str, Any] | None
+) -> bool:
+    """Whether unpinned requests go by the frontend's native ``/generate`` (see ``connect``)."""
+    # Native /generate only where its answers name the worker: ours says so in rollout/info
+    # (dynamo.sglang's and the mocker's native answers carry no worker id).
+    advertised = flavor == "rollout" and bool((info0 or {}).get("native_generate"))
+    native = False
+    if native_generate or (native_generate is None and advertised):
+        native = await detect_native_generate(client, frontend)
+        if native_generate and not native:
+            raise Unsupported(f"{frontend} serves no native /generate (1.6.x with DYN_SGLANG_ENABLE_GENERATE=1)")
+    return native
+
+
+async def _served_model(client: HttpClient, frontend: str, model: str | None) -> str:
+    """``model``, else the frontend's only model (``/v1/models``)."""
+    status, models = await get_json(f"{frontend}/v1/models", client=client)
+    if status != 200 or not isinstance(models, dict):
+        raise BackendUnavailable(f"{frontend}: /v1/models answered HTTP {status}")
+    names = [m.get("id") for m in models.get("data") or [] if isinstance(m, dict)]
+    if model is None:
+        if len(names) != 1:
+            raise BackendUnavailable(f"{frontend}: expected one model, the frontend lists {names}")
+        model = str(names[0])
+    return model
+
+
+async def _fleet(
+    client: HttpClient,
+    frontend: str,
+    namespace: str | None,
+    workers: Sequence[str] | None,
+    flavor: str | None,
+    rpc_ports: Mapping[str, int] | None,
+) -> tuple[str, list[Worker], dict[str, Any] | None]:
+    """The fleet behind the frontend (see ``connect``): the flavor, the workers, and the first
+    ``rollout/info`` answer where the workers are ours."""
+    _, health = await get_json(f"{frontend}/health", client=client)
+    instances = generate_instances(health, namespace)
+    by_rpc_port = _instances_by_rpc_port(instances)
+    if workers is None:
+        return flavor or "none", _instance_workers(frontend, instances), None
+    urls = [_normalise(w) for w in workers]
+    return await _control_workers(client, urls, flavor, rpc_ports, by_rpc_port)
+
+
+def _version_source(version_source: VersionSource | str | None, flavor: str) -> VersionSource:
+    if version_source is None:
+        # Where workers serve rollout/weight_version they report the version; else the fleet stamps it.
+        return VersionSource.RESPONSE if ROUTES[to_flavor(flavor)].rollout_routes else VersionSource.STAMPED
+    return VersionSource(version_source)
+
+
 async def connect(
     url: str,
     *,
@@ -134,65 +236,16 @@ async def connect(
     frontend = _normalise(url)
     client = client or HttpClient(api_key=api_key)
     try:
-        status, models = await get_json(f"{frontend}/v1/models", client=client)
-        if status != 200 or not isinstance(models, dict):
-            raise BackendUnavailable(f"{frontend}: /v1/models answered HTTP {status}")
-        names = [m.get("id") for m in models.get("data") or [] if isinstance(m, dict)]
-        if model is None:
-            if len(names) != 1:
-                raise BackendUnavailable(f"{frontend}: expected one model, the frontend lists {names}")
-            model = str(names[0])
-        _, health = await get_json(f"{frontend}/health", client=client)
-        instances = generate_instances(health, namespace)
-        by_rpc_port: dict[int, int] = {}
-        for inst in instances:
-            tcp = (inst.get("transport") or {}).get("tcp") if isinstance(inst.get("transport"), dict) else None
-            if isinstance(tcp, str) and ":" in tcp:
-                with contextlib.suppress(ValueError, KeyError):
-                    by_rpc_port[int(tcp.split("/", 1)[0].rsplit(":", 1)[1])] = int(inst["instance_id"])
-        fleet: list[Worker] = []
-        info0: dict[str, Any] | None = None
-        if workers is None:
-            flavor = flavor or "none"
-            fleet = [Worker(id=f"instance-{int(i['instance_id']):x}", control_url="", instance_id=int(i["instance_id"]))
-                     for i in instances]  # fmt: skip
-            if not fleet:
-                raise BackendUnavailable(f"{frontend}: no generate instances are registered")
-        else:
-            urls = [_normalise(w) for w in workers]
-            if flavor is None:
-                flavor, info0 = await detect_flavor(client, urls[0])
-            for u in urls:
-                instance: int | None = None
-                if flavor == "rollout":
-                    resp = await _send(client, HttpRequest("POST", f"{u}/engine/rollout/info", json={}, timeout=10.0))
-                    data = resp.json() if resp.ok else None
-                    if isinstance(data, dict):
-                        info0 = info0 or data
-                        if isinstance(data.get("instance_id"), int):
-                            instance = data["instance_id"]
-                if instance is None and rpc_ports and u in rpc_ports:
-                    instance = by_rpc_port.get(int(rpc_ports[u]))
-                fleet.append(Worker(id=worker_id_of(u), control_url=u, instance_id=instance))
-        # Native /generate only where its answers name the worker: ours says so in rollout/info
-        # (dynamo.sglang's and the mocker's native answers carry no worker id).
-        advertised = flavor == "rollout" and bool((info0 or {}).get("native_generate"))
-        native = False
-        if native_generate or (native_generate is None and advertised):
-            native = await detect_native_generate(client, frontend)
-            if native_generate and not native:
-                raise Unsupported(f"{frontend} serves no native /generate (1.6.x with DYN_SGLANG_ENABLE_GENERATE=1)")
+        model = await _served_model(client, frontend, model)
+        flavor, fleet, info0 = await _fleet(client, frontend, namespace, workers, flavor, rpc_ports)
+        native = await _use_native_generate(client, frontend, native_generate, flavor, info0)
     except RolloutBackendError:
         await client.aclose()
         raise
     if flavor not in FLAVORS:
         await client.aclose()
         raise InvalidRequest("flavor", f"must be one of {FLAVORS}, got {flavor!r}")
-    if version_source is None:
-        # Where workers serve rollout/weight_version they report the version; else the fleet stamps it.
-        vs = VersionSource.RESPONSE if ROUTES[to_flavor(flavor)].rollout_routes else VersionSource.STAMPED
-    else:
-        vs = VersionSource(version_source)
+    vs = _version_source(version_source, flavor)
     cfg = _model_config(model_path)
     vocab = (info0 or {}).get("vocab_size") or cfg.get("vocab_size")
     ctx = (info0 or {}).get("max_context") or cfg.get("max_position_embeddings")

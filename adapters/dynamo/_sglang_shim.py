@@ -320,6 +320,52 @@ def _as_delta(res: dict[str, Any], seen: int) -> dict[str, Any]:
     return {**res, "output_ids": ids[len(ids) - new :], "meta_info": fixed_meta}
 
 
+def _note_output(res: dict[str, Any], req: _Request | None, seen: dict[str, Any]) -> Any:
+    """From one SGLang output's ``meta_info``: SGLang's id of the request (an abort asked for before
+    it was known goes out now), and what the final chunk carries (patches 3 and 6b: the version,
+    the prompt logprobs, SGLang's finish type) into ``seen``. Returns the output's finish reason."""
+    meta = res.get("meta_info") or {}
+    if req is not None and req.sglang_rid is None and meta.get("id"):
+        req.sglang_rid = str(meta["id"])
+        if req.abort_requested and not meta.get("finish_reason"):
+            req.abort_in_engine(req.sglang_rid)
+    if meta.get("weight_version") is not None:
+        seen["weight_version"] = meta["weight_version"]
+    prompt_lps = meta.get("input_token_logprobs")
+    wants = req is None or req.prompt_logprobs
+    if wants and "prompt_logprobs" not in seen and isinstance(prompt_lps, list) and prompt_lps:
+        # [logprob, id, text] per prompt position from 0, the first logprob None; the
+        # adapter checks the count against the prompt.
+        seen["prompt_logprobs"] = [e[0] if isinstance(e, (list, tuple)) and e else None for e in prompt_lps]
+    fr = meta.get("finish_reason")
+    if isinstance(fr, dict) and fr.get("type"):
+        seen["finish_reason"] = fr["type"]
+    return fr
+
+
+def _annotate_chunk(out: dict[str, Any], seen: Mapping[str, Any], detok: IncrementalDetokenizer | None) -> None:
+    """Patches 3, 4 and 8 on one chunk that 1.4.2's loop built, in place: its tokens' version,
+    worker-side text, and on the final chunk ``engine_data`` with what ``seen`` recorded."""
+    # tap() records each SGLang output's version just before 1.4.2's loop builds this chunk
+    # from it (one chunk per output, built as it is pulled): the version of these tokens.
+    version = seen.get("weight_version")
+    if version is not None:
+        out["engine_data"] = {**(out.get("engine_data") or {}), CHUNK_VERSION_KEY: str(version)}
+    if detok is not None:
+        # ``tokens`` is what the frontend builds logprobs.tokens from.
+        final = bool(out.get("finish_reason"))
+        out["tokens"], out["text"] = detok.chunk(out.get("token_ids") or [], last=final)
+    if out.get("finish_reason"):
+        ed = dict(out.get("engine_data") or {})
+        ed.setdefault("weight_version", seen.get("weight_version"))
+        ed.setdefault("finish_reason", seen.get("finish_reason"))
+        if "prompt_logprobs" in seen:
+            ed.setdefault("prompt_logprobs", seen["prompt_logprobs"])
+        if "matched_stop" in seen:
+            ed[MATCHED_STOP_KEY] = seen["matched_stop"]
+        out["engine_data"] = ed
+
+
 def patch_token_stream(
     handler_cls: Any = None, *, stop_strings: bool = True, prompt_logprobs: bool = True, worker_text: bool = True
 ) -> bool:
@@ -361,22 +407,7 @@ def patch_token_stream(
             async for res in stream_source:
                 res = _as_delta(res, seen["n"])
                 seen["n"] += len(res.get("output_ids") or [])
-                meta = res.get("meta_info") or {}
-                if req is not None and req.sglang_rid is None and meta.get("id"):
-                    req.sglang_rid = str(meta["id"])
-                    if req.abort_requested and not meta.get("finish_reason"):
-                        req.abort_in_engine(req.sglang_rid)
-                if meta.get("weight_version") is not None:
-                    seen["weight_version"] = meta["weight_version"]
-                prompt_lps = meta.get("input_token_logprobs")
-                wants = req is None or req.prompt_logprobs
-                if wants and "prompt_logprobs" not in seen and isinstance(prompt_lps, list) and prompt_lps:
-                    # [logprob, id, text] per prompt position from 0, the first logprob None; the
-                    # adapter checks the count against the prompt.
-                    seen["prompt_logprobs"] = [e[0] if isinstance(e, (list, tuple)) and e else None for e in prompt_lps]
-                fr = meta.get("finish_reason")
-                if isinstance(fr, dict) and fr.get("type"):
-                    seen["finish_reason"] = fr["type"]
+                fr = _note_output(res, req, seen)
                 if req is not None and req.stops is not None:
                     res, matched = req.stops.cut(res)
                     if matched is not None:
@@ -394,24 +425,7 @@ def patch_token_stream(
 
         detok = req.detok if req is not None else None
         async for out in orig_stream(self, tap(), *args, **kwargs):
-            # tap() records each SGLang output's version just before 1.4.2's loop builds this chunk
-            # from it (one chunk per output, built as it is pulled): the version of these tokens.
-            version = seen.get("weight_version")
-            if version is not None:
-                out["engine_data"] = {**(out.get("engine_data") or {}), CHUNK_VERSION_KEY: str(version)}
-            if detok is not None:
-                # ``tokens`` is what the frontend builds logprobs.tokens from.
-                final = bool(out.get("finish_reason"))
-                out["tokens"], out["text"] = detok.chunk(out.get("token_ids") or [], last=final)
-            if out.get("finish_reason"):
-                ed = dict(out.get("engine_data") or {})
-                ed.setdefault("weight_version", seen.get("weight_version"))
-                ed.setdefault("finish_reason", seen.get("finish_reason"))
-                if "prompt_logprobs" in seen:
-                    ed.setdefault("prompt_logprobs", seen["prompt_logprobs"])
-                if "matched_stop" in seen:
-                    ed[MATCHED_STOP_KEY] = seen["matched_stop"]
-                out["engine_data"] = ed
+            _annotate_chunk(out, seen, detok)
             yield out
 
     for fn in (generate, _process_token_stream):

@@ -502,6 +502,17 @@ def _engine_prompt_logprobs(request: GenerateRequest, value: object, worker: str
     return tuple(out)
 
 
+def _token_logprobs(lps: list[Any], first: int, worker: str | None) -> tuple[float, ...]:
+    """``token_logprobs`` (output positions ``first`` on) as float32 values; a non-number (or NaN)
+    is a ``ContractViolation`` naming its position."""
+    out = []
+    for i, lp in enumerate(lps):
+        if not isinstance(lp, (int, float)) or isinstance(lp, bool) or math.isnan(lp):
+            raise ContractViolation(f"token_logprobs[{first + i}] is not a number ({lp!r})", worker=worker)
+        out.append(_f32(float(lp)))
+    return tuple(out)
+
+
 _TOKEN_ID = re.compile(r"token_id:(\d+)")
 
 
@@ -891,27 +902,7 @@ class DynamoWire:
         if not _int_list(ids):
             raise ContractViolation("no integer completion_token_ids in the answer", worker=worker)
         reason, matched = self._finish(request, choice, nvext, engine_data, ids, worker)
-        logprobs: tuple[float, ...] | None = None
-        top: tuple[tuple[tuple[int, float], ...], ...] | None = None
-        if request.return_logprobs and self.flavor != "mocker":
-            lp_obj = choice.get("logprobs")
-            lps = lp_obj.get("token_logprobs") if isinstance(lp_obj, dict) else None
-            if not isinstance(lps, list):
-                if ids:
-                    raise ContractViolation("choices[0].logprobs.token_logprobs is missing", worker=worker)
-                lps = []
-            if len(lps) != len(ids):
-                raise ContractViolation(
-                    f"{len(lps)} logprobs for {len(ids)} output tokens (never padded)", worker=worker
-                )
-            out = []
-            for i, lp in enumerate(lps):
-                if not isinstance(lp, (int, float)) or isinstance(lp, bool) or math.isnan(lp):
-                    raise ContractViolation(f"token_logprobs[{i}] is not a number ({lp!r})", worker=worker)
-                out.append(_f32(float(lp)))
-            logprobs = tuple(out)
-            if request.sampling.top_logprobs:
-                top = _completion_top_logprobs(lp_obj, ids, request.sampling.top_logprobs, worker)
+        logprobs, top = self._completion_logprobs(request, choice, ids, worker)
         usage = data.get("usage") if isinstance(data.get("usage"), dict) else {}
         assert isinstance(usage, dict)
         details = usage.get("prompt_tokens_details") if isinstance(usage.get("prompt_tokens_details"), dict) else {}
@@ -924,18 +915,7 @@ class DynamoWire:
         if request.sampling.max_new_tokens == 0:  # re-scoring: the one token generated is not the caller's
             ids, top, reason, matched = [], None, FinishReason.LENGTH, None
             logprobs = () if logprobs is not None else None
-        text = None
-        if request.sampling.stop and isinstance(choice.get("text"), str):
-            text = choice["text"]
-            stopped = isinstance(matched, str) and reason is FinishReason.STOP
-            if self.routes.worker_stop_strings:
-                # The worker matched: the text is the whole output's, cut here as SGLang does.
-                if stopped:
-                    assert isinstance(matched, str)
-                    text = trim_at_stop(text, matched, no_stop_trim=request.sampling.no_stop_trim)
-            elif request.sampling.no_stop_trim and stopped:
-                # The frontend hides a matched stop string (SGLang's default trim); no_stop_trim keeps it.
-                text += matched
+        text = self._completion_text(request, choice, reason, matched)
         return Generation(
             request_id=request.request_id,
             output_ids=tuple(ids),
@@ -951,6 +931,45 @@ class DynamoWire:
             prompt_logprobs=prompt_lps,
             text=text,
         )
+
+    def _completion_logprobs(
+        self, request: GenerateRequest, choice: Mapping[str, Any], ids: list[int], worker: str | None
+    ) -> tuple[tuple[float, ...] | None, tuple[tuple[tuple[int, float], ...], ...] | None]:
+        """The output tokens' logprobs and top logprobs of a ``/v1/completions`` choice (``None``
+        where not asked for, or from the mocker): one per token, never padded."""
+        if not request.return_logprobs or self.flavor == "mocker":
+            return None, None
+        lp_obj = choice.get("logprobs")
+        lps = lp_obj.get("token_logprobs") if isinstance(lp_obj, dict) else None
+        if not isinstance(lps, list):
+            if ids:
+                raise ContractViolation("choices[0].logprobs.token_logprobs is missing", worker=worker)
+            lps = []
+        if len(lps) != len(ids):
+            raise ContractViolation(f"{len(lps)} logprobs for {len(ids)} output tokens (never padded)", worker=worker)
+        logprobs = _token_logprobs(lps, 0, worker)
+        top = None
+        if request.sampling.top_logprobs:
+            top = _completion_top_logprobs(lp_obj, ids, request.sampling.top_logprobs, worker)
+        return logprobs, top
+
+    def _completion_text(
+        self, request: GenerateRequest, choice: Mapping[str, Any], reason: FinishReason, matched: int | str | None
+    ) -> str | None:
+        """The choice's text where the request has stop strings, trimmed at a matched one as SGLang
+        does (``no_stop_trim`` keeps it)."""
+        if not (request.sampling.stop and isinstance(choice.get("text"), str)):
+            return None
+        text: str = choice["text"]
+        stopped_at = matched if isinstance(matched, str) and reason is FinishReason.STOP else None
+        if self.routes.worker_stop_strings:
+            # The worker matched: the text is the whole output's, cut here as SGLang does.
+            if stopped_at is not None:
+                text = trim_at_stop(text, stopped_at, no_stop_trim=request.sampling.no_stop_trim)
+        elif request.sampling.no_stop_trim and stopped_at is not None:
+            # The frontend hides a matched stop string (SGLang's default trim); no_stop_trim keeps it.
+            text += stopped_at
+        return text
 
     def _finish(
         self,
@@ -1227,10 +1246,7 @@ class _CompletionStream:
             if not isinstance(lps, list) or len(lps) != len(ids):
                 got = len(lps) if isinstance(lps, list) else type(lps).__name__
                 raise ContractViolation(f"a chunk has {got} logprobs for {len(ids)} tokens", worker=self.worker)
-            for i, lp in enumerate(lps):
-                if not isinstance(lp, (int, float)) or isinstance(lp, bool) or math.isnan(lp):
-                    raise ContractViolation(f"token_logprobs[{n + i}] is not a number ({lp!r})", worker=self.worker)
-            logprobs = tuple(_f32(float(lp)) for lp in lps)
+            logprobs = _token_logprobs(lps, n, self.worker)
             self.lps.extend(lps)
             self.tokens.extend(lp_obj.get("tokens") or ())
             if request.sampling.top_logprobs:
