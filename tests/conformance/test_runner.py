@@ -155,6 +155,7 @@ BUG_TO_CHECK = {
     "stream_unversioned": "stream_matches_generate",
     "stream_no_abort": "stream_early_exit_aborts",
     "label_before_load": "labels_follow_weights",
+    "loads_only_paused": "disk_update_matches_fresh",
     "temperature_ignored": "temperature",
     "top_k_ignored": "top_k",
     "top_p_ignored": "top_p",
