@@ -699,6 +699,28 @@ def _not_a_near_tie(g: Generation, w: Generation, j: int, tolerance: float) -> s
     return None
 
 
+#: The largest logprob either pick of a near tie can have: two tokens about equally likely share at
+#: most the whole mass, so each has at most about one half.
+_TIE_CEILING = math.log(0.5)
+
+
+def _could_be_a_near_tie(g: Generation, w: Generation, j: int, tolerance: float) -> str | None:
+    """Why position ``j``, where ``g`` and ``w`` first differ, cannot be a near tie (``None`` if it
+    could), from each run's own logprobs alone: each pick at most about one half likely, and the two
+    within ``tolerance`` of each other (about the same chance in about the same distribution)."""
+    if j >= min(len(g.output_ids), len(w.output_ids)):
+        return "one run is longer (a length difference is not a near tie)"
+    if g.logprobs is None or w.logprobs is None:
+        return "no logprobs to judge a near tie by"
+    a, b = g.logprobs[j], w.logprobs[j]
+    for token, lp in ((g.output_ids[j], a), (w.output_ids[j], b)):
+        if lp > _TIE_CEILING + tolerance:
+            return f"token {token} was picked with logprob {lp:.6g}, above log(1/2) + tolerance: no tie"
+    if abs(a - b) > tolerance:
+        return f"the two picks' logprobs {a:.6g} and {b:.6g} differ by more than the tolerance {tolerance:.3g}"
+    return None
+
+
 def compare(
     got: Sequence[Generation],
     want: Sequence[Generation],
@@ -708,6 +730,7 @@ def compare(
     ctx: CheckContext | None = None,
     key: str = "max_abs_dlogprob",
     near_ties: bool = False,
+    ties_unseen: bool = False,
 ) -> float:
     """Identical ids, logprobs within ``tolerance``; returns the largest |Δlogprob| seen.
 
@@ -717,6 +740,12 @@ def compare(
     in another batch shape: the smg ``pause_retract`` divergence of the H200 run of 2026-12-03
     16:01). Everything before it must still be equal; nothing after it is compared (the runs no
     longer share a context). ``ctx`` records where under ``near_tie_at``.
+
+    With ``ties_unseen`` (the runs may part at a near tie, but the backend gives no top logprobs to
+    tell one: dynamo.vllm 1.4.2, whose ``pause_retract`` run parted at position 141 of 192 where
+    vLLM direct, with top logprobs, showed a near tie; H100 GPU tier of 2026-12-05), a first
+    difference that could be one (``_could_be_a_near_tie``) skips the check through ``ctx``: it
+    cannot tell a near tie from a bug there. One that cannot be a near tie fails.
     """
     expect(len(got) == len(want), f"{what}: {len(got)} results vs {len(want)}")
     worst = 0.0
@@ -727,7 +756,15 @@ def compare(
             j = next((k for k, (a, b) in enumerate(zip(g.output_ids, w.output_ids, strict=False)) if a != b), None)
             j = j if j is not None else min(len(g.output_ids), len(w.output_ids))
             why = _not_a_near_tie(g, w, j, tolerance) if near_ties else None
-            if not near_ties or why is not None:
+            if ties_unseen and ctx is not None:
+                why = _could_be_a_near_tie(g, w, j, tolerance)
+                if why is None:
+                    ctx.skip(
+                        f"{what}: case {i} parts at position {j} of {upto} (got {_around(g, j)}, want "
+                        f"{_around(w, j)}), where both picks are unsure enough to be a near tie; without "
+                        "top logprobs (not declared) a near tie cannot be told from a bug"
+                    )
+            if (not near_ties and not ties_unseen) or why is not None:
                 raise CheckFailed(
                     f"{what}: case {i} output ids differ at position {j} (got {_around(g, j)}, want {_around(w, j)})"
                     + (f"; not a near tie: {why}" if why else "")

@@ -255,6 +255,9 @@ class FakeDriver:
         self._running: dict[str, _Running] = {}
         self._changed = asyncio.Event()
         self._failing: dict[type[Any], Exception] = {}
+        #: Refuse weight loads unless paused (as dynamo.vllm does); by default what the
+        #: capabilities declare (``load_needs_pause``): set it alone to plant the undeclared bug.
+        self.loads_only_paused = capabilities.load_needs_pause
 
     # -- what a fleet reads -------------------------------------------------------------------
 
@@ -541,6 +544,11 @@ class FakeDriver:
                 raise Unsupported("weight_transport.distributed", "the fake has no process group")
             case DestroyWeightGroup() | BeginWeightUpdate() | EndWeightUpdate():
                 return None
+            case UpdateFromDisk() | UpdateFromTensors() if self.loads_only_paused and self.paused is None:
+                # As ai-dynamo 1.4.2's dynamo.vllm weight routes answer (Capabilities.load_needs_pause).
+                raise ControlFailed(
+                    op.name, [WorkerFailure(self._id, op.name, "Worker must be paused before updating weights")]
+                )
             case UpdateFromDisk():
                 try:
                     seed, perm = _read_weights(op.path)

@@ -278,6 +278,8 @@ class Fleet:
         self._versions = VersionBook(ids)
         # The workers this fleet paused (and how): never ready, and never asked to generate a probe.
         self._paused: dict[str, PauseMode] = {}
+        # Held by a load that pauses workers itself (_load_paused).
+        self._load_lock = asyncio.Lock()
         # Whether every worker aborts one request by id; if not, abort() cancels our own call.
         self._abort_by_id = all(d.aborts_by_id for d in drivers)
         # generate() calls in flight by request id (only tracked where abort cancels them).
@@ -385,10 +387,34 @@ class Fleet:
         after, so a generation in flight meanwhile knows an update overlapped it."""
         self._bump(selected)
         try:
-            await self._fan(op, selected)
+            if isinstance(op, SetVersion) or not self.capabilities.load_needs_pause:
+                await self._fan(op, selected)
+            else:
+                await self._load_paused(op, selected)
             self._versions.relabelled(version, selected)
         finally:
             self._bump(selected)
+
+    async def _load_paused(self, op: Command, selected: Sequence[str]) -> None:
+        """A load on engines that take one only while paused (``Capabilities.load_needs_pause``):
+        the workers not paused by this fleet (a transaction's are) are paused for it and resumed
+        after it, also when it fails: no engine is left paused by a load. One such load at a time,
+        so that one load's resume cannot unpause the workers another is loading."""
+        async with self._load_lock:
+            own = [w for w in selected if w not in self._paused]
+            if not own:
+                await self._fan(op, selected)
+                return
+            modes = self.capabilities.pause_modes
+            mode = next((m for m in (PauseMode.RETRACT, PauseMode.IN_PLACE) if m in modes), None)
+            if mode is None:
+                why = "the engine loads weights only while paused (load_needs_pause), and neither RETRACT nor IN_PLACE"
+                raise Unsupported("pause_mode.retract", why + " is declared")
+            try:
+                await self.pause(mode, workers=own)
+                await self._fan(op, selected)
+            finally:
+                await self.resume(workers=own)
 
     def _bump(self, selected: Sequence[str]) -> None:
         epochs = dict(self._epochs)

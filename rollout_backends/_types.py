@@ -736,6 +736,13 @@ class Capabilities:
     #: parked requests wait (``Timed out waiting for idle state``; sglang#32153): there an update
     #: with requests in flight must be ``IN_PLACE`` (or ``ABORT``).
     update_while_parked: bool = False
+    #: The engine takes a weight load only while paused: ai-dynamo 1.4.2's ``dynamo.vllm`` weight
+    #: routes answer "Worker must be paused via pause_generation() before updating weights"
+    #: otherwise (``dynamo/vllm/handlers.py``, ``update_weights_from_disk``; H100 GPU tier of
+    #: 2026-12-05). A load outside a weight-update transaction then pauses the workers the fleet
+    #: has not paused itself (``RETRACT``, else ``IN_PLACE``: their requests wait and go on after
+    #: it) and resumes them after it, also when it fails.
+    load_needs_pause: bool = False
     #: ``SamplingParams.stop`` (stop strings) is honoured, with ``Generation.text``.
     stop_strings: bool = False
     #: Greedy outputs do not depend on what else is batched (SGLang: deterministic inference).

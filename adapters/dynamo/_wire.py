@@ -703,6 +703,9 @@ class DynamoWire:
             # A stream's chunks do, where the workers stamp each (FlavorRoutes.chunk_versions).
             stream_version_spans=routes.chunk_versions,
             update_while_parked=routes.update_while_parked,
+            # dynamo.vllm's weight routes refuse a load unless pause_generation came first
+            # (1.4.2 handlers.py update_weights_from_disk / update_weights_from_distributed).
+            load_needs_pause=routes.vllm,
             # The probe is a 1-token generation pinned to the worker: only where pinning works.
             progress_probe=self.pinning,
             batch_invariant=routes.deterministic,

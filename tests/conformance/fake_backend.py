@@ -104,6 +104,8 @@ BUGS = frozenset(
         # a weight load inside the transaction is acknowledged at once and applied later, after the
         # commit moved the label
         "label_before_load",
+        # weight loads refused unless paused (as dynamo.vllm 1.4.2's routes), load_needs_pause not declared
+        "loads_only_paused",
         # one sampling parameter each, dropped before the engine applies them
         *(f"{name}_ignored" for name in ("temperature", "top_k", "top_p", "min_p", "min_new_tokens")),
         *(f"{name}_penalty_ignored" for name in ("repetition", "frequency", "presence")),
@@ -142,6 +144,7 @@ class BuggyDriver(FakeDriver):
         self.left_running: list[asyncio.Future[None]] = []  #: "stream_no_abort": what runs on
         self.retracted: set[int] = set()  #: "retract_flips_token": requests parked mid-generation
         self.late_loads: list[asyncio.Future[None]] = []  #: "label_before_load": loads still to apply
+        self.loads_only_paused = self.loads_only_paused or "loads_only_paused" in bugs
 
     def _check(self, request: rb.GenerateRequest) -> None:
         if "accept_oov" not in self.bugs:

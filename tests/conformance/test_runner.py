@@ -20,6 +20,7 @@ from rollout_backends.conformance import (
     Harness,
     Outcome,
     Report,
+    SkipCheck,
     check,
     check_disk_update_matches_fresh,
     check_greedy_shapes,
@@ -154,6 +155,7 @@ BUG_TO_CHECK = {
     "stream_unversioned": "stream_matches_generate",
     "stream_no_abort": "stream_early_exit_aborts",
     "label_before_load": "labels_follow_weights",
+    "loads_only_paused": "disk_update_matches_fresh",
     "temperature_ignored": "temperature",
     "top_k_ignored": "top_k",
     "top_p_ignored": "top_p",
@@ -650,3 +652,43 @@ async def test_output_ids_are_held_to_the_vocabulary_where_tokens_come_from_a_mo
     simulator = attrs.evolve(FULL, greedy_decoding=False)
     r = await c(fake_factory(driver=_OutOfVocab, declare=simulator))
     assert r.outcome is Outcome.PASS, r.line()
+
+
+class _Ctx:
+    """What ``compare`` uses of a ``CheckContext``: ``measure`` and ``skip``."""
+
+    def __init__(self) -> None:
+        self.measurements: dict[str, Any] = {}
+
+    def measure(self, key: str, value: Any) -> None:
+        self.measurements[key] = value
+
+    def skip(self, reason: str) -> None:
+        raise SkipCheck(reason)
+
+
+def test_compare_without_top_logprobs_skips_where_a_near_tie_is_possible_and_fails_where_not() -> None:
+    # Position 1: got chose 7 at -0.70, want chose 9 at -0.69: both unsure, about as likely.
+    got = _gen((5, 7, 4), (-0.1, -0.70, -2.0), None)
+    want = _gen((5, 9, 8), (-0.1, -0.69, -0.3), None)
+    with pytest.raises(SkipCheck, match=r"case 0 parts at position 1 of 3 .* cannot be told from a bug"):
+        compare([got], [want], what="t", tolerance=0.1, ctx=_Ctx(), ties_unseen=True)  # type: ignore[arg-type]
+    sure = _gen((5, 7, 4), (-0.1, -0.2, -2.0), None)  # 7 was picked at 0.82: no tie
+    with pytest.raises(CheckFailed, match=r"token 7 was picked with logprob -0.2, above log\(1/2\)"):
+        compare([sure], [want], what="t", tolerance=0.1, ctx=_Ctx(), ties_unseen=True)  # type: ignore[arg-type]
+    apart = _gen((5, 7, 4), (-0.1, -1.5, -2.0), None)  # 7 at -1.5 vs 9 at -0.69: not the same chance
+    with pytest.raises(CheckFailed, match="differ by more than the tolerance"):
+        compare([apart], [want], what="t", tolerance=0.1, ctx=_Ctx(), ties_unseen=True)  # type: ignore[arg-type]
+
+
+async def test_pause_retract_without_top_logprobs_still_fails_a_flipped_token(tmp_path: Path) -> None:
+    """The ``retract_flips_token`` engine (the second most likely token after a resume), on a backend
+    that is not batch invariant and has no top logprobs: failed (where the flip could be a near tie
+    it would skip with the reason: never a pass). The honest one passes."""
+    (c,) = select_checks(["pause_retract"])
+    no_top = attrs.evolve(FULL, top_logprobs=0, batch_invariant=False)
+    bad = await c(fake_factory(bugs=frozenset({"retract_flips_token"}), declare=no_top), fake_harness(tmp_path))
+    # The fake's flip takes a token less likely by more than the tolerance (deterministic here).
+    assert bad.outcome is Outcome.FAIL and "not a near tie" in bad.message, bad.line()
+    good = await c(fake_factory(declare=no_top), fake_harness(tmp_path))
+    assert good.outcome is Outcome.PASS, good.line()

@@ -60,6 +60,11 @@ def test_capabilities_declare_what_dynamo_vllm_serves() -> None:
     }
     assert rb.WeightTransport.TENSOR in wire(transfer_backend="ipc").capabilities().weight_transports
     assert wire().aborts_by_id
+    # 1.4.2's weight routes refuse a load unless pause_generation came first.
+    assert (
+        caps.load_needs_pause
+        and not DynamoWire(frontend_url="http://f:1", model="tiny").capabilities().load_needs_pause
+    )
 
 
 def test_engine_route_bodies() -> None:
