@@ -80,6 +80,7 @@ from ._tensors import ipc_update_info
 __all__ = [
     "DEFAULT_LOGPROBS_MODE",
     "GENERATE_PATH",
+    "LOGPROBS_MODES",
     "PAUSE_QUERY",
     "TRANSFER_BACKENDS",
     "VllmWire",
@@ -111,6 +112,8 @@ DEFAULT_LOGPROBS_MODE = "raw_logprobs"
 #: renormalised by the ``log_softmax`` there. ``*_logits`` answer logits, which no check takes for
 #: logprobs (``greedy_shapes``); ``raw_*`` are taken before any of it.
 _PROCESSED_MODES = frozenset({"processed_logprobs", "processed_logits"})
+#: Every ``--logprobs-mode`` vLLM 0.26 takes (``LogprobsMode``).
+LOGPROBS_MODES = frozenset({"raw_logprobs", "raw_logits", *_PROCESSED_MODES})
 
 
 def filtered_logprobs(logprobs_mode: str) -> bool:
