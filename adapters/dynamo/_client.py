@@ -21,7 +21,7 @@ from rollout_backends.kit import (
     worker_id_of,
 )
 
-from ..vllm._wire import LOGPROBS_MODES
+from ..vllm import LOGPROBS_MODES
 from ._wire import FLAVORS, ROUTES, DynamoWire, generate_instances, to_flavor
 
 __all__ = ["connect", "detect_flavor", "detect_native_generate", "open_from_url", "worker_id_of"]
@@ -232,14 +232,9 @@ async def connect(
       (default) detects it: the frontend serves the route and the workers are ours and advertise it
       (``rollout/info``); ``True`` requires it (``Unsupported`` when the frontend lacks the route);
       ``False`` always uses ``/v1/completions``.
-    * ``transfer_backend``: ``vllm`` workers' ``--weight-transfer-config`` backend (``nccl``, ``ipc``;
-      Dynamo does not show it).
-    * ``logprobs_mode``: ``vllm`` workers' ``--logprobs-mode`` (Dynamo does not show it either; the
-      launcher says it): ``processed_*`` declares ``filtered_logprobs``. ``None``: vLLM's default,
-      ``raw_logprobs``.
+    * ``transfer_backend``, ``logprobs_mode``: ``vllm`` workers' flags Dynamo does not show (``DynamoWire``).
     """
-    if logprobs_mode is not None and logprobs_mode not in LOGPROBS_MODES:
-        raise InvalidRequest("logprobs_mode", f"must be one of {sorted(LOGPROBS_MODES)}, got {logprobs_mode!r}")
+    _check_logprobs_mode(logprobs_mode)
     frontend = _normalise(url)
     client = client or HttpClient(api_key=api_key)
     try:
@@ -283,6 +278,12 @@ async def connect(
     if initial_version is not None and vs is VersionSource.STAMPED:
         backend.set_installed_version(initial_version)
     return backend
+
+
+def _check_logprobs_mode(mode: str | None) -> None:
+    """``logprobs_mode`` is one vLLM takes (before anything is opened)."""
+    if mode is not None and mode not in LOGPROBS_MODES:
+        raise InvalidRequest("logprobs_mode", f"must be one of {sorted(LOGPROBS_MODES)}, got {mode!r}")
 
 
 async def open_from_url(url: str, **kwargs: Any) -> HttpFleetBackend:

@@ -26,8 +26,7 @@ from rollout_backends.kit import HttpFleetBackend, get_json
 from rollout_backends.launch import EngineInfo, Launch, NodeContext, ProcessSpec, ReadyCheck, env_map, str_tuple
 
 from ..sglang._launch import kv_events_config
-from ..vllm import VllmServerCommand
-from ..vllm._wire import DEFAULT_LOGPROBS_MODE
+from ..vllm import DEFAULT_LOGPROBS_MODE, VllmServerCommand
 from ._services import DynamoPlanes
 from ._wire import generate_instances
 

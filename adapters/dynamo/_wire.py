@@ -102,7 +102,7 @@ from rollout_backends.sglang_native import (
     trim_at_stop,
 )
 
-from ..vllm._wire import DEFAULT_LOGPROBS_MODE, filtered_logprobs
+from ..vllm import DEFAULT_LOGPROBS_MODE, filtered_logprobs
 from ._vllm_routes import CONTEXT_ID_HEADER, VLLM_PAUSE_MODES, context_id, vllm_control
 
 __all__ = [
