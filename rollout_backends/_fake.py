@@ -10,7 +10,10 @@ requests can be caught in flight. The fake keeps SGLang's control semantics wher
 states them: pause modes, a flush refused while requests are frozen in place, the prefix cache,
 version labels, aborts that keep partial tokens; and its sampling parameters, in SGLang's order
 (penalties on the tokens generated so far, the ``min_new_tokens`` mask of stop tokens, then
-temperature, ``top_k``, ``top_p``, ``min_p`` and the draw).
+temperature, ``top_k``, ``top_p``, ``min_p`` and the draw). Its logprobs are unfiltered, as
+SGLang's, unless its capabilities declare ``filtered_logprobs``: then a sampled token's are those
+of the distribution it was drawn from (temperature-scaled, renormalised over the tokens the
+filters kept; the others ``-9999``, vLLM's floor), as vLLM's ``processed_logprobs``.
 
 It passes the conformance suite (``tests/conformance``), and the suite's fake with switchable bugs
 subclasses ``FakeDriver`` to prove each check can fail. The ``_``-prefixed methods are the hooks
@@ -205,6 +208,20 @@ def _filtered(logprobs: Sequence[float], sp: SamplingParams) -> tuple[list[int],
         kept.append(i)
         mass += probs[i]
     return kept, [weights[i] for i in kept]
+
+
+#: vLLM's floor for a logprob its answers carry (``-inf`` is not JSON): ``max(logprob, -9999.0)``.
+_FLOOR = -9999.0
+
+
+def _drawn_from(kept: Sequence[int], weights: Sequence[float]) -> list[float]:
+    """The logprobs of the distribution a token was drawn from: ``weights`` over ``kept``,
+    renormalised; every other token at ``_FLOOR``."""
+    total = sum(weights)
+    out = [_FLOOR] * VOCAB_SIZE
+    for i, w in zip(kept, weights, strict=True):
+        out[i] = max(math.log(w / total), _FLOOR) if w > 0 else _FLOOR
+    return out
 
 
 @attrs.define(eq=False)
@@ -421,9 +438,16 @@ class FakeDriver:
         if sp.temperature == 0.0:
             return self._greedy(r, lps), lps
         if sp.top_k == -1 and sp.top_p == 1.0 and sp.min_p == 0.0:
-            return rng.choices(range(VOCAB_SIZE), [math.exp(x / sp.temperature) for x in lps])[0], lps
-        kept, weights = _filtered(lps, sp)
-        return rng.choices(kept, weights)[0], lps
+            kept: Sequence[int] = range(VOCAB_SIZE)
+            weights = [math.exp(x / sp.temperature) for x in lps]
+        else:
+            kept, weights = _filtered(lps, sp)
+        token = rng.choices(kept, weights)[0]
+        return token, (_drawn_from(kept, weights) if self._filtered_logprobs() else lps)
+
+    def _filtered_logprobs(self) -> bool:
+        """A sampled token's logprobs are the distribution it was drawn from (``filtered_logprobs``)."""
+        return self._caps.filtered_logprobs
 
     def _stop_string(self, out: Sequence[int], sampling: SamplingParams) -> str | None:
         """SGLang's check: the last (longest stop + 1) tokens' text; the first stop it contains."""

@@ -389,7 +389,10 @@ class Generation:
 
     ``logprobs[i]`` is the log-probability of ``output_ids[i]`` from the same forward pass that
     chose it; both tuples have the same length (an adapter raises ``ContractViolation`` rather than
-    pad). A matched stop/EOS token is included in ``output_ids``.
+    pad). A matched stop/EOS token is included in ``output_ids``. The distribution is the one the
+    token was drawn from: after the penalties, scaled by the temperature where sampled (greedy: the
+    model's own), and unfiltered by ``top_k`` / ``top_p`` / ``min_p`` unless the backend declares
+    ``Capabilities.filtered_logprobs`` (then renormalised over the tokens the filters kept).
     """
 
     request_id: str
@@ -716,6 +719,11 @@ class Capabilities:
     progress_probe: bool = False
     #: The largest ``SamplingParams.top_logprobs`` honoured (``Generation.top_logprobs``); 0: none.
     top_logprobs: int = 0
+    #: ``Generation.logprobs`` / ``top_logprobs`` of a sampled request are of the distribution it was
+    #: drawn from *after* ``top_k`` / ``top_p`` / ``min_p`` filtering, renormalised over the tokens
+    #: kept (vLLM's ``--logprobs-mode processed_logprobs``), instead of the temperature-scaled,
+    #: unfiltered one (SGLang's). The two agree where no filter is asked (RL's usual).
+    filtered_logprobs: bool = False
     #: ``GenerateRequest.min_version`` / ``exact_version`` are honoured: routed only to workers
     #: whose installed label satisfies them, else ``NoCompatibleVersion``. Undeclared: ``Unsupported``.
     version_constraints: bool = False

@@ -21,6 +21,7 @@ from rollout_backends.kit import (
     worker_id_of,
 )
 
+from ..vllm import LOGPROBS_MODES
 from ._wire import FLAVORS, ROUTES, DynamoWire, generate_instances, to_flavor
 
 __all__ = ["connect", "detect_flavor", "detect_native_generate", "open_from_url", "worker_id_of"]
@@ -212,6 +213,7 @@ async def connect(
     namespace: str | None = None,
     native_generate: bool | None = None,
     transfer_backend: str | None = None,
+    logprobs_mode: str | None = None,
     api_key: str | None = None,
     client: HttpClient | None = None,
     on_close: Any = None,
@@ -230,9 +232,9 @@ async def connect(
       (default) detects it: the frontend serves the route and the workers are ours and advertise it
       (``rollout/info``); ``True`` requires it (``Unsupported`` when the frontend lacks the route);
       ``False`` always uses ``/v1/completions``.
-    * ``transfer_backend``: ``vllm`` workers' ``--weight-transfer-config`` backend (``nccl``, ``ipc``;
-      Dynamo does not show it).
+    * ``transfer_backend``, ``logprobs_mode``: ``vllm`` workers' flags Dynamo does not show (``DynamoWire``).
     """
+    _check_logprobs_mode(logprobs_mode)
     frontend = _normalise(url)
     client = client or HttpClient(api_key=api_key)
     try:
@@ -270,11 +272,18 @@ async def connect(
         namespace=namespace,
         native_generate=native,
         transfer_backend=transfer_backend,
+        logprobs_mode=logprobs_mode,
     )
     backend = HttpFleetBackend(wire, fleet, client=client, name="dynamo", on_close=on_close)
     if initial_version is not None and vs is VersionSource.STAMPED:
         backend.set_installed_version(initial_version)
     return backend
+
+
+def _check_logprobs_mode(mode: str | None) -> None:
+    """``logprobs_mode`` is one vLLM takes (before anything is opened)."""
+    if mode is not None and mode not in LOGPROBS_MODES:
+        raise InvalidRequest("logprobs_mode", f"must be one of {sorted(LOGPROBS_MODES)}, got {mode!r}")
 
 
 async def open_from_url(url: str, **kwargs: Any) -> HttpFleetBackend:
@@ -284,7 +293,7 @@ async def open_from_url(url: str, **kwargs: Any) -> HttpFleetBackend:
     ports (``DYN_TCP_RPC_PORT``, one per worker, in order: maps instance ids where the workers do not
     say theirs); other keys: ``router_mode``, ``flavor``, ``model``, ``model_path``, ``namespace``,
     ``version_source``, ``initial_version``, ``native_generate`` (``0``/``1``; default: detected),
-    ``transfer_backend`` (``vllm`` workers: ``nccl`` / ``ipc``).
+    ``transfer_backend`` and ``logprobs_mode`` (``vllm`` workers: ``nccl`` / ``ipc``; ``--logprobs-mode``).
     The launcher prints such a URL with every key it knows.
     """
     parts = urlsplit(url)
@@ -301,6 +310,7 @@ async def open_from_url(url: str, **kwargs: Any) -> HttpFleetBackend:
         "native_generate",
         "rpc_ports",
         "transfer_backend",
+        "logprobs_mode",
     }
     for key, values in query.items():
         if key not in known:

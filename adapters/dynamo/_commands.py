@@ -26,11 +26,17 @@ from rollout_backends.kit import HttpFleetBackend, get_json
 from rollout_backends.launch import EngineInfo, Launch, NodeContext, ProcessSpec, ReadyCheck, env_map, str_tuple
 
 from ..sglang._launch import kv_events_config
-from ..vllm import VllmServerCommand
+from ..vllm import DEFAULT_LOGPROBS_MODE, VllmServerCommand
 from ._services import DynamoPlanes
 from ._wire import generate_instances
 
-__all__ = ["DEFAULT_STREAM_INTERVAL", "DynamoFrontend", "DynamoWorkerCommand", "generate_instances"]
+__all__ = [
+    "DEFAULT_STREAM_INTERVAL",
+    "DynamoFrontend",
+    "DynamoWorkerCommand",
+    "generate_instances",
+    "vllm_logprobs_mode",
+]
 
 #: Dynamo 1.4.2 parses ``DYN_SYSTEM_PORT`` as an i16.
 PORT_CEILING = 32768
@@ -58,6 +64,19 @@ SGLANG_RL_FLAG = "--enable-rl"
 SGLANG_ENGINE_ROUTES_ENV = {
     "DYN_SGLANG_ENGINE_ROUTES": "flush_cache init_weights_update_group destroy_weights_update_group abort_request:tm"
 }
+
+
+def vllm_logprobs_mode(extra_args: Sequence[str]) -> str:
+    """The ``--logprobs-mode`` a ``vllm`` worker runs: ``VllmServerCommand``'s (``_vllm`` passes its
+    flags), unless ``extra_args``, which come after them, give another (argparse keeps the last);
+    vLLM's default where neither gives one."""
+    mode = attrs.fields(VllmServerCommand).logprobs_mode.default or DEFAULT_LOGPROBS_MODE
+    for i, arg in enumerate(extra_args):
+        if arg == "--logprobs-mode" and i + 1 < len(extra_args):
+            mode = extra_args[i + 1]
+        elif arg.startswith("--logprobs-mode="):
+            mode = arg.partition("=")[2]
+    return str(mode)
 
 
 @attrs.frozen(kw_only=True)

@@ -57,7 +57,7 @@ from rollout_backends.launch import (
     str_tuple,
 )
 
-from ._commands import DEFAULT_STREAM_INTERVAL, DynamoFrontend, DynamoWorkerCommand
+from ._commands import DEFAULT_STREAM_INTERVAL, DynamoFrontend, DynamoWorkerCommand, vllm_logprobs_mode
 from ._services import DynamoPlanes
 from ._wire import generate_instances
 
@@ -352,6 +352,8 @@ class RunningDynamoFleet:
             options["flavor"] = flavor
         if self.config.worker_kind == "vllm" and self.config.transfer_backend is not None:
             options["transfer_backend"] = self.config.transfer_backend
+        if self.config.worker_kind == "vllm":  # Dynamo does not show it either (filtered_logprobs)
+            options["logprobs_mode"] = vllm_logprobs_mode(self.config.vllm_args)
         options["model"] = self.config.model_name
         options["initial_version"] = self.config.weight_version
         options["model_path"] = self.config.model_path

@@ -102,6 +102,7 @@ from rollout_backends.sglang_native import (
     trim_at_stop,
 )
 
+from ..vllm import DEFAULT_LOGPROBS_MODE, filtered_logprobs
 from ._vllm_routes import CONTEXT_ID_HEADER, VLLM_PAUSE_MODES, context_id, vllm_control
 
 __all__ = [
@@ -640,6 +641,11 @@ class DynamoWire:
     #: ``vllm`` workers: their ``--weight-transfer-config`` backend (``nccl``: distributed loads;
     #: ``ipc``: tensor loads), which Dynamo does not show: the launcher says it.
     transfer_backend: str | None = None
+    #: ``vllm`` workers: their ``--logprobs-mode`` (``filtered_logprobs``), which Dynamo does not show
+    #: either: the launcher says it (our workers run ``VllmServerCommand``'s ``processed_logprobs``);
+    #: ``None``: vLLM's default, ``raw_logprobs``. A worker that differs fails the filter checks with
+    #: the cause named (``conformance_tests/_sampling.py``), never passes them.
+    logprobs_mode: str | None = None
 
     @property
     def pinning(self) -> bool:
@@ -682,6 +688,7 @@ class DynamoWire:
             memory_release=(routes.sglang or routes.vllm) and self.memory_saver,
             logprobs=routes.logprobs,
             top_logprobs=routes.top_logprobs,
+            filtered_logprobs=routes.vllm and filtered_logprobs(self.logprobs_mode or DEFAULT_LOGPROBS_MODE),
             prompt_logprobs=routes.prompt_logprobs,
             stop_strings=routes.stop_strings,
             streaming=True,  # /v1/completions SSE (_CompletionStream)

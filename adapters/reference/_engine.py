@@ -162,6 +162,7 @@ class ReferenceEngine:
         num_threads: int = 1,
         dist_timeout_s: float = 300.0,
         attn_implementation: str = "eager",
+        filtered_logprobs: bool = False,
     ) -> None:
         import torch
         from transformers import AutoConfig, Qwen2ForCausalLM
@@ -175,6 +176,9 @@ class ReferenceEngine:
         self._path = Path(model_path)
         self._worker_id = worker_id
         self._num_threads = num_threads
+        #: A sampled token's logprobs are renormalised over the tokens the filters kept (vLLM's
+        #: ``processed_logprobs``; ``Capabilities.filtered_logprobs``), for the CPU stand-in of vLLM.
+        self._filtered_logprobs = filtered_logprobs
         self._dist_timeout_s = dist_timeout_s
         self._config = AutoConfig.from_pretrained(str(self._path))
         self._vocab_size = int(self._config.vocab_size)
@@ -536,7 +540,8 @@ class ReferenceEngine:
 
         The logprob is ``log_softmax`` of the very logits the token was chosen from (scaled by the
         temperature when sampling, not renormalised after top-k/top-p/min-p), like SGLang; so are
-        the top logprobs (SGLang takes them from the same tensor).
+        the top logprobs (SGLang takes them from the same tensor). With ``filtered_logprobs`` they
+        are renormalised over the tokens kept (the others ``-inf``), like vLLM's ``processed_logprobs``.
         """
         import torch
 
@@ -568,6 +573,9 @@ class ReferenceEngine:
         if sp.min_p > 0.0:
             keep &= sorted_probs >= sp.min_p * sorted_probs[0]
         keep[0] = True  # the most likely token always survives the filters
+        if self._filtered_logprobs:
+            kept_ids = torch.zeros_like(keep).scatter(0, order, keep)  # keep, in vocabulary order
+            logprobs = torch.log_softmax(scaled.masked_fill(~kept_ids, -math.inf), dim=-1)
         kept = torch.where(keep, sorted_probs, torch.zeros_like(sorted_probs))
         cdf = torch.cumsum(kept, 0)
         u = torch.rand((), generator=req.generator, dtype=torch.float64).item() * float(cdf[-1])

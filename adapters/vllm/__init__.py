@@ -10,9 +10,11 @@ from ._client import ServedConfig, connect, open_from_url, served_config
 from ._launch import VllmServerCommand
 from ._launcher import RunningVllmFleet, VllmFleetConfig, launch_vllm_fleet
 from ._tensors import VllmNcclSender, ipc_update_info
-from ._wire import PAUSE_QUERY, VllmWire
+from ._wire import DEFAULT_LOGPROBS_MODE, LOGPROBS_MODES, PAUSE_QUERY, VllmWire, filtered_logprobs
 
 __all__ = [
+    "DEFAULT_LOGPROBS_MODE",
+    "LOGPROBS_MODES",
     "PAUSE_QUERY",
     "RunningVllmFleet",
     "ServedConfig",
@@ -21,6 +23,7 @@ __all__ = [
     "VllmServerCommand",
     "VllmWire",
     "connect",
+    "filtered_logprobs",
     "ipc_update_info",
     "launch_vllm_fleet",
     "open_from_url",

@@ -13,7 +13,7 @@ import attrs
 from rollout_backends import BackendUnavailable, InvalidRequest, RolloutBackendError, RoutingKind
 from rollout_backends.kit import HttpClient, HttpFleetBackend, Worker, get_json, normalise_url, worker_id_of
 
-from ._wire import VllmWire
+from ._wire import DEFAULT_LOGPROBS_MODE, VllmWire
 
 __all__ = ["ServedConfig", "connect", "open_from_url", "served_config"]
 
@@ -36,6 +36,10 @@ def _int(value: object) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
+def _str(value: object) -> str | None:
+    return value if isinstance(value, str) and value else None
+
+
 @attrs.frozen(slots=True, kw_only=True)
 class ServedConfig:
     """What one vLLM server says about itself, read once at connect."""
@@ -47,6 +51,10 @@ class ServedConfig:
     batch_invariant: bool = False
     max_model_len: int | None = None
     model_path: str | None = None
+    #: ``--logprobs-mode``. Without the dev routes there is no ``/server_info`` to say: vLLM's
+    #: default is assumed (our launcher always serves them, and says ``processed_logprobs``); a
+    #: server that differs fails the filter checks, naming the cause, never passes them.
+    logprobs_mode: str = DEFAULT_LOGPROBS_MODE
 
 
 async def served_config(client: HttpClient, url: str) -> ServedConfig:
@@ -77,6 +85,7 @@ async def served_config(client: HttpClient, url: str) -> ServedConfig:
         batch_invariant=bool(env.get("VLLM_BATCH_INVARIANT")),
         max_model_len=max_len or _int(model.get("max_model_len")),
         model_path=model.get("model") if isinstance(model.get("model"), str) else first.get("root"),
+        logprobs_mode=_str(model.get("logprobs_mode")) or DEFAULT_LOGPROBS_MODE,
     )
 
 
@@ -143,6 +152,7 @@ async def connect(
         max_logprobs=served.max_logprobs,
         cached_tokens=cached_tokens,
         batch_invariant=served.batch_invariant,
+        logprobs_mode=served.logprobs_mode,
         max_context=served.max_model_len,
         vocab_size=vocab_size if vocab_size is not None else vocab_size_of(served.model_path),
     )

@@ -30,7 +30,8 @@ class VllmServerCommand:
     Defaults keep start-up short and the answers what the adapter reads: ``--enforce-eager`` (no
     CUDA graph capture), ``--attention-backend TRITON_ATTN`` (no flash-attn kernels needed),
     ``--logprobs-mode processed_logprobs`` (logprobs of the distribution sampled from: after
-    temperature, as SGLang's; ``docs/vllm.md``), ``--max-logprobs 21`` (20 top logprobs, asked one
+    temperature, as SGLang's, and after top-k/top-p/min-p, renormalised, unlike SGLang's:
+    ``Capabilities.filtered_logprobs``; ``docs/vllm.md``), ``--max-logprobs 21`` (20 top logprobs, asked one
     more: ``VllmWire.top_logprobs``), ``--enable-prompt-tokens-details`` (cached-token counts).
     ``transfer_backend`` (``nccl`` / ``ipc``) adds ``--weight-transfer-config``; ``ipc`` also sets
     ``VLLM_ALLOW_INSECURE_SERIALIZATION=1`` (the pickled CUDA IPC handles need it). ``None`` / ``False``

@@ -77,7 +77,15 @@ from ._codec import (
 )
 from ._tensors import ipc_update_info
 
-__all__ = ["GENERATE_PATH", "PAUSE_QUERY", "TRANSFER_BACKENDS", "VllmWire"]
+__all__ = [
+    "DEFAULT_LOGPROBS_MODE",
+    "GENERATE_PATH",
+    "LOGPROBS_MODES",
+    "PAUSE_QUERY",
+    "TRANSFER_BACKENDS",
+    "VllmWire",
+    "filtered_logprobs",
+]
 
 GENERATE_PATH = "/inference/v1/generate"
 #: Our pause modes as vLLM 0.26's ``POST /pause`` query (``PauseMode`` literal ``abort|wait|keep``;
@@ -94,6 +102,25 @@ PAUSE_QUERY: Mapping[PauseMode, str] = {
 #: ``--weight-transfer-config '{"backend": ...}'`` values and the transport each serves (one per
 #: server: ``WeightTransferConfig.backend``, default ``nccl`` once the config is given at all).
 TRANSFER_BACKENDS: Mapping[str, WeightTransport] = {"nccl": WeightTransport.DISTRIBUTED, "ipc": WeightTransport.TENSOR}
+#: ``--logprobs-mode`` (``ModelConfig.logprobs_mode``, ``vllm/config/model.py`` ``LogprobsMode``) when
+#: not given: logprobs of the model's own logits, before penalties, temperature and filters.
+DEFAULT_LOGPROBS_MODE = "raw_logprobs"
+#: The modes whose logprobs are taken where the sampler draws (``v1/sample/sampler.py``
+#: ``Sampler.sample``; ``ops/topk_topp_sampler.py`` ``forward_native``): after the penalties, the
+#: temperature, ``min_p`` (``MinPLogitsProcessor``, an argmax-invariant logits processor applied
+#: before top-k/top-p) and ``top_k`` / ``top_p`` (``apply_top_k_top_p``: the others at ``-inf``),
+#: renormalised by the ``log_softmax`` there. ``*_logits`` answer logits, which no check takes for
+#: logprobs (``greedy_shapes``); ``raw_*`` are taken before any of it.
+_PROCESSED_MODES = frozenset({"processed_logprobs", "processed_logits"})
+#: Every ``--logprobs-mode`` vLLM 0.26 takes (``LogprobsMode``).
+LOGPROBS_MODES = frozenset({"raw_logprobs", "raw_logits", *_PROCESSED_MODES})
+
+
+def filtered_logprobs(logprobs_mode: str) -> bool:
+    """``Capabilities.filtered_logprobs`` of a vLLM engine run with ``--logprobs-mode logprobs_mode``."""
+    return logprobs_mode in _PROCESSED_MODES
+
+
 #: ``/wake_up?tags=`` values (vLLM's ``CuMemAllocator`` tags); ``cuda_graph`` has no vLLM tag.
 _WAKE_TAGS: Mapping[MemoryTag, str] = {MemoryTag.WEIGHTS: "weights", MemoryTag.KV_CACHE: "kv_cache"}
 
@@ -227,6 +254,9 @@ class VllmWire:
     cached_tokens: bool = False
     #: ``VLLM_BATCH_INVARIANT=1``: greedy outputs do not depend on the batch.
     batch_invariant: bool = False
+    #: ``--logprobs-mode`` (``/server_info``'s ``model_config.logprobs_mode``): which distribution
+    #: logprobs are of (``filtered_logprobs``).
+    logprobs_mode: str = DEFAULT_LOGPROBS_MODE
     max_context: int | None = None
     vocab_size: int | None = None
     probe_timeout: float = 20.0
@@ -256,6 +286,7 @@ class VllmWire:
             memory_release=dev and self.sleep_mode,
             logprobs=True,
             top_logprobs=self.top_logprobs,
+            filtered_logprobs=filtered_logprobs(self.logprobs_mode),
             prompt_logprobs=True,  # sampling_params.prompt_logprobs=0 (the whole prompt's, cut here)
             stop_strings=False,  # the answer carries neither text nor the matched string (0.26)
             streaming=True,

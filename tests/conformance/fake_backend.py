@@ -106,6 +106,11 @@ BUGS = frozenset(
         "label_before_load",
         # weight loads refused unless paused (as dynamo.vllm 1.4.2's routes), load_needs_pause not declared
         "loads_only_paused",
+        # logprobs of the distribution sampled from, after top_k/top_p/min_p, renormalised (vLLM's
+        # processed_logprobs), with filtered_logprobs not declared
+        "filtered_logprobs_undeclared",
+        # filtered_logprobs declared, and the logprobs unfiltered (SGLang's) all the same
+        "filtered_logprobs_unfiltered",
         # one sampling parameter each, dropped before the engine applies them
         *(f"{name}_ignored" for name in ("temperature", "top_k", "top_p", "min_p", "min_new_tokens")),
         *(f"{name}_penalty_ignored" for name in ("repetition", "frequency", "presence")),
@@ -172,6 +177,11 @@ class BuggyDriver(FakeDriver):
     def _effective(self, sampling: rb.SamplingParams) -> rb.SamplingParams:
         changes = {k: v for bug, change in _IGNORED.items() if bug in self.bugs for k, v in change.items()}
         return sampling.replace(**changes) if changes else sampling
+
+    def _filtered_logprobs(self) -> bool:
+        if "filtered_logprobs_undeclared" in self.bugs:
+            return True
+        return "filtered_logprobs_unfiltered" not in self.bugs and super()._filtered_logprobs()
 
     def _rng(self, sampling: rb.SamplingParams) -> random.Random:
         return random.Random() if "seed_ignored" in self.bugs else super()._rng(sampling)
@@ -323,6 +333,8 @@ class FakeBackend(FakeFleet):
         unknown = set(bugs) - BUGS
         assert not unknown, unknown
         self.bugs = frozenset(bugs)
+        if "filtered_logprobs_unfiltered" in self.bugs:
+            declare = attrs.evolve(declare, filtered_logprobs=True)  # the declaration is half the bug
         drivers = [
             driver(f"fake-{i}", bugs=self.bugs, seed=seed, capabilities=declare, token_delay=token_delay)
             for i in range(workers)

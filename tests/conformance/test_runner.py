@@ -158,6 +158,8 @@ BUG_TO_CHECK = {
     "loads_only_paused": "disk_update_matches_fresh",
     "temperature_ignored": "temperature",
     "top_k_ignored": "top_k",
+    "filtered_logprobs_undeclared": "top_k",
+    "filtered_logprobs_unfiltered": "top_p",
     "top_p_ignored": "top_p",
     "min_p_ignored": "min_p",
     "min_new_tokens_ignored": "min_new_tokens",
@@ -608,6 +610,65 @@ async def test_a_parameter_refused_as_unsupported_skips_with_the_refusal() -> No
     assert (
         r.message == "top_k=1: the backend refuses it (unsupported: sampling.top_k (this engine samples without top-k))"
     )
+
+
+FILTERS = ("top_k", "top_p", "min_p")
+
+
+@pytest.mark.parametrize(
+    ("bug", "cause"),
+    [
+        ("filtered_logprobs_undeclared", "does not declare (Capabilities.filtered_logprobs)"),
+        ("filtered_logprobs_unfiltered", "so filtered_logprobs is declared wrongly"),
+    ],
+)
+async def test_filtered_logprobs_must_match_the_declaration(bug: str, cause: str, tmp_path: Path) -> None:
+    """Logprobs renormalised after the filter (vLLM's processed_logprobs) where not declared, or
+    unfiltered where declared: every filter check fails, naming the cause."""
+    report = await run_checks(fake_factory(bugs=frozenset({bug})), fake_harness(tmp_path), select=list(FILTERS))
+    for name in FILTERS:
+        assert report[name].outcome is Outcome.FAIL, report[name].line()
+        assert cause in report[name].message, report[name].line()
+
+
+async def test_declared_filtered_logprobs_pass_where_they_are_0(tmp_path: Path) -> None:
+    """The honest fake declaring filtered_logprobs answers 0 for the one token kept: the filter
+    checks pass (measuring it), and the temperature and penalty checks are untouched (no filter)."""
+    filtered = attrs.evolve(FULL, filtered_logprobs=True)
+    select = [*FILTERS, "temperature", "repetition_penalty", "frequency_penalty", "presence_penalty"]
+    report = await run_checks(fake_factory(declare=filtered), fake_harness(tmp_path), select=select)
+    assert {r.outcome for r in report.results} == {Outcome.PASS}, report.summary()
+    for name in FILTERS:
+        assert report[name].measurements["max_abs_dlogprob_vs_kept"] == 0.0, report[name].line()
+
+
+def test_a_filter_may_keep_tokens_tied_with_the_top() -> None:
+    """An exact tie (bf16 logits) keeps two tokens: logprob -log 2 is the filtered answer there,
+    and the runs may part at it; never where the greedy run's top logprobs show no tie."""
+    from rollout_backends.conformance._sampling import _kept_only_the_top
+
+    half = -0.6931
+    tied = (((5, -0.1), (6, -3.0)), ((7, half), (9, half)), ((4, -2.0), (1, -2.5)))
+    greedy = _gen((5, 7, 4), (-0.1, half, -2.0), tied)
+
+    class Ctx:
+        harness = Harness(logprob_tolerance=0.1)  # the GPU tier's
+
+        def __init__(self) -> None:
+            self.measurements: dict[str, Any] = {}
+
+        def measure(self, key: str, value: Any) -> None:
+            self.measurements[key] = value
+
+    ctx: Any = Ctx()
+    _kept_only_the_top(ctx, [_gen((5, 7, 4), (0.0, half, 0.0), None)], [greedy], "t")
+    _kept_only_the_top(ctx, [_gen((5, 9, 3), (0.0, 0.0, 0.0), None)], [greedy], "t")  # parted at the tie
+    assert ctx.measurements["near_tie_at"] == "case 0 at 1 of 3"
+    untied = attrs.evolve(greedy, top_logprobs=(tied[0], ((7, half), (9, -1.5)), tied[2]))
+    with pytest.raises(CheckFailed, match=re.escape("case 0 position 1: sampled logprob -0.693, want 0 within 0.1")):
+        _kept_only_the_top(ctx, [_gen((5, 7, 4), (0.0, half, 0.0), None)], [untied], "t")
+    with pytest.raises(CheckFailed, match=re.escape("not a tie in the greedy run: token 9 is not within 0.1 of 7")):
+        _kept_only_the_top(ctx, [_gen((5, 9, 3), (0.0, 0.0, 0.0), None)], [untied], "t")
 
 
 class _Buffered(BuggyDriver):

@@ -6,13 +6,21 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 import rollout_backends as rb
 from rollout_backends import GenerateRequest, MemoryTag, PauseMode, SamplingParams, TensorSpec, WeightBucket
-from rollout_backends.adapters.dynamo import DynamoFleet, DynamoWire, DynamoWorkerCommand, launch_dynamo_fleet
+from rollout_backends.adapters.dynamo import (
+    DynamoFleet,
+    DynamoWire,
+    DynamoWorkerCommand,
+    RunningDynamoFleet,
+    launch_dynamo_fleet,
+)
 from rollout_backends.adapters.dynamo._client import detect_flavor
+from rollout_backends.adapters.dynamo._commands import vllm_logprobs_mode
 from rollout_backends.adapters.dynamo._services import DynamoPlanes
 from rollout_backends.adapters.dynamo._vllm_routes import CONTEXT_ID_HEADER, context_id
 from rollout_backends.kit import (
@@ -65,6 +73,37 @@ def test_capabilities_declare_what_dynamo_vllm_serves() -> None:
         caps.load_needs_pause
         and not DynamoWire(frontend_url="http://f:1", model="tiny").capabilities().load_needs_pause
     )
+
+
+def test_filtered_logprobs_follow_the_workers_logprobs_mode(tmp_path: Path) -> None:
+    """Declared from the ``--logprobs-mode`` the launcher gives the workers (Dynamo does not show
+    it): ``VllmServerCommand``'s ``processed_logprobs`` unless the extra vLLM args (last) say
+    another; connected without it, vLLM's default (``raw_logprobs``: not declared)."""
+    assert not wire().capabilities().filtered_logprobs
+    assert wire(logprobs_mode="processed_logprobs").capabilities().filtered_logprobs
+    assert not wire(logprobs_mode="raw_logprobs").capabilities().filtered_logprobs
+    rollout = DynamoWire(frontend_url="http://f:1", model="tiny", flavor="rollout", logprobs_mode="processed_logprobs")
+    assert not rollout.capabilities().filtered_logprobs  # not a vLLM worker
+    assert vllm_logprobs_mode(()) == "processed_logprobs"
+    assert vllm_logprobs_mode(("--logprobs-mode", "raw_logprobs", "--seed", "1")) == "raw_logprobs"
+    assert vllm_logprobs_mode(("--logprobs-mode=raw_logits",)) == "raw_logits"
+
+    def options(**kw: Any) -> dict[str, Any]:
+        cfg = DynamoFleet(model_path="/m/tiny", worker_kind="vllm", **kw)
+        fleet = RunningDynamoFleet(config=cfg, namespace="ns", frontend_url="http://f:1", worker_urls=(),
+                                   rpc_ports={}, worker_names=(), supervisor=None, run_dir=tmp_path)  # type: ignore[arg-type]  # fmt: skip
+        return fleet.connect_options()
+
+    assert options()["logprobs_mode"] == "processed_logprobs"
+    assert options(vllm_args=("--logprobs-mode", "raw_logprobs"))["logprobs_mode"] == "raw_logprobs"
+
+
+async def test_an_unknown_logprobs_mode_is_refused_by_name() -> None:
+    from rollout_backends.adapters.dynamo import open_from_url
+
+    with pytest.raises(rb.InvalidRequest) as exc:
+        await open_from_url("dynamo://fe:1?flavor=vllm&logprobs_mode=processed")
+    assert exc.value.field == "logprobs_mode"
 
 
 def test_engine_route_bodies() -> None:

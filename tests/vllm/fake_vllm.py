@@ -207,8 +207,17 @@ class FakeVllm:
         max_logprobs: int = 21,
         sleep_mode: bool = True,
         batch_invariant: bool = False,
+        logprobs_mode: str = "processed_logprobs",
+        answers_filtered: bool | None = None,
     ) -> None:
-        self.engine = ReferenceEngine(model_path, worker_id="fake-vllm")
+        #: ``--logprobs-mode`` (the launcher's by default): ``processed_*`` answers logprobs
+        #: renormalised over the tokens top-k/top-p/min-p kept, as vLLM's sampler does; other modes
+        #: the reference engine's unfiltered ones (vLLM's ``raw_logprobs`` are also before the
+        #: penalties and the temperature: not modelled). ``answers_filtered`` other than ``None`` is a
+        #: planted bug: the engine filters (or not) whatever ``/server_info`` says.
+        self.logprobs_mode = logprobs_mode
+        filtered = logprobs_mode.startswith("processed_") if answers_filtered is None else answers_filtered
+        self.engine = ReferenceEngine(model_path, worker_id="fake-vllm", filtered_logprobs=filtered)
         self.model_path = model_path
         self.model_name = model_name
         self.max_logprobs = max_logprobs
@@ -490,7 +499,7 @@ class FakeVllm:
         cfg, env = info.setdefault("vllm_config", {}), info.setdefault("vllm_env", {})
         cfg.setdefault("model_config", {}).update(
             model=str(self.model_path), max_model_len=self.engine.max_context, max_logprobs=self.max_logprobs,
-            enable_sleep_mode=self.sleep_mode, logprobs_mode="processed_logprobs",
+            enable_sleep_mode=self.sleep_mode, logprobs_mode=self.logprobs_mode,
         )  # fmt: skip
         cfg["weight_transfer_config"] = None  # no transfer engine on CPU (module docstring)
         env.update(VLLM_SERVER_DEV_MODE=True, VLLM_BATCH_INVARIANT=self.batch_invariant)

@@ -62,3 +62,38 @@ def test_batch_invariant_fake(tiny_model: Path, tiny_model_b: Path) -> None:
 
     report = asyncio.run(run())
     assert [r.outcome for r in report.results] == [Outcome.PASS, Outcome.PASS], report.summary()
+
+
+FILTERS = ["top_k", "top_p", "min_p"]
+
+
+@pytest.mark.parametrize(
+    ("mode", "answers_filtered", "fails_with"),
+    [
+        ("processed_logprobs", None, None),  # the launcher's: declared, and answered so
+        ("raw_logprobs", None, None),  # vLLM's default: unfiltered, not declared
+        ("raw_logprobs", True, "which the backend does not declare"),  # says raw, filters all the same
+        ("processed_logprobs", False, "so filtered_logprobs is declared wrongly"),  # says processed, does not
+    ],
+)
+def test_filtered_logprobs_follow_the_servers_logprobs_mode(
+    tiny_model: Path, tiny_model_b: Path, mode: str, answers_filtered: bool | None, fails_with: str | None
+) -> None:
+    """``filtered_logprobs`` is what ``/server_info``'s ``logprobs_mode`` says; the filter checks
+    pass where the answers agree with it and fail, naming the cause, where they do not."""
+
+    async def run() -> tuple[rb.Capabilities, Report]:
+        async with fake_fleet(tiny_model, 1, logprobs_mode=mode, answers_filtered=answers_filtered) as (fakes, url):
+            backend = await rb.open_backend(url)
+            caps = backend.capabilities
+            await backend.aclose()
+            harness = fake_harness(fakes, tiny_model, tiny_model_b)
+            return caps, await run_checks(lambda: rb.open_backend(url), harness, select=FILTERS)
+
+    caps, report = asyncio.run(run())
+    assert caps.filtered_logprobs is (mode == "processed_logprobs")
+    for result in report.results:
+        if fails_with is None:
+            assert result.outcome is Outcome.PASS, result.line()
+        else:
+            assert result.outcome is Outcome.FAIL and fails_with in result.line(), result.line()

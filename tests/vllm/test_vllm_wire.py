@@ -151,6 +151,20 @@ def test_no_weight_version_so_the_fleet_stamps() -> None:
     assert wire.capabilities().version_source is rb.VersionSource.STAMPED
 
 
+@pytest.mark.parametrize(
+    ("mode", "filtered"),
+    [("processed_logprobs", True), ("processed_logits", True), ("raw_logprobs", False), ("raw_logits", False)],
+)
+def test_filtered_logprobs_follow_the_logprobs_mode(mode: str, filtered: bool) -> None:
+    """processed_* logprobs are taken after min_p and top-k/top-p, renormalised (Sampler.sample)."""
+    assert VllmWire(entry_url="http://h:1", logprobs_mode=mode).capabilities().filtered_logprobs is filtered
+
+
+def test_without_server_info_vllms_default_logprobs_mode_is_assumed() -> None:
+    assert VllmWire(entry_url="http://h:1").logprobs_mode == "raw_logprobs"
+    assert not VllmWire(entry_url="http://h:1").capabilities().filtered_logprobs
+
+
 def test_generate_body() -> None:
     wire = VllmWire(entry_url="http://h:1")
     s = SamplingParams(max_new_tokens=5, temperature=0.0, top_logprobs=3, stop_token_ids=(7,))
