@@ -6,7 +6,7 @@
 #   OUT=... bash tools/gpu/newer-engines.sh dyn16 [0.5.16|0.5.17|both]
 #       ai-dynamo 1.6.1 frontend + stock dynamo.sglang over SGLang 0.5.16 (and/or 0.5.17): starts?
 #       greedy ids equal to SGLang direct of the same version, and disk weight updates, through the
-#       library (tools/gpu/library_check.py: sglang:// vs dynamo://, flavor detected: sglang16)
+#       library (tools/gpu/library_check.py: sglang:// vs dynamo://)
 #   OUT=... bash tools/gpu/newer-engines.sh tier16
 #       the GPU tier (tools/gpu/run-gpu.sh) with a 1.6.1 Dynamo fleet (dynamo16-rr, stock
 #       dynamo.sglang over SGLang 0.5.16) next to the 1.4.2 one; results in $OUT/tier16/
