@@ -790,7 +790,31 @@ def _worker_env(variant: FleetVariant, s: Settings, kind: str) -> dict[str, str]
     return env
 
 
-class DynamoSide(Fleet):
+class _LaunchedFleet(Fleet):
+    """A fleet a launcher's context manager started (``launch_dynamo_fleet``, ``launch_vllm_fleet``):
+    the process groups of its supervisor, all stopped on ``aclose``."""
+
+    _cm: Any = None
+    fleet: Any = None
+
+    async def _enter(self, cm: Any) -> None:
+        self._cm = cm
+        self.fleet = await cm.__aenter__()
+
+    def pids(self) -> dict[str, list[int]]:
+        if self.fleet is None:
+            return {}
+        sup = self.fleet.supervisor
+        return {n: sup.group_pids(n) for n in sup.names}
+
+    async def aclose(self) -> None:
+        await super().aclose()
+        if self._cm is not None:
+            cm, self._cm = self._cm, None
+            await cm.__aexit__(None, None, None)
+
+
+class DynamoSide(_LaunchedFleet):
     """Dynamo workers and one frontend per router mode, all over the same workers."""
 
     def __init__(self, key: str, variant: FleetVariant, entries: set[str], s: Settings) -> None:
@@ -823,8 +847,6 @@ class DynamoSide(Fleet):
             mocker_engine_type=variant.engine,
             ready_timeout=s.startup_timeout_s,
         )
-        self._cm: Any = None
-        self.fleet: Any = None
 
     def supports(self, entry: str) -> str | None:
         """``None``, or why this fleet cannot serve ``entry``."""
@@ -833,10 +855,11 @@ class DynamoSide(Fleet):
     async def start(self, progress: report.Progress) -> None:
         from rollout_backends.adapters.dynamo import launch_dynamo_fleet
 
-        self._cm = launch_dynamo_fleet(
-            self.config, log_dir=self.settings.log_root / self.key, progress=_ready_printer(progress, f"{self.key}")
+        await self._enter(
+            launch_dynamo_fleet(
+                self.config, log_dir=self.settings.log_root / self.key, progress=_ready_printer(progress, f"{self.key}")
+            )
         )
-        self.fleet = await self._cm.__aenter__()
         self.urls[self.entries[0]] = self.fleet.frontend_url
         for entry in self.entries[1:]:
             ttl = self.settings.predicted_ttl_s if entry == "kv+predict" else None
@@ -879,24 +902,12 @@ class DynamoSide(Fleet):
             await client.aclose()
         return out
 
-    def pids(self) -> dict[str, list[int]]:
-        if self.fleet is None:
-            return {}
-        sup = self.fleet.supervisor
-        return {n: sup.group_pids(n) for n in sup.names}
-
     async def flush(self) -> str | None:
         if self.kind == "mocker":
             return "dynamo.mocker has no flush"
         client = await self.client(self.entries[0], "adapter")
         assert isinstance(client, AdapterClient)
         return await _flush(client.backend)
-
-    async def aclose(self) -> None:
-        await super().aclose()
-        if self._cm is not None:
-            cm, self._cm = self._cm, None
-            await cm.__aexit__(None, None, None)
 
 
 #: The fake vLLM server (a checkout's tests) that stands in for ``vllm serve`` on CPU.
@@ -970,7 +981,7 @@ async def fake_vllm_fleet(config: Any, progress: Callable[[Any], None] | None = 
         await fleet.aclose()
 
 
-class VllmSide(Fleet):
+class VllmSide(_LaunchedFleet):
     """vLLM servers with no router: the library's ``vllm://`` fleet hands each unpinned request to
     the next server (``launch_vllm_fleet``; on CPU, fake vLLM servers under the same command lines)."""
 
@@ -990,16 +1001,13 @@ class VllmSide(Fleet):
             log_dir=str(s.log_root / key),
             startup_timeout_s=s.startup_timeout_s,
         )
-        self._cm: Any = None
-        self.fleet: Any = None
 
     async def start(self, progress: report.Progress) -> None:
         from rollout_backends.adapters.vllm import launch_vllm_fleet
 
         show = _ready_printer(progress, f"{self.key} fleet")
         launch = launch_vllm_fleet if self.settings.gpu else fake_vllm_fleet
-        self._cm = launch(self.config, progress=show)
-        self.fleet = await self._cm.__aenter__()
+        await self._enter(launch(self.config, progress=show))
         self.urls["rr"] = self.fleet.connect_url()
 
     async def _client(self, entry: str, kind: str) -> Client:
@@ -1018,20 +1026,8 @@ class VllmSide(Fleet):
             out.append(list(vllm_server(self.config, i).build(ctx).spec.argv))
         return out
 
-    def pids(self) -> dict[str, list[int]]:
-        if self.fleet is None:
-            return {}
-        sup = self.fleet.supervisor
-        return {n: sup.group_pids(n) for n in sup.names}
-
     async def flush(self) -> str | None:
         return await _flush(self.fleet.backend)
-
-    async def aclose(self) -> None:
-        await super().aclose()
-        if self._cm is not None:
-            cm, self._cm = self._cm, None
-            await cm.__aexit__(None, None, None)
 
 
 def make_fleet(key: str, entries: set[str], s: Settings) -> Fleet:
