@@ -2100,11 +2100,13 @@ def _workloads(args: argparse.Namespace, tokenizer: Any, vocab: int) -> dict[str
     return {k: makers[k]() for k in args.workloads}
 
 
-def _vllm_flags_text(args: argparse.Namespace, model_path: str) -> str | None:
+def _vllm_flags_text(args: argparse.Namespace, model_path: str, gpu: bool) -> str | None:
     """The vLLM flags of every vLLM server, as the report gives them (``None``: no vLLM fleet)."""
     names = args.rows or PRESETS[args.preset]
     if all(FLEETS[ROWS[n].fleet].engine != "vllm" for n in names):
         return None
+    if not gpu:
+        return "(CPU: fake vLLM servers; dynamo.mocker --engine-type vllm or reference workers)"
     own = "--enforce-eager --logprobs-mode processed_logprobs --max-logprobs 21 --enable-sleep-mode"
     mem = f"--gpu-memory-utilization {VLLM_MEMORY_UTILIZATION}"
     return f"{own} {mem} {' '.join(vllm_flags(args.kv_tokens, model_path))}"
@@ -2129,7 +2131,7 @@ def _settings_info(
         "workers": args.workers,
         "gpus": ",".join(gpus) if gpu else "none",
         "worker_flags": " ".join(flags) + " --kv-events-config <zmq, a port each>" if gpu else "(CPU workers)",
-        "vllm_flags": _vllm_flags_text(args, model_path) if gpu else "(CPU: fake vLLM servers, dynamo.mocker)",
+        "vllm_flags": _vllm_flags_text(args, model_path, gpu),
         "workloads": {k: w.describe() for k, w in workloads.items()},
         "planned_output_tokens": {k: w.planned_output_tokens() for k, w in workloads.items()},
         "seed": args.seed,
