@@ -9,6 +9,7 @@ import os
 import time
 from pathlib import Path
 
+import attrs
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -108,9 +109,11 @@ def test_resolved_arguments_leave_out_what_names_a_process() -> None:
     }
 
 
-def _gpu_settings(tmp_path: Path) -> fanout.Settings:
+def _gpu_settings(tmp_path: Path, kv_tokens: int = 300_000) -> fanout.Settings:
+    from rollout_backends.adapters.reference import cached_tiny_model
+
     return fanout.Settings(
-        engine="sglang", model_path=str(tmp_path / "m"), workers=2, gpus=("0", "0"), kv_tokens=300_000,
+        engine="sglang", model_path=str(cached_tiny_model(0)), workers=2, gpus=("0", "0"), kv_tokens=kv_tokens,
         stream_interval=50, predicted_ttl_s=5.0, mocker_speedup=10.0, startup_timeout_s=600.0,
         log_root=tmp_path, vocab_size=1000,
     )  # fmt: skip
@@ -128,13 +131,65 @@ def test_every_gpu_preset_gives_its_fleets_the_same_sglang_flags(tmp_path: Path,
     vary = ["--stream-interval", "--kv-events-config"] if preset == "layers" else []
     cmp = fanout.check_command_lines(fleets, vary)
     assert cmp is not None and cmp.same, cmp.rows()
-    assert len(cmp.columns) == 2 * len(fleets)
+    sglang_fleets = [k for k, f in fleets.items() if f.variant.engine == "sglang"]
+    assert len(cmp.columns) == 2 * len(sglang_fleets)  # another engine's flags are never compared with SGLang's
     shared = {row[0]: row[1] for row in cmp.rows(every_setting=True)}
     assert shared["--page-size"] == "16" and shared["--attention-backend"] == "triton"
     assert shared["--mem-fraction-static"] == "0.9" and "--sleep-on-idle" in shared
     if preset == "layers":  # what the layers vary is the only difference
         assert set(cmp.allowed) == {"--stream-interval", "--kv-events-config"}
         assert not fanout.check_command_lines(fleets, []).same  # and it is caught without --vary
+
+
+def test_the_vllm_fleets_run_the_same_vllm_flags_with_an_explicit_memory_share(tmp_path: Path) -> None:
+    """vLLM direct and dynamo.vllm get the same vLLM flags (compared with each other, the way the
+    SGLang fleets' are), the H100 recipe, a KV cache of --kv-tokens tokens and a small, explicit
+    --gpu-memory-utilization; a flag one fleet alone gets is caught."""
+    s = _gpu_settings(tmp_path, kv_tokens=1000)
+    fleets = {k: fanout.make_fleet(k, {"rr"}, s) for k in ("sglang", "vllm", "dynamo-vllm")}
+    cmp = fanout.check_command_lines(fleets, [], "vllm")
+    assert cmp is not None and cmp.same, cmp.rows()
+    assert cmp.columns == ("vllm w0", "vllm w1", "dynamo-vllm w0", "dynamo-vllm w1")
+    shared = {row[0]: row[1] for row in cmp.rows(every_setting=True)}
+    per_token = fanout.kv_bytes_per_token(s.model_path)
+    assert per_token == 2 * 2 * 2 * 2 * 64  # bf16 K and V x 2 layers x 2 KV heads x head dim 64 (tiny)
+    assert shared["--kv-cache-memory-bytes"] == str(1000 * per_token)
+    assert shared["--gpu-memory-utilization"] == str(fanout.VLLM_MEMORY_UTILIZATION) == "0.1"
+    assert shared["--attention-backend"] == "FLASH_ATTN" and shared["--dtype"] == "bfloat16"
+    assert "--enforce-eager" in shared and "--enable-sleep-mode" in shared and shared["--seed"] == "0"
+    assert cmp.allowed == ("--enable-prompt-tokens-details",)  # vllm serve's API server only
+    sglang = fanout.check_command_lines(fleets, [])
+    assert sglang is not None and sglang.columns == ("sglang w0", "sglang w1")
+    # vLLM's site first for the vLLM processes only (--vllm-pythonpath), the SGLang fleet keeps ours
+    vs = attrs.evolve(s, vllm_pythonpath="/tmp/site-vllm:/tmp/site")
+    sgl, vll, dyn = (fanout.make_fleet(k, {"rr"}, vs) for k in ("sglang", "vllm", "dynamo-vllm"))
+    assert (
+        isinstance(sgl, fanout.SGLangSide) and isinstance(vll, fanout.VllmSide) and isinstance(dyn, fanout.DynamoSide)
+    )
+    assert vll.config.env == {"PYTHONPATH": "/tmp/site-vllm:/tmp/site"}
+    assert dyn.config.worker_env["PYTHONPATH"] == "/tmp/site-vllm:/tmp/site"
+    assert "PYTHONPATH" not in sgl.config.env
+    # a planted difference: one vLLM fleet's servers get another seed
+    direct = fleets["vllm"]
+    assert isinstance(direct, fanout.VllmSide)
+    direct.config = attrs.evolve(direct.config, extra_args=(*direct.config.extra_args, "--seed", "1"))
+    planted = fanout.check_command_lines(fleets, [], "vllm")
+    assert planted is not None and planted.differing == ("--seed",)
+
+
+def test_vllm_rows_without_the_fake_server_fail_saying_why(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On CPU the vLLM servers are the checkout's fake: without it the fleet fails to start with the
+    reason in the results (the rows are reported failed, not dropped)."""
+    monkeypatch.setattr(fanout, "_CHECKOUT", tmp_path)
+    with pytest.raises(FileNotFoundError, match="no vLLM on CPU"):
+        fanout.fake_vllm_root()
+    out = tmp_path / "out"
+    assert fanout.main(["--engine", "mocker", "--smoke", "--rows", "vllm rr", "--workloads", "gsm8k",
+                        "--workers", "1", "--out", str(out)]) == 1  # fmt: skip
+    data = json.loads((out / "results.json").read_text())["fanout"]
+    (row,) = data["results"]
+    assert row["row"] == "vllm rr" and row["status"].startswith("failed: fleet did not start")
+    assert "no vLLM on CPU" in row["status"] and "no vLLM on CPU" in data["fleets"]["vllm"]
 
 
 # -- CPU sampling --------------------------------------------------------------------------------------
@@ -153,6 +208,23 @@ def test_cpu_seconds_reads_this_process_and_its_growth() -> None:
     sampler = CpuSampler(lambda: {"f": {"p": [os.getpid()]}})
     d = CpuSampler.delta(sampler.sample(), sampler.sample())
     assert set(d) == {("client", "client", "client"), ("f", "p", "main")}
+
+
+def test_vllm_engine_core_counts_as_the_scheduler() -> None:
+    """vLLM's engine-core child (``setproctitle`` ``VLLM::EngineCore_DP0``) is its scheduler role."""
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)", "VLLM::EngineCore_DP0"])
+    try:
+        deadline = time.monotonic() + 10
+        while b"time.sleep" not in Path(f"/proc/{proc.pid}/cmdline").read_bytes():  # exec'd yet?
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert role_of(proc.pid) == "scheduler"
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 # -- the whole benchmark on CPU -------------------------------------------------------------------------
@@ -215,3 +287,32 @@ def test_fanout_smoke_interleaves_every_row_and_reports_intervals(
     assert fanout.main(["--reanalyze", str(tmp_path / "results.json"), "--baseline", other]) == 0
     out = capsys.readouterr().out
     assert f"baseline {other}" in out and f"vs {other} [95% CI]" in out
+
+
+def test_fanout_vllm_preset_on_cpu_reports_engine_plus_router(tmp_path: Path) -> None:
+    """The vllm preset on CPU: fake vLLM servers (processes, vLLM's command line) with no router, and
+    dynamo.mocker --engine-type vllm behind a real frontend, interleaved with SGLang-side reference
+    workers behind smg; the report says the vLLM rows are another engine."""
+    pytest.importorskip("smg")
+    pytest.importorskip("dynamo.frontend")
+    argv = ["--engine", "mocker", "--smoke", "--preset", "vllm", "--workloads", "gsm8k", "--workers", "1"]
+    assert fanout.main([*argv, "--out", str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "results.json").read_text())["fanout"]
+    rows = {r["row"]: r for r in data["results"]}
+    assert set(rows) == {"sglang rr", "vllm rr", "dynamo-vllm rr"}
+    for name, r in rows.items():
+        assert r["status"] == "ok" and r["blocks"] == [1, 2, 3], r
+        for b in ("1", "2", "3"):  # the same tokens on every row, block by block
+            assert r["steps"][b]["output_tokens"] == rows["sglang rr"]["steps"][b]["output_tokens"] > 0
+        if name != "sglang rr":
+            iv = data["ratios"][f"{name} / sglang rr / gsm8k"]
+            assert iv["blocks"] == 3 and iv["low"] <= iv["estimate"] <= iv["high"]
+    # the vLLM servers' CPU is accounted as worker CPU of their fleet (there is no router)
+    cpu = rows["vllm rr"]["steps"]["1"]["cpu_s"]
+    assert cpu.get("vllm/worker-0/main", 0) > 0, cpu
+    for fleet in ("vllm", "dynamo-vllm"):
+        assert any(n.startswith(f"{fleet}: vllm workers, a different engine") and "engine + router" in n
+                   for n in data["notes"]), data["notes"]  # fmt: skip
+    assert data["refused"] is None and data["vllm_command_args"] is None  # CPU: no vLLM command lines
+    md = (tmp_path / "benchmarks.md").read_text()
+    assert "## RL fan-out routing (vllm)" in md and "not the router alone" in md

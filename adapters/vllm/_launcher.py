@@ -32,6 +32,7 @@ from rollout_backends.launch import (
     RunningFleet,
     Supervisor,
     carry,
+    env_map,
     launch_fleet,
     require_model_dir,
     require_module,
@@ -71,7 +72,7 @@ class VllmFleetConfig:
     #: The label the fleet's versions start at (vLLM 0.26 keeps none of its own).
     weight_version: str = "default"
     extra_args: tuple[str, ...] = attrs.field(factory=tuple, converter=str_tuple)
-    env: Mapping[str, str] = attrs.field(factory=dict, converter=dict)
+    env: Mapping[str, str] = attrs.field(factory=dict, converter=env_map)
     log_dir: str | None = None
     startup_timeout_s: float = 900.0
     python: str = sys.executable

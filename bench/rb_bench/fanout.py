@@ -12,6 +12,9 @@ detokenizer).
   router mode, all over the same workers, so modes switch without a restart); for the layer table
   also ``dynamo-stock`` (stock ``dynamo.sglang``), ``dynamo-notext`` (shim, worker-side text off),
   ``dynamo-sidefault`` (SGLang's default stream interval) and ``sglang-nokv`` (no KV events);
+  and another engine: ``vllm`` (vLLM 0.26 OpenAI servers with ``VLLM_SERVER_DEV_MODE=1``, no
+  router: the library's ``vllm://`` fleet sends each unpinned request to the next server, client
+  side) and ``dynamo-vllm`` (``dynamo.vllm`` workers behind a round-robin ``dynamo.frontend``);
 * clients: ``adapter`` (this library: ``generate_group`` for a prompt's samples, ``generate`` after)
   or ``raw`` (aiohttp posting the same bodies: SGLang's ``/generate``, Dynamo's ``/v1/completions``).
 
@@ -27,6 +30,22 @@ token of its own, so no row ever hits another row's cache. A row's ratio to the 
 ratio of their wall-clock over the blocks both finished, with a bootstrap interval over blocks
 (``stats.py``); a target is met or missed only when its interval lies on one side of the bound.
 
+**vLLM rows** (``--preset vllm``: ``sglang rr``, ``vllm rr``, ``dynamo-vllm rr``) run another
+engine, so the argument checks above cover the SGLang fleets only: the vLLM fleets' ratio to
+``sglang rr`` is engine + router, not the router alone (the report says so); ``dynamo-vllm rr``
+against ``vllm rr`` is the router alone (their vLLM flags are compared with each other, as the
+SGLang ones are). Memory, when every fleet shares one GPU: each SGLang worker's KV pool is capped
+by ``--max-total-tokens`` (``--kv-tokens``); each vLLM server (direct or under ``dynamo.vllm``)
+gets a KV cache of the same number of tokens as a fixed size (``--kv-cache-memory-bytes`` =
+``--kv-tokens`` x the model's KV bytes per token: no memory profiling, which would count the other
+engines starting beside it against its own budget) and ``--gpu-memory-utilization``
+:data:`VLLM_MEMORY_UTILIZATION` (a fraction of the GPU's *total* memory that must be free when it
+starts; it sizes nothing else once the KV size is given). Weights and activations come on top of
+each. On CPU (``--engine mocker`` / ``reference``) the vLLM servers are the fake vLLM server of
+``tests/vllm/fake_vllm.py`` run as processes under the same command lines (a checkout only: the
+fleet fails to start, saying so, without it), and ``dynamo.vllm`` is ``dynamo.mocker
+--engine-type vllm`` (``--engine mocker``) or our reference worker (``--engine reference``).
+
 Workloads (fixed by ``--seed``):
 
 * ``gsm8k``: ``--prompts`` GSM8K-shaped questions per step (synthetic, in the model's chat
@@ -37,7 +56,8 @@ Workloads (fixed by ``--seed``):
   (its context + its response + a new user turn).
 
 Run: ``python -m rb_bench.fanout --engine sglang --gpus 0,0 --preset main --out DIR`` (GPU) or
-``--engine mocker --smoke`` (CPU, seconds: the same code path).
+``--engine mocker --smoke`` (CPU, seconds: the same code path). ``--engine sglang`` means the real
+engines on GPUs: SGLang for the SGLang fleets, vLLM for the vLLM ones.
 """
 
 from __future__ import annotations
@@ -93,7 +113,9 @@ KEY = "fanout"
 WORKLOADS = ("gsm8k", "agentic")
 ENGINES = ("sglang", "reference", "mocker")
 TIMES = "\N{MULTIPLICATION SIGN}"
-PACKAGES = ("torch", "sglang", "ai-dynamo", "ai-dynamo-runtime", "smg", "transformers", "aiohttp", "orjson")
+PACKAGES = (
+    "torch", "sglang", "vllm", "ai-dynamo", "ai-dynamo-runtime", "smg", "transformers", "aiohttp", "orjson",
+)  # fmt: skip
 
 # -- the workload ----------------------------------------------------------------------------------
 
@@ -449,6 +471,8 @@ ROWS: Mapping[str, Row] = _rows(
     Row("dynamo rr raw, stock worker", "dynamo-stock", "rr", "raw"),
     Row("dynamo rr raw, no worker text", "dynamo-notext", "rr", "raw"),
     Row("dynamo rr raw, default stream interval", "dynamo-sidefault", "rr", "raw"),
+    Row("vllm rr", "vllm", "rr", "adapter"),
+    Row("dynamo-vllm rr", "dynamo-vllm", "rr", "adapter"),
 )
 #: Row sets, each with its baseline first.
 PRESETS: Mapping[str, tuple[str, ...]] = {
@@ -467,6 +491,8 @@ PRESETS: Mapping[str, tuple[str, ...]] = {
         "dynamo rr raw, no worker text",
         "dynamo rr raw, default stream interval",
     ),
+    # vLLM direct and behind Dynamo against SGLang direct: engine + router (another engine)
+    "vllm": ("sglang rr", "vllm rr", "dynamo-vllm rr"),
 }
 
 
@@ -499,8 +525,9 @@ TARGETS: tuple[Target, ...] = (
 class FleetVariant:
     """How one fleet differs from the others (``dynamo*``: the worker; ``sglang*``: KV events)."""
 
-    kind: str  #: sglang | dynamo
+    kind: str  #: sglang (smg in front) | dynamo (frontends in front) | vllm (no router)
     what: str
+    engine: str = "sglang"  #: the workers' engine on GPUs: sglang | vllm
     shim: bool = True  #: dynamo: our shim around dynamo.sglang (False: stock)
     worker_text: bool = True  #: dynamo: worker-side text (ROLLOUT_DYN_WORKER_TEXT)
     default_interval: bool = False  #: SGLang's default --stream-interval instead of the run's
@@ -514,6 +541,10 @@ FLEETS: Mapping[str, FleetVariant] = {
     "dynamo-stock": FleetVariant("dynamo", "stock dynamo.sglang behind dynamo.frontend", shim=False),
     "dynamo-notext": FleetVariant("dynamo", "our shim, worker-side text off", worker_text=False),
     "dynamo-sidefault": FleetVariant("dynamo", "our shim, SGLang's default stream interval", default_interval=True),
+    "vllm": FleetVariant(
+        "vllm", "vLLM servers, no router (vllm://: client-side round robin)", engine="vllm", kv_events=False
+    ),
+    "dynamo-vllm": FleetVariant("dynamo", "dynamo.vllm workers behind dynamo.frontend", engine="vllm", kv_events=False),
 }
 _DYNAMO_MODES = {"rr": "round-robin", "kv": "kv", "kv+predict": "kv"}
 _ENTRY_ORDER = ("rr", "cache_aware", "kv", "kv+predict")
@@ -534,6 +565,8 @@ class Settings:
     startup_timeout_s: float
     log_root: Path
     vocab_size: int
+    #: ``PYTHONPATH`` of the vLLM servers and ``dynamo.vllm`` workers (``None``: this process's)
+    vllm_pythonpath: str | None = None
 
     @property
     def gpu(self) -> bool:
@@ -561,6 +594,35 @@ def engine_flags(s: Settings) -> list[str]:
 
 #: ``--mem-fraction-static`` of every GPU worker (see :func:`engine_flags`).
 MEM_FRACTION = 0.9
+
+#: ``--gpu-memory-utilization`` of every vLLM server: a fraction of the GPU's total memory that must
+#: be free when it starts (vLLM 0.26 ``v1/worker/utils.py`` ``request_memory``); with the KV cache
+#: size given (:func:`vllm_flags`) it sizes nothing else.
+VLLM_MEMORY_UTILIZATION = 0.1
+#: vLLM flags of every vLLM server beyond the adapter's own (``VllmServerCommand``: eager, logprobs
+#: mode, ``--max-logprobs``, sleep mode): those the H100 ran on 2026-12-05
+#: (``tools/gpu/newer-engines.sh``, stage ``vllm``), the seed, and SGLang's page size as block size.
+VLLM_RECIPE_FLAGS = (
+    "--dtype", "bfloat16", "--seed", "0", "--max-model-len", "4096", "--attention-backend", "FLASH_ATTN",
+    "--block-size", "16",
+)  # fmt: skip
+#: Command-line flags only one way of serving vLLM takes (``vllm serve``'s API server reports cached
+#: tokens with it; ``dynamo.vllm`` always does): not an engine difference.
+VLLM_SERVING_FLAGS = ("--enable-prompt-tokens-details",)
+
+
+def kv_bytes_per_token(model_path: str) -> int:
+    """KV cache bytes of one token (bf16 K and V of every layer), from the model's ``config.json``."""
+    cfg = json.loads((Path(model_path) / "config.json").read_text())
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    return 2 * 2 * int(cfg["num_hidden_layers"]) * int(cfg["num_key_value_heads"]) * int(head_dim)
+
+
+def vllm_flags(kv_tokens: int, model_path: str) -> list[str]:
+    """vLLM flags every vLLM server of every fleet gets after the adapter's own (the last of a
+    repeated flag wins): the recipe, and a KV cache of ``kv_tokens`` tokens, as SGLang's pools."""
+    kv_bytes = kv_tokens * kv_bytes_per_token(model_path)
+    return [*VLLM_RECIPE_FLAGS, "--kv-cache-memory-bytes", str(kv_bytes)]
 
 
 class Fleet:
@@ -720,13 +782,45 @@ class SGLangSide(Fleet):
             await self.fleet.aclose()
 
 
-class DynamoSide(Fleet):
+def _worker_env(variant: FleetVariant, s: Settings, kind: str) -> dict[str, str]:
+    """Environment of a Dynamo fleet's workers beyond the launcher's."""
+    env = {} if variant.worker_text else {"ROLLOUT_DYN_WORKER_TEXT": "0"}
+    if kind == "vllm" and s.vllm_pythonpath:
+        env["PYTHONPATH"] = s.vllm_pythonpath
+    return env
+
+
+class _LaunchedFleet(Fleet):
+    """A fleet a launcher's context manager started (``launch_dynamo_fleet``, ``launch_vllm_fleet``):
+    the process groups of its supervisor, all stopped on ``aclose``."""
+
+    _cm: Any = None
+    fleet: Any = None
+
+    async def _enter(self, cm: Any) -> None:
+        self._cm = cm
+        self.fleet = await cm.__aenter__()
+
+    def pids(self) -> dict[str, list[int]]:
+        if self.fleet is None:
+            return {}
+        sup = self.fleet.supervisor
+        return {n: sup.group_pids(n) for n in sup.names}
+
+    async def aclose(self) -> None:
+        await super().aclose()
+        if self._cm is not None:
+            cm, self._cm = self._cm, None
+            await cm.__aexit__(None, None, None)
+
+
+class DynamoSide(_LaunchedFleet):
     """Dynamo workers and one frontend per router mode, all over the same workers."""
 
     def __init__(self, key: str, variant: FleetVariant, entries: set[str], s: Settings) -> None:
         from rollout_backends.adapters.dynamo import DynamoFleetConfig
 
-        kind = {"sglang": "sglang", "reference": "reference", "mocker": "mocker"}[s.engine]
+        kind = variant.engine if s.gpu else s.engine  # sglang | vllm on GPUs; reference | mocker on CPU
         kv_events = variant.kv_events and kind != "reference"  # our reference worker publishes none
         self.unsupported = {} if kv_events else {"kv+predict": "needs KV events; reference workers publish none"}
         super().__init__(key, variant, {e for e in entries if e not in self.unsupported} or {"rr"}, s)
@@ -740,18 +834,19 @@ class DynamoSide(Fleet):
             router_predicted_ttl_secs=s.predicted_ttl_s if first == "kv+predict" else None,
             page_size=16,
             kv_events=kv_events,
-            gpus=s.gpus if kind == "sglang" else (),
+            gpus=s.gpus if s.gpu else (),
             stream_interval=self.stream_interval if kind == "sglang" else None,
             sglang_args=[*RECIPE_FLAGS, "--mem-fraction-static", str(MEM_FRACTION), *engine_flags(s)]
             if kind == "sglang"
             else [],
             sglang_shim=variant.shim,
-            worker_env={} if variant.worker_text else {"ROLLOUT_DYN_WORKER_TEXT": "0"},
+            gpu_memory_utilization=VLLM_MEMORY_UTILIZATION if kind == "vllm" else None,
+            vllm_args=vllm_flags(s.kv_tokens, s.model_path) if kind == "vllm" else [],
+            worker_env=_worker_env(variant, s, kind),
             mocker_speedup_ratio=s.mocker_speedup,
+            mocker_engine_type=variant.engine,
             ready_timeout=s.startup_timeout_s,
         )
-        self._cm: Any = None
-        self.fleet: Any = None
 
     def supports(self, entry: str) -> str | None:
         """``None``, or why this fleet cannot serve ``entry``."""
@@ -760,10 +855,11 @@ class DynamoSide(Fleet):
     async def start(self, progress: report.Progress) -> None:
         from rollout_backends.adapters.dynamo import launch_dynamo_fleet
 
-        self._cm = launch_dynamo_fleet(
-            self.config, log_dir=self.settings.log_root / self.key, progress=_ready_printer(progress, f"{self.key}")
+        await self._enter(
+            launch_dynamo_fleet(
+                self.config, log_dir=self.settings.log_root / self.key, progress=_ready_printer(progress, f"{self.key}")
+            )
         )
-        self.fleet = await self._cm.__aenter__()
         self.urls[self.entries[0]] = self.fleet.frontend_url
         for entry in self.entries[1:]:
             ttl = self.settings.predicted_ttl_s if entry == "kv+predict" else None
@@ -780,7 +876,7 @@ class DynamoSide(Fleet):
     def command_lines(self) -> list[list[str]] | None:
         from rollout_backends.adapters.dynamo._launcher import _WorkerPorts, worker_argv
 
-        if self.kind != "sglang":
+        if self.kind not in ("sglang", "vllm"):
             return None
         ports = _WorkerPorts(system=21000, rpc=21001, kv_events=21002, sglang=21003, nccl=21004)
         return [worker_argv(self.config, i, "ns", ports) for i in range(self.settings.workers)]
@@ -789,6 +885,8 @@ class DynamoSide(Fleet):
         from rollout_backends.kit import HttpClient, HttpRequest
 
         out: list[Mapping[str, Any] | None] = []
+        if self.kind != "sglang":  # the route is our shim's around dynamo.sglang
+            return [None] * self.settings.workers
         client = HttpClient(control_timeout=10.0)
         try:
             for url in self.fleet.worker_urls:
@@ -804,12 +902,6 @@ class DynamoSide(Fleet):
             await client.aclose()
         return out
 
-    def pids(self) -> dict[str, list[int]]:
-        if self.fleet is None:
-            return {}
-        sup = self.fleet.supervisor
-        return {n: sup.group_pids(n) for n in sup.names}
-
     async def flush(self) -> str | None:
         if self.kind == "mocker":
             return "dynamo.mocker has no flush"
@@ -817,16 +909,131 @@ class DynamoSide(Fleet):
         assert isinstance(client, AdapterClient)
         return await _flush(client.backend)
 
-    async def aclose(self) -> None:
-        await super().aclose()
-        if self._cm is not None:
-            cm, self._cm = self._cm, None
-            await cm.__aexit__(None, None, None)
+
+#: The fake vLLM server (a checkout's tests) that stands in for ``vllm serve`` on CPU.
+FAKE_VLLM_MODULE = "tests.vllm.fake_vllm"
+_CHECKOUT = Path(__file__).resolve().parents[2]
+
+
+def fake_vllm_root() -> Path:
+    """The checkout whose ``tests/vllm/fake_vllm.py`` serves as vLLM on CPU (``FileNotFoundError``
+    saying so where there is none: the ``vllm`` fleets then run on GPUs only)."""
+    if not (_CHECKOUT / "tests" / "vllm" / "fake_vllm.py").is_file():
+        raise FileNotFoundError(
+            f"no vLLM on CPU: the fake vLLM server ({FAKE_VLLM_MODULE}) is not in {_CHECKOUT}; "
+            "the vllm fleets run with --engine sglang (GPUs) only outside a checkout"
+        )
+    return _CHECKOUT
+
+
+@attrs.frozen
+class FakeVllmCommand:
+    """``VllmServerCommand``'s process with the fake vLLM server in place of ``vllm serve``: the same
+    command line (the fake reads the flags it models and ignores the rest), environment, ready check
+    and ``connect``."""
+
+    server: Any  #: a ``VllmServerCommand``
+    root: Path
+
+    @property
+    def grace(self) -> float:
+        return float(self.server.grace)
+
+    def build(self, ctx: Any) -> Any:
+        import os
+
+        launch = self.server.build(ctx)
+        argv = [FAKE_VLLM_MODULE if a == "vllm.entrypoints.openai.api_server" else a for a in launch.spec.argv]
+        path = os.pathsep.join(x for x in (str(self.root), os.environ.get("PYTHONPATH", "")) if x)
+        spec = attrs.evolve(launch.spec, argv=argv, env={**launch.spec.env, "PYTHONPATH": path})
+        return attrs.evolve(launch, spec=spec)
+
+    async def connect(self, entry_url: str | None, engines: Sequence[Any], **kwargs: Any) -> Any:
+        return await self.server.connect(entry_url, engines, **kwargs)
+
+
+def vllm_server(config: Any, index: int) -> Any:
+    """Server ``index``'s ``VllmServerCommand``, as ``launch_vllm_fleet`` builds it (the config's
+    fields carried over, its memory share for that server)."""
+    from rollout_backends.adapters.vllm import VllmServerCommand
+    from rollout_backends.launch import carry
+
+    return carry(VllmServerCommand, config, gpu_memory_utilization=config.memory_share(index))
+
+
+@contextlib.asynccontextmanager
+async def fake_vllm_fleet(config: Any, progress: Callable[[Any], None] | None = None) -> Any:
+    """``launch_vllm_fleet`` with fake vLLM servers (CPU): the same launcher underneath
+    (``launch_fleet``, the library's ``RunningVllmFleet``), without its check that vLLM is installed."""
+    from rollout_backends.adapters.vllm import RunningVllmFleet
+    from rollout_backends.launch import Local, launch_fleet
+
+    root = fake_vllm_root()
+    commands = [FakeVllmCommand(vllm_server(config, i), root) for i in range(config.workers)]
+    fleet = await launch_fleet(
+        commands, config.workers, None, Local(host=config.host), log_dir=config.log_dir,
+        ready_timeout=config.startup_timeout_s, progress=progress,
+    )  # fmt: skip
+    try:
+        backend = await fleet.connect(initial_version=config.weight_version)
+        yield RunningVllmFleet(config=config, fleet=fleet, backend=backend)
+    finally:
+        await fleet.aclose()
+
+
+class VllmSide(_LaunchedFleet):
+    """vLLM servers with no router: the library's ``vllm://`` fleet hands each unpinned request to
+    the next server (``launch_vllm_fleet``; on CPU, fake vLLM servers under the same command lines)."""
+
+    def __init__(self, key: str, variant: FleetVariant, entries: set[str], s: Settings) -> None:
+        from rollout_backends.adapters.vllm import VllmFleetConfig
+
+        super().__init__(key, variant, entries, s)
+        self.config = VllmFleetConfig(
+            model_path=s.model_path,
+            workers=s.workers,
+            gpus=s.gpus if s.gpu else (),
+            attention_backend=None,  # in vllm_flags
+            gpu_memory_utilization=VLLM_MEMORY_UTILIZATION,
+            sleep_mode=True,  # as dynamo.vllm workers run (DynamoWorkerCommand): the same engine
+            extra_args=vllm_flags(s.kv_tokens, s.model_path),
+            env={"PYTHONPATH": s.vllm_pythonpath} if s.vllm_pythonpath else {},
+            log_dir=str(s.log_root / key),
+            startup_timeout_s=s.startup_timeout_s,
+        )
+
+    async def start(self, progress: report.Progress) -> None:
+        from rollout_backends.adapters.vllm import launch_vllm_fleet
+
+        show = _ready_printer(progress, f"{self.key} fleet")
+        launch = launch_vllm_fleet if self.settings.gpu else fake_vllm_fleet
+        await self._enter(launch(self.config, progress=show))
+        self.urls["rr"] = self.fleet.connect_url()
+
+    async def _client(self, entry: str, kind: str) -> Client:
+        if kind != "adapter":
+            raise ValueError(f"{self.key}: only the adapter client (no raw client for vLLM)")
+        return AdapterClient(self.fleet.backend)
+
+    def command_lines(self) -> list[list[str]] | None:
+        from rollout_backends.launch import NodeContext
+
+        if not self.settings.gpu:
+            return None
+        out = []
+        for i in range(self.settings.workers):
+            ctx = NodeContext.on(i, "127.0.0.1", "", gpu_ids=(self.settings.gpus[i],), fixed={"http": 8100 + i})
+            out.append(list(vllm_server(self.config, i).build(ctx).spec.argv))
+        return out
+
+    async def flush(self) -> str | None:
+        return await _flush(self.fleet.backend)
 
 
 def make_fleet(key: str, entries: set[str], s: Settings) -> Fleet:
     variant = FLEETS[key]
-    return (SGLangSide if variant.kind == "sglang" else DynamoSide)(key, variant, entries, s)
+    side = {"sglang": SGLangSide, "dynamo": DynamoSide, "vllm": VllmSide}[variant.kind]
+    return side(key, variant, entries, s)
 
 
 # -- steps -----------------------------------------------------------------------------------------
@@ -1014,6 +1221,8 @@ class RunResult:
     placement: dict[str, list[str]] = attrs.field(factory=dict)
     gpu_memory: list[str] = attrs.field(factory=list)
     command_args: Comparison | None = None
+    #: the vLLM fleets' vLLM flags, compared with each other (never with SGLang's)
+    vllm_args: Comparison | None = None
     resolved_args: Comparison | None = None
     refused: str | None = None
     #: fleet key -> the frontend's /metrics lines worth keeping (Dynamo)
@@ -1041,11 +1250,14 @@ def _columns(fleets: Mapping[str, Fleet]) -> list[str]:
     return [f"{k} w{i}" for k, f in fleets.items() for i in range(f.settings.workers)]
 
 
-def check_command_lines(fleets: Mapping[str, Fleet], vary: Sequence[str]) -> Comparison | None:
-    """The SGLang flags of every GPU worker of every fleet, compared (``None`` on CPU workers)."""
-    lines = {k: f.command_lines() for k, f in fleets.items()}
+def check_command_lines(fleets: Mapping[str, Fleet], vary: Sequence[str], engine: str = "sglang") -> Comparison | None:
+    """The ``engine`` flags of every GPU worker of every fleet of that engine, compared (``None`` on
+    CPU workers, or without such fleets). Fleets of different engines are never compared."""
+    lines = {k: f.command_lines() for k, f in fleets.items() if f.variant.engine == engine}
     if all(v is None for v in lines.values()):
         return None
+    if engine == "vllm":
+        vary = [*vary, *VLLM_SERVING_FLAGS]
     cols: list[str] = []
     flags: list[Mapping[str, str] | None] = []
     for k, argvs in lines.items():
@@ -1056,6 +1268,8 @@ def check_command_lines(fleets: Mapping[str, Fleet], vary: Sequence[str]) -> Com
 
 
 async def check_resolved(fleets: Mapping[str, Fleet], vary: Sequence[str]) -> Comparison:
+    """The SGLang fleets' resolved arguments, compared (another engine's are not SGLang's)."""
+    fleets = {k: f for k, f in fleets.items() if f.variant.engine == "sglang"}
     cols = _columns(fleets)
     got: list[Mapping[str, str] | None] = []
     for f in fleets.values():
@@ -1205,10 +1419,12 @@ async def run(
     fleets = {k: make_fleet(k, e, settings) for k, e in entries.items()}
     result.placement = {k: f.placement() for k, f in fleets.items()}
     result.command_args = check_command_lines(fleets, vary)
-    if result.command_args is not None and not result.command_args.same:
-        why = "the fleets' SGLang command lines differ: " + ", ".join(result.command_args.differing)
-        if _refused(result, why, refuse_on_differ, progress):
-            return result
+    result.vllm_args = check_command_lines(fleets, vary, "vllm")
+    for cmp, what in ((result.command_args, "SGLang"), (result.vllm_args, "vLLM")):
+        if cmp is not None and not cmp.same:
+            why = f"the fleets' {what} command lines differ: " + ", ".join(cmp.differing)
+            if _refused(result, why, refuse_on_differ, progress):
+                return result
     errors: dict[str, str] = {}
     sampler = CpuSampler(lambda: {k: f.pids() for k, f in fleets.items() if k not in errors})
     try:
@@ -1280,8 +1496,14 @@ async def _check_live(
         if _refused(result, why, refuse_on_differ, progress):
             return False
         progress(f"WARNING: {why}")
-    for k in live:
-        if not any(c.startswith(f"{k} w") for c in result.resolved_args.columns):
+    for k, f in live.items():
+        if f.variant.engine != "sglang":
+            result.notes.append(
+                f"{k}: {f.variant.engine} workers, a different engine from SGLang: their arguments are not "
+                "compared with SGLang's, and the ratio of its rows to an SGLang row is engine + router, "
+                "not the router alone"
+            )
+        elif not any(c.startswith(f"{k} w") for c in result.resolved_args.columns):
             result.notes.append(f"{k}: its workers report no engine arguments (not compared)")
     owners = _pid_owner(live)
     for line in gpu_memory():
@@ -1662,7 +1884,8 @@ def markdown(meta: dict[str, Any], info: dict[str, Any], result: RunResult, base
     lines += report.meta_lines(meta)
     lines += [
         f"- **Workers:** {info['workers']} x {info['engine']} per fleet ({info['model']}); "
-        f"SGLang flags of every GPU worker: `{info['worker_flags']}`",
+        f"SGLang flags of every GPU worker: `{info['worker_flags']}`"
+        + (f"; vLLM flags of every vLLM server: `{info['vllm_flags']}`" if info.get("vllm_flags") else ""),
         "- **Placement:** "
         + "; ".join(f"{k}: {', '.join(v)}" for k, v in result.placement.items())
         + ". All fleets start together and stay up; one row runs at a time.",
@@ -1688,6 +1911,7 @@ def markdown(meta: dict[str, Any], info: dict[str, Any], result: RunResult, base
         ]
     for cmp, title in (
         (result.command_args, "SGLang flags on the command lines"),
+        (result.vllm_args, "vLLM flags on the command lines (the vLLM fleets with each other)"),
         (result.resolved_args, "Resolved engine arguments, as each worker reports them"),
     ):
         if cmp is not None:
@@ -1823,7 +2047,14 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--turn-median", type=float, default=100.0)
     p.add_argument("--turn-max-new-tokens", type=int, default=256)
     p.add_argument("--predicted-ttl-s", type=float, default=5.0, help="--router-predicted-ttl-secs of kv+predict")
-    p.add_argument("--kv-tokens", type=int, default=300_000, help="--max-total-tokens of each SGLang worker")
+    p.add_argument(
+        "--kv-tokens", type=int, default=300_000,
+        help="--max-total-tokens of each SGLang worker; each vLLM server's KV cache holds as many tokens",
+    )  # fmt: skip
+    p.add_argument(
+        "--vllm-pythonpath", default=None,
+        help="PYTHONPATH of the vLLM servers and dynamo.vllm workers (default: this process's)",
+    )  # fmt: skip
     p.add_argument("--mocker-speedup", type=float, default=10.0)
     p.add_argument("--startup-timeout-s", type=float, default=None)
     p.add_argument("--budget-s", type=float, default=420.0, help="the whole run, fleets' start-up included")
@@ -1869,6 +2100,18 @@ def _workloads(args: argparse.Namespace, tokenizer: Any, vocab: int) -> dict[str
     return {k: makers[k]() for k in args.workloads}
 
 
+def _vllm_flags_text(args: argparse.Namespace, model_path: str, gpu: bool) -> str | None:
+    """The vLLM flags of every vLLM server, as the report gives them (``None``: no vLLM fleet)."""
+    names = args.rows or PRESETS[args.preset]
+    if all(FLEETS[ROWS[n].fleet].engine != "vllm" for n in names):
+        return None
+    if not gpu:
+        return "(CPU: fake vLLM servers; dynamo.mocker --engine-type vllm or reference workers)"
+    own = "--enforce-eager --logprobs-mode processed_logprobs --max-logprobs 21 --enable-sleep-mode"
+    mem = f"--gpu-memory-utilization {VLLM_MEMORY_UTILIZATION}"
+    return f"{own} {mem} {' '.join(vllm_flags(args.kv_tokens, model_path))}"
+
+
 def _settings_info(
     args: argparse.Namespace,
     size: str,
@@ -1888,6 +2131,7 @@ def _settings_info(
         "workers": args.workers,
         "gpus": ",".join(gpus) if gpu else "none",
         "worker_flags": " ".join(flags) + " --kv-events-config <zmq, a port each>" if gpu else "(CPU workers)",
+        "vllm_flags": _vllm_flags_text(args, model_path, gpu),
         "workloads": {k: w.describe() for k, w in workloads.items()},
         "planned_output_tokens": {k: w.planned_output_tokens() for k, w in workloads.items()},
         "seed": args.seed,
@@ -1904,7 +2148,11 @@ def _print_results(result: RunResult, baseline: str, m: dict[str, Any]) -> None:
         print(f"\nREFUSED: {result.refused}")
     for n in result.notes:
         print(f"- {n}")
-    for cmp, title in ((result.command_args, "command lines"), (result.resolved_args, "resolved arguments")):
+    for cmp, title in (
+        (result.command_args, "command lines"),
+        (result.vllm_args, "vLLM command lines"),
+        (result.resolved_args, "resolved arguments"),
+    ):
         if cmp is not None and (cmp.differing or cmp.allowed):
             print("\n".join(args_table(cmp, title)))
     for k, text in t.items():
@@ -1931,6 +2179,7 @@ def _results_data(m: dict[str, Any], info: dict[str, Any], result: RunResult, ba
         "placement": result.placement,
         "gpu_memory": result.gpu_memory,
         "command_args": _cmp(result.command_args),
+        "vllm_command_args": _cmp(result.vllm_args),
         "resolved_args": _cmp(result.resolved_args),
         "refused": result.refused,
         "results": [r.as_dict() for r in result.rows],
@@ -1970,8 +2219,16 @@ def _settings(
     vocab: int,
     log_root: Path,
 ) -> Settings:
-    """The fleets' settings from the command line (``stream_interval`` 0: SGLang's default)."""
+    """The fleets' settings from the command line (``stream_interval`` 0: SGLang's default).
+
+    ``--vllm-pythonpath`` is also searched by this process, last: the launchers check that vLLM is
+    installed here before they start it (``VllmFleetConfig.preflight``), while the other fleets'
+    processes keep this process's ``PYTHONPATH`` (the GPU machine's vLLM site pins other web
+    packages than SGLang's: ``tools/gpu/vllm-session.sh``)."""
     gpu = args.engine == "sglang"
+    for entry in (args.vllm_pythonpath or "").split(":"):
+        if entry and entry not in sys.path:
+            sys.path.append(entry)
     return Settings(
         engine=args.engine,
         model_path=model_path,
@@ -1984,6 +2241,7 @@ def _settings(
         startup_timeout_s=args.startup_timeout_s or (600.0 if gpu else 120.0),
         log_root=log_root,
         vocab_size=vocab,
+        vllm_pythonpath=args.vllm_pythonpath,
     )
 
 

@@ -4,7 +4,9 @@ Each sample reads ``utime + stime`` of every live pid of every process group a f
 started (SGLang's scheduler and detokenizer children stay in their server's group). A pid is
 given a *role* from its name: SGLang names its children ``sglang::scheduler`` /
 ``sglang::detokenizer`` (``setproctitle``), so a worker splits into ``main`` (HTTP server or the
-Dynamo handler with SGLang's tokenizer manager), ``scheduler`` and ``detokenizer``. The client is
+Dynamo handler with SGLang's tokenizer manager), ``scheduler`` and ``detokenizer``; vLLM 0.26 names
+its engine-core child ``VLLM::EngineCore`` (counted as ``scheduler``; its API server or the
+``dynamo.vllm`` handler is ``main``, and it has no detokenizer process). The client is
 this process (``time.process_time``). Resolution: one clock tick (10 ms on Linux).
 """
 
@@ -50,9 +52,10 @@ def _name(pid: int) -> str:
 
 
 def role_of(pid: int) -> str:
-    """``scheduler`` / ``detokenizer`` for SGLang's children, else ``main``."""
+    """``scheduler`` / ``detokenizer`` for SGLang's children, ``scheduler`` for vLLM's engine core
+    (``VLLM::EngineCore``: its scheduler and, at TP 1, the model runner), else ``main``."""
     name = _name(pid)
-    if "scheduler" in name:
+    if "scheduler" in name or "EngineCore" in name:
         return "scheduler"
     if "detokenizer" in name:
         return "detokenizer"

@@ -19,13 +19,14 @@ no CUDA IPC): ``--weight-transfer-config`` is never set, and its routes answer a
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import functools
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -45,7 +46,7 @@ from rollout_backends import (
 from rollout_backends.adapters.reference import ReferenceEngine
 from tests.aiohttp_app import serving
 
-__all__ = ["KNOWN_DIFFERENCES", "FakeVllm", "fake_vllm"]
+__all__ = ["KNOWN_DIFFERENCES", "FakeVllm", "fake_vllm", "main"]
 
 #: Answer paths where the fake cannot answer vLLM's way (``*``: any key or index), and why.
 KNOWN_DIFFERENCES = {
@@ -552,3 +553,41 @@ async def fake_vllm(model_path: Path, **kw: Any) -> AsyncIterator[tuple[FakeVllm
     finally:
         await fake.aclose()
         await asyncio.sleep(0)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """One fake as a process, on ``vllm serve``'s command line (``python -m tests.vllm.fake_vllm
+    --model DIR --host H --port P ...``): the flags the fake models are read, the rest ignored. The
+    fan-out benchmark starts it on CPU in place of vLLM (``rb_bench.fanout.FakeVllmCommand``)."""
+    p = argparse.ArgumentParser(prog="python -m tests.vllm.fake_vllm")
+    p.add_argument("--model", required=True)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--served-model-name", default=None, help="default: the model path, as vLLM's")
+    p.add_argument("--max-logprobs", type=int, default=20)
+    p.add_argument("--logprobs-mode", default="raw_logprobs")
+    p.add_argument("--enable-sleep-mode", action="store_true")
+    args, _ = p.parse_known_args(argv)
+
+    async def app() -> web.Application:
+        fake = FakeVllm(
+            Path(args.model),
+            model_name=args.served_model_name or args.model,
+            max_logprobs=args.max_logprobs,
+            sleep_mode=args.enable_sleep_mode,
+            logprobs_mode=args.logprobs_mode,
+        )
+        fake.url_id = f"{args.host}:{args.port}"
+        served = fake.app()
+
+        async def close(_: web.Application) -> None:
+            await fake.aclose()
+
+        served.on_cleanup.append(close)
+        return served
+
+    web.run_app(app(), host=args.host, port=args.port, print=None)
+
+
+if __name__ == "__main__":
+    main()

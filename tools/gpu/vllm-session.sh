@@ -4,6 +4,8 @@
 #
 #   OUT=... bash tools/gpu/vllm-session.sh capture   # raw answers of vLLM and dynamo.vllm     ~200 s
 #   OUT=... bash tools/gpu/vllm-session.sh tier      # the conformance suite + SGLang<->vLLM   ~290 s
+#   OUT=... bash tools/gpu/vllm-session.sh fanout    # RL fan-out: sglang rr, vllm rr,         ~360 s
+#                                                    # dynamo-vllm rr on GPU 0 (issue 31 item 4)
 #
 # Before: vLLM's bundle (tools/gpu/build-bundles.sh vllm: chunks vllm-1, vllm-2, ..., one call
 # each; tools/gpu/install-bundles.sh joins them once all came), the SGLang / Dynamo / smg parts
@@ -15,8 +17,10 @@
 #   capture: vllm-0.26.0-answers.json, dynamo-vllm-1.4.2-answers.json, capture-logs.txt, capture.log
 #            (copy the two answer files to tests/data/: tests/vllm/test_captured_answers.py reads them)
 #   tier:    tier/conformance-results.{md,json}, tier/logs-tail.txt, tier/cross-engine-parity.json, tier.log
+#   fanout:  fanout-vllm/{benchmarks.md,results.json,fanout.png,fanout-logs.tar.gz}, fanout.log
+#            (needs part1-3 too: SGLang and smg for the baseline fleet, Dynamo's frontend)
 set -uo pipefail
-stage=${1:?usage: vllm-session.sh capture|tier}
+stage=${1:?usage: vllm-session.sh capture|tier|fanout}
 : "${OUT:?set OUT}"
 root=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$root"
@@ -49,6 +53,23 @@ case "$stage" in
   tier)
     python3 -m rb_bench.vllm_tier --out "$OUT/tier" --gpus "$gpus" --budget-s "${BUDGET:-290}" "${@:2}" 2>&1 \
       | tee "$OUT/tier.log" | tail -40
+    ;;
+  fanout)
+    # Every fleet on GPU 0 at once, 2 workers each: 2 SGLang servers behind smg (the baseline), 2
+    # vLLM servers (client-side round robin), 2 dynamo.vllm workers behind a frontend; each KV cache
+    # holds --kv-tokens tokens (rb_bench.fanout's docstring: how memory is split). gsm8k only,
+    # 8 prompts x 8 samples, lengths median 120 (max 256): a few seconds a step, so ~10+ blocks fit
+    # after start-up. Only vLLM's processes get vLLM's site first (its web pins differ from SGLang's).
+    export PYTHONPATH=$SITE:$root/bench
+    python3 -c 'import sglang, smg, dynamo.frontend' \
+      || { echo "vllm-session.sh: SGLang, smg or Dynamo is missing from $SITE (part1-3)" >&2; exit 3; }
+    model=${MODEL:-/tmp/rb-bench/qwen2.5-0.5b}
+    [ -f "$model/model.safetensors" ] || python3 -m rollout_backends.adapters.reference.make_model "$model" \
+      --size qwen2.5-0.5b --seed 0 >/dev/null || exit 1
+    python3 -m rb_bench.fanout --engine sglang --preset vllm --model-size qwen2.5-0.5b --model-path "$model" \
+      --workers 2 --gpus 0,0 --workloads gsm8k --prompts 8 --samples 8 --max-new-tokens 256 --length-median 120 \
+      --blocks 15 --kv-tokens 200000 --vllm-pythonpath "$VSITE:$SITE" --budget-s "${BUDGET:-300}" \
+      --out "$OUT/fanout-vllm" "${@:2}" 2>&1 | tee "$OUT/fanout.log" | tail -30
     ;;
   *) echo "unknown stage $stage" >&2; exit 2 ;;
 esac
