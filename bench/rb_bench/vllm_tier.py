@@ -20,8 +20,10 @@ Parity runs between the vLLM backends and a transformers forward pass as in the 
 with ``--cross-sglang`` (default on), one SGLang server (``gpu_tier``'s flags) starts on the same
 weights and the same greedy prompts go to both engines, cold: ``DIR/cross-engine-parity.json``
 says, per prompt, whether the tokens are identical and, where not, the first divergence with
-both engines' top-2 logprobs there and whether it is a near tie (each engine's token within
-``--near-tie`` of its best alternative, and in the other's top 2) or not (a bug to look at).
+both engines' top-5 logprobs there and whether it is a near tie (each engine's pick in the
+other's top 5, and within ``--near-tie`` of the other's pick on both engines; by default that
+gap is the engines' own disagreement, measured in the same run: the largest |Δlogprob| of the same
+token on both, at least 0.05) or not (a bug to look at).
 """
 
 from __future__ import annotations
@@ -63,7 +65,7 @@ def _transfer(cfg: TierConfig, key: str) -> str:
 class VllmTier(_Tier):
     """``gpu_tier``'s run with vLLM backends and a vLLM oracle."""
 
-    def __init__(self, config: TierConfig, *, cross_sglang: bool = True, near_tie: float = 0.05) -> None:
+    def __init__(self, config: TierConfig, *, cross_sglang: bool = True, near_tie: float | None = None) -> None:
         super().__init__(config)
         self.cross_sglang = cross_sglang
         self.near_tie = near_tie
@@ -199,14 +201,14 @@ def _cross_line(cross: dict[str, Any] | None) -> str:
         return f"not measured ({(cross or {}).get('error', 'not run')})"
     return (
         f"{cross['identical']}/{cross['prompts']} prompts identical, {cross['near_ties']} near ties, "
-        f"{cross['other_divergences']} other divergences; "
+        f"{cross['other_divergences']} other divergences (near tie: gaps <= {cross['near_tie_gap']:.3g}); "
         f"max |dlogprob| before divergence {cross['max_abs_dlogprob']:.3g}"
     )
 
 
 async def _greedy(backend: RolloutBackend, prompts: Sequence[Sequence[int]], n: int, tag: str) -> list[Generation]:
-    """The prompts one at a time, on cold caches, with top-2 logprobs."""
-    sampling = SamplingParams(temperature=0.0, max_new_tokens=n, top_logprobs=2)
+    """The prompts one at a time, on cold caches, with top-``TOP_K`` logprobs."""
+    sampling = SamplingParams(temperature=0.0, max_new_tokens=n, top_logprobs=TOP_K)
     out = []
     for i, p in enumerate(prompts):
         await backend.flush_cache()
@@ -214,33 +216,67 @@ async def _greedy(backend: RolloutBackend, prompts: Sequence[Sequence[int]], n: 
     return out
 
 
-def _divergence(a: Generation, b: Generation, near_tie: float) -> dict[str, Any]:
-    """Where two greedy runs of one prompt part, and what each engine saw there."""
+#: The least gap a near tie is judged at where the engines agree more closely than this.
+NEAR_TIE_FLOOR = 0.05
+
+#: Top logprobs asked at each position: more than two, so a three-way tie (the H100 run of
+#: 2026-12-05: vLLM's pick was outside SGLang's top 2, both within 0.07 of SGLang's best) is seen.
+TOP_K = 5
+
+
+def _first_difference(a: Generation, b: Generation) -> int | None:
     n = next((i for i, (x, y) in enumerate(zip(a.output_ids, b.output_ids, strict=False)) if x != y), None)
+    if n is None and len(a.output_ids) != len(b.output_ids):
+        n = min(len(a.output_ids), len(b.output_ids))
+    return n
+
+
+def _shared_dlogprob(a: Generation, b: Generation) -> float:
+    """The largest |Δlogprob| of the two runs on the tokens they share (before they part)."""
+    n = _first_difference(a, b)
     lps = list(zip(a.logprobs or (), b.logprobs or (), strict=False))[: n if n is not None else len(a.output_ids)]
-    entry: dict[str, Any] = {
-        "identical": n is None and a.output_ids == b.output_ids,
-        "max_abs_dlogprob": max((abs(x - y) for x, y in lps), default=0.0),
-    }
+    return max((abs(x - y) for x, y in lps), default=0.0)
+
+
+def _divergence(a: Generation, b: Generation, near_tie: float) -> dict[str, Any]:
+    """Where two greedy runs of one prompt part, and what each engine saw there.
+
+    A near tie: each engine's pick is in the other's top logprobs, and on each engine the other's
+    pick is within ``near_tie`` of its own."""
+    n = _first_difference(a, b)
+    entry: dict[str, Any] = {"identical": n is None, "max_abs_dlogprob": _shared_dlogprob(a, b)}
     if n is None:
         return entry
-    ta, tb = (a.top_logprobs or ())[n], (b.top_logprobs or ())[n]
-    gap_a = ta[0][1] - ta[1][1] if len(ta) > 1 else float("inf")
-    gap_b = tb[0][1] - tb[1][1] if len(tb) > 1 else float("inf")
-    crossed = a.output_ids[n] in {t for t, _ in tb} and b.output_ids[n] in {t for t, _ in ta}
+    if n >= min(len(a.output_ids), len(b.output_ids)):
+        entry.update(at=n, tokens=[], top=[], gaps=[], near_tie=False)  # one run is longer: no tie
+        return entry
+    ta, tb = dict((a.top_logprobs or ())[n]), dict((b.top_logprobs or ())[n])
+    pa, pb = a.output_ids[n], b.output_ids[n]
+    gaps = [ta[pa] - ta[pb] if pa in ta and pb in ta else None, tb[pb] - tb[pa] if pa in tb and pb in tb else None]
     entry.update(
         at=n,
-        tokens=[a.output_ids[n], b.output_ids[n]],
-        top2=[list(map(list, ta)), list(map(list, tb))],
-        near_tie=crossed and max(gap_a, gap_b) <= near_tie,
+        tokens=[pa, pb],
+        top=[sorted(map(list, ta.items()), key=lambda e: -e[1]), sorted(map(list, tb.items()), key=lambda e: -e[1])],
+        gaps=gaps,
+        near_tie=all(g is not None and g <= near_tie for g in gaps),
     )
     return entry
 
 
 async def cross_engine_parity(
-    factories: dict[str, Any], prompts: Sequence[Sequence[int]], *, max_new_tokens: int, near_tie: float
+    factories: dict[str, Any],
+    prompts: Sequence[Sequence[int]],
+    *,
+    max_new_tokens: int,
+    near_tie: float | None = None,
 ) -> dict[str, Any]:
-    """Greedy tokens of two engines on the same weights: identical, or where they part and why."""
+    """Greedy tokens of two engines on the same weights: identical, or where they part and why.
+
+    ``near_tie`` (``None``: measured) is the largest top-pick gap a divergence may be a near tie
+    at. Measured, it is how far the two engines' logprobs of the same tokens differ in this run
+    (the largest over every prompt's shared tokens, at least ``NEAR_TIE_FLOOR``): an engine pair
+    that disagrees by that much on one token cannot be said to prefer one of two tokens closer
+    than that."""
     (na, fa), (nb, fb) = factories.items()
     a, b = await fa(), await fb()
     try:
@@ -249,12 +285,15 @@ async def cross_engine_parity(
     finally:
         await a.aclose()
         await b.aclose()
+    measured = max((_shared_dlogprob(x, y) for x, y in zip(ga, gb, strict=True)), default=0.0)
+    near_tie = max(measured, NEAR_TIE_FLOOR) if near_tie is None else near_tie
     cases = [_divergence(x, y, near_tie) for x, y in zip(ga, gb, strict=True)]
     return {
         "engines": [na, nb],
         "prompts": len(cases),
         "max_new_tokens": max_new_tokens,
         "near_tie_gap": near_tie,
+        "top_logprobs": TOP_K,
         "identical": sum(c["identical"] for c in cases),
         "near_ties": sum(bool(c.get("near_tie")) for c in cases),
         "other_divergences": sum(not c["identical"] and not c.get("near_tie") for c in cases),
@@ -273,7 +312,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--exclude", action="append", default=[], metavar="PATTERN", help="leave these checks out")
     ap.add_argument("--mem-fraction", type=float, default=0.12, help="--gpu-memory-utilization of each engine")
     ap.add_argument("--no-cross-sglang", action="store_true", help="skip SGLang <-> vLLM parity (no SGLang server)")
-    ap.add_argument("--near-tie", type=float, default=0.05, help="largest top-2 gap a divergence may be a near tie at")
+    ap.add_argument(
+        "--near-tie",
+        type=float,
+        default=None,
+        help="largest top-pick gap a divergence may be a near tie at (default: the engines' measured disagreement)",
+    )
     args = ap.parse_args(argv)
     exclude = tuple(args.exclude) + (() if args.check else FAILED_LOAD_CHECKS)
     config = TierConfig(
