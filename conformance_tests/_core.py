@@ -756,9 +756,12 @@ def compare(
             j = next((k for k, (a, b) in enumerate(zip(g.output_ids, w.output_ids, strict=False)) if a != b), None)
             j = j if j is not None else min(len(g.output_ids), len(w.output_ids))
             why = _not_a_near_tie(g, w, j, tolerance) if near_ties else None
-            if ties_unseen and ctx is not None:
+            if ties_unseen:
                 why = _could_be_a_near_tie(g, w, j, tolerance)
+                if why is None and ctx is None:
+                    why = "it could be one, but there is no check context to skip through"
                 if why is None:
+                    assert ctx is not None
                     ctx.skip(
                         f"{what}: case {i} parts at position {j} of {upto} (got {_around(g, j)}, want "
                         f"{_around(w, j)}), where both picks are unsure enough to be a near tie; without "

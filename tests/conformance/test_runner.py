@@ -753,3 +753,21 @@ async def test_pause_retract_without_top_logprobs_still_fails_a_flipped_token(tm
     assert bad.outcome is Outcome.FAIL and "not a near tie" in bad.message, bad.line()
     good = await c(fake_factory(declare=no_top), fake_harness(tmp_path))
     assert good.outcome is Outcome.PASS, good.line()
+
+
+def test_compare_without_a_context_never_lets_a_possible_tie_pass() -> None:
+    got = _gen((5, 7, 4), (-0.1, -0.70, -2.0), None)
+    want = _gen((5, 9, 8), (-0.1, -0.69, -0.3), None)
+    with pytest.raises(CheckFailed, match="no check context to skip through"):
+        compare([got], [want], what="t", tolerance=0.1, ties_unseen=True)
+
+
+async def test_min_p_ignored_still_fails_without_top_logprobs(tmp_path: Path) -> None:
+    """min_p skips (never passes) where a first difference could be a tie and no top logprobs can
+    tell; a backend that ignores min_p still fails where a sampled pick is far from the greedy one."""
+    (c,) = select_checks(["min_p"])
+    no_top = attrs.evolve(FULL, top_logprobs=0, batch_invariant=False)
+    bad = await c(fake_factory(bugs=frozenset({"min_p_ignored"}), declare=no_top), fake_harness(tmp_path))
+    assert bad.outcome is Outcome.FAIL, bad.line()
+    good = await c(fake_factory(declare=no_top), fake_harness(tmp_path))
+    assert good.outcome is Outcome.PASS, good.line()
