@@ -44,10 +44,10 @@ async def detect_flavor(client: HttpClient, worker_url: str) -> tuple[str, dict[
 
     ``rollout/info`` answers → our worker (``rollout``, with its info); ``get_weight_version``
     answers ``{"status": "ok", "version": ...}`` → ``dynamo.vllm`` (``vllm``); else
-    ``call_tokenizer_manager`` is routed → ``sglang14`` (1.4.x with ``--enable-rl``), or
-    ``sglang14-shim`` when the shim's ``rollout/weight_version`` answers too; else a 404 "Route
-    not found" → ``sglang16`` (1.6.x native routes) — or a mocker, which has no engine routes at
-    all (pass ``flavor="mocker"``; the launcher does).
+    ``call_tokenizer_manager`` is routed → ``sglang14`` (1.4.x with ``--enable-rl``); else a 404
+    "Route not found" → ``sglang16`` (1.6.x native routes) — or a mocker, which has no engine
+    routes at all (pass ``flavor="mocker"``; the launcher does). Either dynamo.sglang through the
+    shim: ``sglang14-shim`` / ``sglang16-shim``, where its ``rollout/weight_version`` answers.
     """
     info = await _send(client, HttpRequest("POST", f"{worker_url}/engine/rollout/info", json={}, timeout=10.0))
     if info.ok:
@@ -58,12 +58,11 @@ async def detect_flavor(client: HttpClient, worker_url: str) -> tuple[str, dict[
         return "vllm", None
     # An empty body makes the 1.4.x handler fail on the missing `method` (500); 1.6.x has no route.
     tm = await _send(client, HttpRequest("POST", f"{worker_url}/engine/call_tokenizer_manager", json={}, timeout=10.0))
-    if _route_missing(tm):
-        return "sglang16", None
+    base = "sglang16" if _route_missing(tm) else "sglang14"
     version = await _send(
         client, HttpRequest("POST", f"{worker_url}/engine/rollout/weight_version", json={}, timeout=10.0)
     )
-    return ("sglang14-shim" if version.ok else "sglang14"), None
+    return (f"{base}-shim" if version.ok else base), None
 
 
 async def detect_native_generate(client: HttpClient, frontend: str) -> bool:

@@ -11,7 +11,8 @@ flavor detected once at connect time:
   ``rollout/weight_version``.
 * ``sglang16``: ``dynamo.sglang`` 1.6.x: native unprefixed routes (``pause_generation``, ...);
   ``flush_cache``, ``init/destroy_weights_update_group`` and ``abort_request`` need the worker's
-  ``--engine-route`` allowlist.
+  ``--engine-route`` allowlist. ``sglang16-shim``: the same through the shim, which adds
+  ``rollout/{weight_version,abort}`` (abort by request id with partial tokens, abort all).
 * ``mocker``: ``dynamo.mocker``: no engine routes, no logprobs.
 * ``vllm``: ``dynamo.vllm`` 1.4.x (vLLM 0.26): its RL engine routes (``pause_generation``,
   ``resume_generation``, ``flush_cache``, ``abort_request``, the weight routes driving vLLM's
@@ -130,6 +131,7 @@ class DynamoFlavor(str, enum.Enum):
     SGLANG14 = "sglang14"
     SGLANG14_SHIM = "sglang14-shim"
     SGLANG16 = "sglang16"
+    SGLANG16_SHIM = "sglang16-shim"
     MOCKER = "mocker"
     VLLM = "vllm"
     NONE = "none"
@@ -187,6 +189,13 @@ class FlavorRoutes:
     #: dynamo.sglang 1.4.x awaits the synchronous ``TokenizerManager.abort_request``: the abort is
     #: dispatched, then the route fails with "object NoneType can't be used in 'await' expression".
     abort_all_await_bug: bool = False
+    #: ``abort(id)`` keeps the partial tokens and ``abort_all()`` works (``Capabilities.abort``).
+    #: Not the mocker (no abort route), nor stock dynamo.sglang 1.6.1 over SGLang 0.5.16: it has no
+    #: route that aborts one request inside SGLang (cancelling the call loses the tokens), and its
+    #: ``abort_request`` route runs SGLang 0.5.16's synchronous ``abort_request`` in a thread with
+    #: no event loop (``dynamo/sglang/engine_routes.py`` ``_run_in_thread``): HTTP 500 "There is no
+    #: current event loop in thread 'dynamo-sglang-engine-route'" (H200 tier, 2026-12-06).
+    abort: bool = True
     #: dynamo.vllm's engine routes (``_vllm_routes.vllm_control``); a request's id travels as the
     #: frontend's context id (``CONTEXT_ID_HEADER``), which ``abort_request`` takes.
     vllm: bool = False
@@ -227,8 +236,12 @@ ROUTES: Mapping[DynamoFlavor, FlavorRoutes] = {
         stop_strings=True,
         worker_stop_strings=True,
     ),
-    DynamoFlavor.SGLANG16: FlavorRoutes(sglang=True, native=True),
-    DynamoFlavor.MOCKER: FlavorRoutes(sglang=False, logprobs=False),
+    DynamoFlavor.SGLANG16: FlavorRoutes(sglang=True, native=True, abort=False),
+    # 1.6.x through the shim: its rollout/abort (patch 5) aborts one request by our id inside SGLang
+    # (partial tokens kept) and all of them from the worker's own event loop; the served version is
+    # read and stamped as on 1.4.2 (patch 3, rollout/weight_version).
+    DynamoFlavor.SGLANG16_SHIM: FlavorRoutes(sglang=True, native=True, rollout_routes=True, rollout_abort_all=True),
+    DynamoFlavor.MOCKER: FlavorRoutes(sglang=False, logprobs=False, abort=False),
     # Top and prompt logprobs, stop strings: not declared until the GPU capture shows what the 1.4.2
     # frontend makes of dynamo.vllm's answers (docs/vllm.md). RETRACT preempts the paused requests
     # (vLLM's keep + clear_cache), so a load completes with them parked.
@@ -433,7 +446,25 @@ def sse_events(body: bytes) -> list[Any]:
     return events
 
 
+#: What ai-dynamo 1.6.x's ``dynamo.sglang`` answers when an engine route called while SGLang is
+#: paused re-syncs discovery and unregisters the worker a second time (``handler_base.py``
+#: ``_invoke_engine_route`` → ``_sync_discovery_with_sglang_pause_state``); file discovery refuses
+#: it ("Could not find key"; etcd takes it: both measured on CPU, 2026-12-06, ai-dynamo 1.4.2 and
+#: 1.6.1 runtimes). The route itself has run; its answer is lost.
+_DISCOVERY_REUNREGISTER = "Unable to unregister endpoint instance from discovery"
+_DISCOVERY_HINT = (
+    " (stock dynamo.sglang 1.6.x unregisters a paused worker again after every engine route, and file "
+    "discovery refuses the second unregister: run the workers through the shim, which unregisters "
+    "once, or with etcd discovery; docs/versions.md)"
+)
+
+
 def _error_message(resp: HttpResponse) -> str:
+    message = _raw_error_message(resp)
+    return message + _DISCOVERY_HINT if _DISCOVERY_REUNREGISTER in message else message
+
+
+def _raw_error_message(resp: HttpResponse) -> str:
     try:
         data = resp.json()
     except ContractViolation:
@@ -693,9 +724,9 @@ class DynamoWire:
             stop_strings=routes.stop_strings,
             streaming=True,  # /v1/completions SSE (_CompletionStream)
             routing=_ROUTING.get(self.router_mode, RoutingKind.OTHER),
-            # The mocker has no abort route: abort(id) cancels the client's call (no partial tokens
+            # Where not (FlavorRoutes.abort): abort(id) cancels the client's call (no partial tokens
             # come back) and abort_all() is Unsupported (control()).
-            abort=not mocker,
+            abort=routes.abort,
             seeded_sampling=routes.deterministic,
             begin_end_update=False,
             # Every flavor with the tensor route loads SGLang's flat buckets (our worker unflattens).
@@ -1077,6 +1108,12 @@ class DynamoWire:
 
         match op:
             case AbortAll():
+                if not self.routes.abort:
+                    raise Unsupported(
+                        op.name,
+                        f"{self.flavor.value} workers serve no abort-all route that works over SGLang 0.5.16/0.5.17 "
+                        "(stock dynamo.sglang 1.6.x; its workers through the shim serve one: sglang16-shim)",
+                    )
                 if self.routes.rollout_abort_all:
                     return self._engine(worker, "rollout/abort", {"abort_all": True})
                 if native:

@@ -34,6 +34,7 @@ from rollout_backends.kit import (
     AbortAll,
     AbortRequest,
     FlushCache,
+    GetVersion,
     HttpFleetBackend,
     InitWeightGroup,
     NamedTensors,
@@ -144,12 +145,12 @@ def test_parse_generation_errors() -> None:
     assert g.logprobs is None
 
 
-@pytest.mark.parametrize("flavor", ["rollout", "sglang14", "sglang14-shim", "sglang16"])
+@pytest.mark.parametrize("flavor", ["rollout", "sglang14", "sglang14-shim", "sglang16", "sglang16-shim"])
 def test_control_routes(flavor: str) -> None:
     w = _wire(flavor=flavor)
     pause = w.control(Pause(PauseMode.IN_PLACE), W0)
     assert pause is not None
-    if flavor == "sglang16":
+    if flavor.startswith("sglang16"):
         assert pause.url.endswith("/engine/pause_generation") and pause.json == {"mode": "in_place"}
     else:
         assert pause.url.endswith("/engine/call_tokenizer_manager")
@@ -158,7 +159,7 @@ def test_control_routes(flavor: str) -> None:
     assert sv is not None and sv.json == {"new_version": "v2", "abort_all_requests": False}
     flush = w.control(FlushCache(wait_s=2.5), W0)
     assert flush is not None
-    if flavor == "sglang16":
+    if flavor.startswith("sglang16"):
         assert flush.url.endswith("/engine/flush_cache")
     else:  # TokenizerManager.flush_cache(timeout_s=): deferred until idle (SGLang 0.5.16)
         assert flush.json == {"method": "flush_cache", "args": [], "kwargs": {"timeout_s": 2.5}}
@@ -169,7 +170,7 @@ def test_control_routes(flavor: str) -> None:
     assert disk is not None and disk.url.endswith("/engine/control/update_weights_from_disk")
     assert disk.json == {"model_path": "/ck", "abort_all_requests": False, "flush_cache": False}
     abort = w.control(AbortRequest("r"), W0)
-    assert (abort is not None) == (flavor in ("rollout", "sglang14-shim")) == w.aborts_by_id
+    assert (abort is not None) == (flavor in ("rollout", "sglang14-shim", "sglang16-shim")) == w.aborts_by_id
     named = NamedTensors((("x", torch.zeros(1)),))
     tensors = w.control(UpdateFromTensors(tensors=named, version=None, flush_cache=False, load_format=None), W0)
     assert tensors is not None and tensors.url.endswith("/engine/control/update_weights_from_tensor")
@@ -184,6 +185,42 @@ def test_control_routes(flavor: str) -> None:
         )
     with pytest.raises(ControlFailed):
         w.parse_control(ReleaseMemory(None), W0, HttpResponse.from_json({"status": "error", "message": "no"}))
+
+
+def test_abort_on_1_6_x_by_flavor() -> None:
+    """Stock dynamo.sglang 1.6.1 over SGLang 0.5.16 aborts neither one request with its tokens nor
+    all of them (GPU tier, H200, 2026-12-06): not declared, and abort_all() is Unsupported, never
+    sent. Through the shim both go by its rollout/abort, from the worker's event loop."""
+    stock, shim = _wire(flavor="sglang16"), _wire(flavor="sglang16-shim")
+    assert not stock.capabilities().abort and not stock.aborts_by_id
+    with pytest.raises(Unsupported, match=r"abort_all.*sglang16-shim"):
+        stock.control(AbortAll(), W0)
+    assert shim.capabilities().abort and shim.aborts_by_id
+    every = shim.control(AbortAll(), W0)
+    assert isinstance(every, HttpRequest) and every.url.endswith("/engine/rollout/abort")
+    assert every.json == {"abort_all": True}
+    # The shim reads the served version (rollout/weight_version) as on 1.4.2.
+    got = shim.control(GetVersion(), W0)
+    assert isinstance(got, HttpRequest) and got.url.endswith("/engine/rollout/weight_version")
+    assert stock.control(GetVersion(), W0) is None
+
+
+def test_a_refused_second_unregister_names_its_cause() -> None:
+    """ai-dynamo 1.6.1 unregisters a paused worker again after each engine route; under file
+    discovery the runtime refuses (GPU tier 2026-12-06, measured on CPU): the error says why and
+    what to do instead of the runtime's words alone."""
+    answer = {
+        "error": "Handler error",
+        "message": "Python callback failed: Exception: Unable to unregister endpoint instance from discovery. "
+        "Check discovery service status",
+    }
+    with pytest.raises(ControlFailed, match=r"(?s)Unable to unregister.*file discovery.*shim.*etcd") as e:
+        _wire(flavor="sglang16").parse_control(FlushCache(), W0, HttpResponse.from_json(answer, 500))
+    assert e.value.failures[0].worker == W0.id
+    other = {"error": "Handler error", "message": "boom"}
+    with pytest.raises(ControlFailed) as e2:
+        _wire(flavor="sglang16").parse_control(FlushCache(), W0, HttpResponse.from_json(other, 500))
+    assert "discovery" not in str(e2.value)
 
 
 def test_sglang14_abort_all_500_is_success() -> None:
@@ -553,6 +590,7 @@ async def test_registry_url_native_generate_option() -> None:
             "sglang14-shim",
         ),
         ({}, "sglang16"),  # 1.6.x: no call_tokenizer_manager ("Route not found")
+        ({"rollout/weight_version": (200, {"weight_version": "v1"})}, "sglang16-shim"),
     ],
 )
 async def test_detect_flavor(routes: dict[str, tuple[int, dict[str, Any]]], flavor: str) -> None:
