@@ -15,14 +15,14 @@ patch  what                            ai-dynamo 1.4.2  ai-dynamo 1.6.1
 3      engine_data version / finish    applied          applied (no weight_version; abort -> "cancelled")
 4      worker-side text                applied          applied (the 1.6.1 frontend's decoder no longer
                                                         panics, but loses a split character)
-5      rollout/* engine routes         applied          not applied: the 1.6.x flavor (``sglang16``) uses
-                                                        native routes, stamps versions, declares no
-                                                        abort-with-partial-tokens
+5      rollout/* engine routes         applied          applied (flavor ``sglang16-shim``): abort by id
+                                                        with partial tokens, abort all from the loop
 6a     top logprobs gate               applied          gone upstream (``logprobs >= 1`` passed through)
 6b     prompt logprobs                 applied          returned upstream (``engine_data.prompt_logprobs``)
 7      control results (msgspec)       applied          no ``call_tokenizer_manager`` in 1.6.x
 8      stop strings in the worker      applied          not applied: ``sglang16`` declares no stop strings
                                                         (refused by the wire, naming ``sampling.stop``)
+9      one unregister while paused     no re-sync       applied (file discovery refuses a second one)
 =====  ==============================  ===============  ==================================================
 
 1. **Per-token logprobs.** ``dynamo.sglang`` forces SGLang's ``incremental_streaming_output``, under
@@ -55,7 +55,12 @@ patch  what                            ai-dynamo 1.4.2  ai-dynamo 1.6.1
    resolved ``ServerArgs``, as ``launch_server``'s ``/server_info`` shows them) and ``rollout/abort`` ``{"rid"}`` |
    ``{"abort_all": true}``: aborts one request by *our* id (``nvext.annotations`` ``rid:<id>``,
    mapped to SGLang's id from its first chunk) inside SGLang, so the request still returns its
-   partial tokens with finish ``abort`` (cancelling the HTTP call loses them).
+   partial tokens with finish ``abort`` (cancelling the HTTP call loses them). On 1.6.x too: stock
+   1.6.1 has no abort by id, and its ``abort_request`` route (``--engine-route abort_request:tm``)
+   runs SGLang 0.5.16's synchronous ``abort_request`` in a bare thread (``engine_routes.py``
+   ``_run_in_thread``), which fails for want of an event loop (HTTP 500 "There is no current event
+   loop in thread 'dynamo-sglang-engine-route'", H200 tier 2026-12-06); this route calls it from the
+   worker's own loop.
 6. **Top-k and prompt logprobs.** 1.4.2 refuses ``logprobs >= 1`` unless
    ``DYN_SGL_ALLOW_TOP_LOGPROBS=1`` (``dynamo/common/backend/logprobs.py``: SGLang's tokenizer
    manager detokenizes each alternative serially, sgl-project/sglang#24447). The shim sets it
@@ -80,6 +85,15 @@ patch  what                            ai-dynamo 1.4.2  ai-dynamo 1.6.1
    ``engine_data[MATCHED_STOP_KEY]``. The text sent is the whole output's; the wire cuts it at
    the string (``trim_at_stop``, ``no_stop_trim``). A worker without ``tokenizer.json`` refuses
    such a request (``engine_data.refused`` naming ``sampling.stop``).
+9. **One unregister while paused** (1.6.x). After every engine route but the built-in ``control/*``
+   ones, 1.6.1 makes discovery match SGLang's pause state
+   (``handler_base.py`` ``_invoke_engine_route`` → ``_sync_discovery_with_sglang_pause_state``):
+   while paused it unregisters the worker again each time. File discovery refuses the second
+   unregister ("Could not find key"; etcd takes it: both measured on CPU 2026-12-06 with the 1.4.2
+   and 1.6.1 runtimes), so the route's answer is lost to HTTP 500 "Unable to unregister endpoint
+   instance from discovery" and a paused weight update fails at its flush (H200 tier 2026-12-06,
+   three checks). The patch skips the sync while the worker is paused and already unregistered by
+   it; a resume registers it again as upstream does.
 
 All patches live in the worker's main process (where the handler runs); SGLang's scheduler
 subprocesses are not involved. Each feature-detects and is a no-op where the layout differs.
@@ -471,6 +485,31 @@ def patch_routes(handler_cls: Any = None) -> bool:
     return True
 
 
+#: The attribute patch 9 keeps on a handler: whether its last discovery sync unregistered it.
+_UNREGISTERED = "_rollout_backends_unregistered"
+
+
+def patch_discovery_sync(handler_cls: Any = None) -> bool:
+    """Unregister a paused worker from discovery once, not after every engine route (patch 9). Idempotent."""
+    if handler_cls is None:
+        from dynamo.sglang.request_handlers.handler_base import BaseWorkerHandler as handler_cls
+    orig = handler_cls._sync_discovery_with_sglang_pause_state
+    if getattr(orig, _PATCHED, False):
+        return True
+
+    async def _sync_discovery_with_sglang_pause_state(self: Any) -> None:
+        tm = getattr(self.engine, "tokenizer_manager", None) if self.engine is not None else None
+        paused = bool(getattr(tm, "is_pause", False))
+        if paused and getattr(self, _UNREGISTERED, False):
+            return  # out of discovery since the pause: a second unregister is refused (file discovery)
+        await orig(self)
+        setattr(self, _UNREGISTERED, paused)
+
+    setattr(_sync_discovery_with_sglang_pause_state, _PATCHED, True)
+    handler_cls._sync_discovery_with_sglang_pause_state = _sync_discovery_with_sglang_pause_state
+    return True
+
+
 def server_args_dict(server_args: Any) -> dict[str, Any]:
     """SGLang's resolved ``ServerArgs`` as JSON values (what ``launch_server``'s ``/server_info``
     shows), so a benchmark can hold a Dynamo worker's engine settings against an SGLang server's."""
@@ -552,6 +591,9 @@ class Upstream:
     #: 1.4.x's ``call_tokenizer_manager`` route (``RLMixin._normalize_result``); 1.6.x serves native
     #: routes (``dynamo/sglang/engine_routes.py``) and the adapter's ``sglang16`` flavor.
     tokenizer_manager_route: bool
+    #: Engine routes re-sync discovery with SGLang's pause state (1.6.x ``handler_base.py``
+    #: ``_sync_discovery_with_sglang_pause_state``), unregistering a paused worker each time.
+    discovery_resync: bool = False
 
 
 def detect_upstream() -> Upstream:
@@ -566,12 +608,14 @@ def detect_upstream() -> Upstream:
         top_logprobs_gate=hasattr(lp, "DYN_SGL_ALLOW_TOP_LOGPROBS_ENV"),
         returns_prompt_logprobs="extract_prompt_logprobs_from_sglang_meta" in decode,
         tokenizer_manager_route="class RLMixin" in base and "_normalize_result" in base,
+        discovery_resync="def _sync_discovery_with_sglang_pause_state" in base,
     )
 
 
 def plan(up: Upstream) -> dict[str, str | None]:
     """Each patch group -> ``None`` (apply) or why it is not applied on this ai-dynamo."""
     legacy = None if up.tokenizer_manager_route else "1.6.x flavor sglang16: native routes, capabilities declared"
+    resync = None if up.discovery_resync else "no discovery re-sync after engine routes upstream"
     return {
         "logprobs": None if up.logprob_cursor else "fixed upstream (extract_from_sglang_meta takes no cursor)",
         "top_logprobs": None if up.top_logprobs_gate else "no gate upstream (top-k passed through)",
@@ -581,8 +625,9 @@ def plan(up: Upstream) -> dict[str, str | None]:
         # character (1.6.1); test_watch_patch_4_... checks the installed frontend still does.
         "worker_text": None,
         "stop_strings": legacy,
-        "routes": legacy,
+        "routes": None,  # patch 5: no abort by id upstream (1.4.2, 1.6.1); abort all from the loop
         "control_results": None if up.tokenizer_manager_route else "no call_tokenizer_manager upstream",
+        "discovery_sync": resync,
     }
 
 
@@ -600,7 +645,12 @@ def main() -> None:
         prompt_logprobs=todo["prompt_logprobs"] is None,
         worker_text=todo["worker_text"] is None,
     )
-    for name, patch in (("routes", patch_routes), ("control_results", patch_control_results)):
+    patches = (
+        ("routes", patch_routes),
+        ("control_results", patch_control_results),
+        ("discovery_sync", patch_discovery_sync),
+    )
+    for name, patch in patches:
         if todo[name] is not None:
             continue
         try:

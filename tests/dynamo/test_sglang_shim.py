@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import json
+import re
 import types
 from typing import Any
 
@@ -565,18 +566,21 @@ def test_a_stop_string_on_the_last_token_of_a_length_finish_is_not_a_match(tiny_
 #: its dynamo.sglang against each patch and add it.
 _LEGACY = "1.6.x flavor sglang16: native routes, capabilities declared"
 EXPECTED_PLAN: dict[str, dict[str, str | None]] = {
-    "1.4.2": dict.fromkeys(
-        (
-            "logprobs",
-            "top_logprobs",
-            "prompt_logprobs",
-            "token_stream",
-            "worker_text",
-            "stop_strings",
-            "routes",
-            "control_results",
-        )
-    ),
+    "1.4.2": {
+        **dict.fromkeys(
+            (
+                "logprobs",
+                "top_logprobs",
+                "prompt_logprobs",
+                "token_stream",
+                "worker_text",
+                "stop_strings",
+                "routes",
+                "control_results",
+            )
+        ),
+        "discovery_sync": "no discovery re-sync after engine routes upstream",
+    },
     "1.6.1": {
         "logprobs": "fixed upstream (extract_from_sglang_meta takes no cursor)",
         "top_logprobs": "no gate upstream (top-k passed through)",
@@ -584,8 +588,9 @@ EXPECTED_PLAN: dict[str, dict[str, str | None]] = {
         "token_stream": None,
         "worker_text": None,
         "stop_strings": _LEGACY,
-        "routes": _LEGACY,
+        "routes": None,
         "control_results": "no call_tokenizer_manager upstream",
+        "discovery_sync": None,
     },
 }
 
@@ -649,6 +654,29 @@ def test_watch_patch_5_upstream_serves_no_route_that_reads_the_weight_version() 
     paths = set(re.findall(r'"((?:control/)?[a-z_]*weight[a-z_]*)"', base))
     assert paths, "no weight route found: the layout patch 5 reads changed"
     assert not {p for p in paths if "get" in p or "info" in p}, paths
+
+
+def test_watch_patch_5_on_1_6_x_sync_tokenizer_manager_routes_run_in_a_bare_thread() -> None:
+    """Patch 5 on 1.6.x: a configured ``tm`` route whose method is synchronous (SGLang 0.5.16's
+    ``TokenizerManager.abort_request``) runs in a thread of its own with no event loop
+    (``engine_routes.py`` ``_ConfiguredEngineRoute._invoke`` → ``_run_in_thread``), where SGLang's
+    abort fails (H200 tier 2026-12-06: "There is no current event loop in thread
+    'dynamo-sglang-engine-route'"); and no route aborts one request by id. Fails when upstream calls
+    such methods on its loop, or adds an abort by id (then patch 5 may go on 1.6.x)."""
+    from rollout_backends.adapters.dynamo._sglang_shim import HANDLER_BASE, dynamo_source
+
+    routes = dynamo_source("sglang/engine_routes.py")
+    if routes is None:
+        pytest.skip(
+            "the installed ai-dynamo (1.4.x) has no configured engine routes: its abort goes by call_tokenizer_manager"
+        )
+    invoke = _function_source(routes, "_invoke")
+    last_branch = invoke.split("else:", 1)[-1].split("if inspect.isawaitable", 1)[0]
+    assert "_run_in_thread(self._method" in last_branch, invoke
+    thread = _function_source(routes, "_run_in_thread")
+    assert "threading.Thread(" in thread and "new_event_loop" not in thread and "set_event_loop" not in thread
+    base = dynamo_source(HANDLER_BASE) or ""
+    assert "abort" not in " ".join(re.findall(r'"((?:control/)?[a-z_/]+)":', base)), "an abort route upstream"
 
 
 def test_watch_patch_6a_top_logprobs_gate() -> None:
@@ -722,3 +750,159 @@ async def test_watch_patch_4_the_frontends_own_decoder_on_a_utf8_split(tiny_mode
     assert decode is not None
     exact = expected_text(decode, UTF8_SPLIT_PROMPT, data["nvext"]["completion_token_ids"])
     assert data["choices"][0]["text"] != exact, "the frontend decoded the UTF-8 split exactly: patch 4 may go"
+
+
+# -- patch 9: one unregister while paused (ai-dynamo 1.6.x) ------------------------------------------
+
+#: A second unregister under file discovery, in a runtime of the installed ai-dynamo (what the
+#: probe of 2026-12-06 ran): prints one line per call, "ok" or the exception's words.
+_UNREGISTER_TWICE = """
+import asyncio, sys
+from dynamo.runtime import DistributedRuntime
+
+async def gen(request, context=None):
+    yield {}
+
+async def main():
+    rt = DistributedRuntime(asyncio.get_running_loop(), "file", "tcp", event_plane="zmq")
+    ep = rt.endpoint("ns.comp.generate")
+    serving = asyncio.ensure_future(ep.serve_endpoint(gen))
+    await asyncio.sleep(1.0)
+    for call in ("unregister", "unregister", "register", "register"):
+        try:
+            await getattr(ep, call + "_endpoint_instance")()
+            print(call, "ok", flush=True)
+        except Exception as exc:
+            print(call, "refused:", exc, flush=True)
+    rt.shutdown()
+    serving.cancel()
+
+asyncio.run(main())
+"""
+
+
+def _upstream_discovery_sync() -> tuple[str, str]:
+    """1.6.x's ``_sync_discovery_with_sglang_pause_state`` and ``_invoke_engine_route`` sources."""
+    from rollout_backends.adapters.dynamo._sglang_shim import HANDLER_BASE, detect_upstream, dynamo_source
+
+    if not detect_upstream().discovery_resync:
+        pytest.skip("the installed ai-dynamo (1.4.x) does not re-sync discovery after engine routes: no patch 9")
+    base = dynamo_source(HANDLER_BASE) or ""
+    return (
+        _function_source(base, "_sync_discovery_with_sglang_pause_state"),
+        _function_source(base, "_invoke_engine_route"),
+    )
+
+
+def test_watch_patch_9_file_discovery_refuses_a_second_unregister(tmp_path: Any) -> None:
+    """Patch 9's cause, in the installed runtime: under file discovery a second
+    ``unregister_endpoint_instance`` is refused (registering twice is not). Fails once the runtime
+    takes it (then stock 1.6.x needs no patch for its repeated unregister)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "DYN_FILE_KV": str(tmp_path / "kv"), "DYN_LOG": "error"}
+    proc = subprocess.run(
+        [sys.executable, "-c", _UNREGISTER_TWICE], capture_output=True, text=True, timeout=60, env=env, check=False
+    )
+    lines = [ln for ln in proc.stdout.splitlines() if ln.split(" ", 1)[0] in ("register", "unregister")]
+    assert len(lines) == 4, (proc.stdout + proc.stderr)[-2000:]
+    assert lines[0] == "unregister ok" and lines[2:] == ["register ok", "register ok"], lines
+    assert lines[1].startswith("unregister refused:") and "Unable to unregister" in lines[1], lines
+
+
+def test_watch_patch_9_upstream_unregisters_after_every_engine_route_while_paused() -> None:
+    """1.6.1 syncs discovery in ``finally`` after each wrapped engine route, and unregisters whenever
+    SGLang is paused, remembering nothing."""
+    sync, invoke = _upstream_discovery_sync()
+    assert "finally:" in invoke and "_sync_discovery_with_sglang_pause_state()" in invoke
+    paused_branch = sync.split("if tokenizer_manager.is_pause:", 1)[-1].split("else:", 1)[0]
+    assert paused_branch.split() == ["await", "self.generate_endpoint.unregister_endpoint_instance()"], (
+        "the paused branch changed (it may check whether it unregistered already): patch 9 may go"
+    )
+
+
+class _FileDiscoveryEndpoint:
+    """An endpoint that answers as file discovery does (the watch above holds the real runtime to
+    it): a second unregister raises the runtime's words."""
+
+    def __init__(self) -> None:
+        self.registered = True
+        self.calls: list[str] = []
+
+    async def unregister_endpoint_instance(self) -> None:
+        self.calls.append("unregister")
+        if not self.registered:
+            raise Exception("Unable to unregister endpoint instance from discovery. Check discovery service status")
+        self.registered = False
+
+    async def register_endpoint_instance(self) -> None:
+        self.calls.append("register")
+        self.registered = True
+
+
+def _upstream_handler_class() -> type:
+    """A class holding 1.6.1's own discovery sync and route wrapper (their source, compiled here:
+    importing dynamo.sglang's handlers needs SGLang), over a fake paused/unpaused tokenizer manager."""
+    sync, invoke = _upstream_discovery_sync()
+    ns: dict[str, Any] = {}
+    src = "import asyncio\nclass Handler:\n" + "\n".join(
+        "    " + line for line in (sync + "\n\n" + invoke).splitlines()
+    )
+    exec(compile(src, "<dynamo.sglang 1.6.x handler_base>", "exec"), ns)  # upstream's own code, as installed
+    handler: type = ns["Handler"]
+
+    def __init__(self: Any) -> None:
+        self.engine = types.SimpleNamespace(tokenizer_manager=types.SimpleNamespace(is_pause=False))
+        self.generate_endpoint = _FileDiscoveryEndpoint()
+        self._engine_route_lock = asyncio.Lock()
+
+    handler.__init__ = __init__  # type: ignore[misc]
+    return handler
+
+
+async def _paused_weight_update(h: Any) -> list[str]:
+    """What the transaction sends a 1.6.x worker: pause, flush, resume (each a wrapped route)."""
+    tm = h.engine.tokenizer_manager
+    done: list[str] = []
+
+    async def route(name: str, pause: bool | None = None) -> dict[str, Any]:
+        if pause is not None:
+            tm.is_pause = pause
+        done.append(name)
+        return {"success": True}
+
+    await h._invoke_engine_route(lambda body: route("pause_generation", True), {})
+    try:
+        await h._invoke_engine_route(lambda body: route("flush_cache"), {})
+        await h._invoke_engine_route(lambda body: route("release_memory_occupation"), {})
+    finally:
+        await h._invoke_engine_route(lambda body: route("continue_generation", False), {})
+    return done
+
+
+async def test_patch_9_one_unregister_while_paused_on_the_upstream_sync() -> None:
+    """Stock: the flush after the pause fails on the refused second unregister, as on the H200 tier
+    (its route ran; the worker is resumed and registered again). Patched: the paused window takes
+    every route, discovery sees one unregister and one register, and a route after resuming still
+    registers as upstream does."""
+    from rollout_backends.adapters.dynamo._sglang_shim import patch_discovery_sync
+
+    stock = _upstream_handler_class()()
+    with pytest.raises(Exception, match="Unable to unregister"):
+        await _paused_weight_update(stock)
+    assert stock.generate_endpoint.calls == ["unregister", "unregister", "register"]
+    assert stock.generate_endpoint.registered
+
+    cls = _upstream_handler_class()
+    assert patch_discovery_sync(cls) and patch_discovery_sync(cls)  # idempotent
+    h = cls()
+    assert await _paused_weight_update(h) == [
+        "pause_generation", "flush_cache", "release_memory_occupation", "continue_generation",
+    ]  # fmt: skip
+    assert h.generate_endpoint.calls == ["unregister", "register"] and h.generate_endpoint.registered
+    await _paused_weight_update(h)  # a second update: unregistered again, once
+    assert h.generate_endpoint.calls == ["unregister", "register"] * 2
+    await h._invoke_engine_route(lambda body: asyncio.sleep(0, {"success": True}), {})
+    assert h.generate_endpoint.calls[-1] == "register"  # unpaused: upstream's own register, untouched
