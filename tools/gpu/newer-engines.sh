@@ -7,9 +7,10 @@
 #       ai-dynamo 1.6.1 frontend + stock dynamo.sglang over SGLang 0.5.16 (and/or 0.5.17): starts?
 #       greedy ids equal to SGLang direct of the same version, and disk weight updates, through the
 #       library (tools/gpu/library_check.py: sglang:// vs dynamo://)
-#   OUT=... bash tools/gpu/newer-engines.sh tier16
+#   OUT=... bash tools/gpu/newer-engines.sh tier16 [run-gpu.sh args, e.g. --dynamo16-shim]
 #       the GPU tier (tools/gpu/run-gpu.sh) with a 1.6.1 Dynamo fleet (dynamo16-rr, stock
-#       dynamo.sglang over SGLang 0.5.16) next to the 1.4.2 one; results in $OUT/tier16/
+#       dynamo.sglang over SGLang 0.5.16; through our shim with --dynamo16-shim) next to the 1.4.2
+#       one; results in $OUT/tier16/
 #   OUT=... bash tools/gpu/newer-engines.sh vllm [dynamo-only]
 #       vLLM 0.26.0 OpenAI server (VLLM_SERVER_DEV_MODE=1), then ai-dynamo 1.4.2's dynamo.vllm
 #       behind a 1.4.2 frontend; $VLLM_CAPTURE / $DYNAMO_VLLM_CAPTURE (issue 31's capture commands)
