@@ -27,7 +27,7 @@ run varies on purpose). Then, per workload, *blocks*: each block is one RL step 
 run once by every row in a seeded random order; block 0 is a warm-up and is discarded. Before
 each row's step its fleet's prefix caches are flushed, and every row's prompts start with a
 token of its own, so no row ever hits another row's cache. A row's ratio to the baseline is the
-ratio of their wall-clock over the blocks both finished, with a bootstrap interval over blocks
+ratio of their wall-clock over the blocks both finished, with a t interval over blocks
 (``stats.py``); a target is met or missed only when its interval lies on one side of the bound.
 
 **vLLM rows** (``--preset vllm``: ``sglang rr``, ``vllm rr``, ``dynamo-vllm rr``) run another
@@ -1894,7 +1894,7 @@ def markdown(meta: dict[str, Any], info: dict[str, Any], result: RunResult, base
         f"- **Blocks:** one RL step each, every row once in a seeded random order (seed {info['seed']}); "
         "block 0 is a warm-up, discarded; every row's step starts after its fleet's `flush_cache` "
         "with prompts of its own (a leading token per row). Ratios: total wall-clock over the blocks "
-        "both rows finished, 95 % bootstrap interval over blocks.",
+        "both rows finished, 95 % interval over blocks (ratio estimator, Student's t).",
     ]
     if result.gpu_memory:
         lines.append("- **GPU memory after start-up:** " + "; ".join(result.gpu_memory))

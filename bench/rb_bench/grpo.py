@@ -13,7 +13,7 @@ intervals; each backend's reward curve; GPU memory.
   honours per-request sampling seeds only then: without it the rows sample differently from step 0).
 * **Blocks.** A block is one GRPO step of every row, in a seeded random order; block 0 is a
   warm-up (kernel compiling) and leaves the timing, not the reward curve. A row's ratio to
-  ``sglang direct`` is its total over the blocks both finished, with a 95 % bootstrap interval
+  ``sglang direct`` is its total over the blocks both finished, with a 95 % t interval
   over blocks (``stats.paired_ratio``), per part (rollout, train, sync) and for the whole step.
   The sync share is a row's sync time over its step time (same interval). With ``--per-tensor``
   (default on) each row also pushes the same weights again per tensor after its step (the path

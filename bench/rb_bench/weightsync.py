@@ -31,7 +31,7 @@ against a raw baseline of the same bytes measured in the same run, the rows inte
 Buckets hold at most ``--bucket-mib`` MiB (512, as Miles). Each family runs in blocks: a block
 pushes the whole model once per row, in a seeded random order; block 0 is a warm-up and is
 discarded; ``--repeats`` blocks are timed. A row's ratio to its baseline is the ratio of its
-total time over the blocks to the baseline's, with a 95 % bootstrap interval over blocks
+total time over the blocks to the baseline's, with a 95 % t interval over blocks
 (``stats.paired_ratio``); effective GB/s = the model's bytes / a push's wall time. Targets:
 each adapter row ≤ 3 times its baseline (issue 7), ``disk`` ≤ 1.1 times ``raw disk`` and, on GPU,
 ``tensors flat`` ≥ 100 GB/s (issue 28), each judged only when the interval lies on one side.
@@ -1161,7 +1161,7 @@ def _measured(name: str | None, results: Sequence[Measurement]) -> Measurement |
 
 def interval(m: Measurement, results: Sequence[Measurement]) -> Interval | None:
     """``m`` over its baseline, paired by block (both rows ran in the same blocks), with its 95 %
-    bootstrap interval; None for a baseline or where either was not measured."""
+    t interval; None for a baseline or where either was not measured."""
     base = _measured(m.baseline, results)
     if base is None or not m.rounds_s:
         return None
@@ -1305,7 +1305,7 @@ def plot(results: Sequence[Measurement], path: str, title: str) -> bool:
 
 _BASELINES_MD = (
     "Each adapter row's ratio is against the baseline named in its row, measured in the same blocks with "
-    "the same bytes and buckets (ratio of total times, 95 % bootstrap interval over blocks). *sglang api flat*: "
+    "the same bytes and buckets (ratio of total times, 95 % t interval over blocks). *sglang api flat*: "
     "SGLang's HTTP API directly, no library: per bucket SGLang's `FlattenedTensorBucket` (a fresh buffer, as "
     "Miles makes one) serialised by its `MultiprocessingSerializer` and posted with aiohttp. *raw tensors* / "
     "*raw flat*: the per-tensor / flat payload sent over a local socket to a bare receiver process with the "
