@@ -108,6 +108,27 @@ def test_the_95_percent_interval_covers_about_95_percent_with_few_blocks(blocks:
         assert _coverage(blocks, 400, _percentile_bootstrap) < 0.8  # the old method, for contrast
 
 
+def test_the_blocks_still_needed_are_the_fewest_that_fit_the_gap_at_the_spread_seen() -> None:
+    """GRPO on one H100 (2026-12-05), dynamo rr against sglang direct over 5 blocks, judged at 1.03:
+    16 more blocks at that spread, not the 32 that ``n * (hw / gap)^2`` gave (it ignores the t
+    quantile falling from 2.78 at 4 degrees of freedom)."""
+    import math as m
+
+    from rb_bench.stats import t_quantile
+
+    rr = [3.627, 4.396, 3.352, 2.311, 2.501]
+    direct = [3.34, 2.53, 2.772, 2.594, 2.566]
+    v = judge("x", paired_ratio(rr, direct), 1.03)
+    assert v.state == "not decided" and v.more_blocks == 16
+    iv, gap = v.interval, v.interval.estimate - 1.03
+    s = (iv.high - iv.estimate) * m.sqrt(5) / t_quantile(0.975, 4)
+
+    def half(n: int) -> float:
+        return t_quantile(0.975, n - 1) * s / m.sqrt(n)
+
+    assert half(5 + 16) <= gap < half(5 + 15)
+
+
 def test_paired_ratio_refuses_unpaired_or_empty_samples() -> None:
     with pytest.raises(ValueError):
         paired_ratio([1.0, 2.0], [1.0])

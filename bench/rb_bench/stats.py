@@ -178,6 +178,25 @@ def judge(goal: str, interval: Interval, bound: float) -> Verdict:
         return Verdict(goal, bound, interval, "not decided", 2 - interval.blocks)
     if gap <= _TOO_CLOSE * bound or interval.half_width <= 0:
         return Verdict(goal, bound, interval, "not decided", None)
-    # The half-width shrinks about as 1/sqrt(n): n * (hw / gap)^2 blocks make it fit inside the gap.
-    needed = math.ceil(interval.blocks * (interval.half_width / gap) ** 2)
-    return Verdict(goal, bound, interval, "not decided", max(1, needed - interval.blocks))
+    return Verdict(goal, bound, interval, "not decided", _blocks_to_decide(interval, gap))
+
+
+def _blocks_to_decide(interval: Interval, gap: float) -> int:
+    """More blocks until the half-width ``t(n-1) * s / sqrt(n)`` fits inside ``gap``, at the spread
+    ``s`` seen so far (the t quantile falls as blocks come, so ``n * (hw / gap)^2`` overstates it)."""
+    n = interval.blocks
+    q = 0.5 + interval.level / 2
+    # The upper side: the lower end may be clamped at 0.
+    spread = (interval.high - interval.estimate) * math.sqrt(n) / t_quantile(q, n - 1)
+
+    def too_wide(more: int) -> bool:
+        return t_quantile(q, n + more - 1) * spread / math.sqrt(n + more) > gap
+
+    hi = 1
+    while too_wide(hi) and hi < 1_000_000:
+        hi *= 2
+    lo = hi // 2  # too wide (or 0), while hi is not
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if too_wide(mid) else (lo, mid)
+    return hi
