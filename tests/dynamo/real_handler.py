@@ -34,14 +34,43 @@ class _StubModule(types.ModuleType):
         return value
 
 
+class _StubClass(type):
+    """A stub class whose every attribute is a no-op function (``sgl.Engine.async_generate``)."""
+
+    def __getattr__(cls, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return lambda *a, **k: None
+
+
+class _DataclassStubModule(types.ModuleType):
+    """Each name an empty dataclass pydantic can build a schema for (1.6.x's
+    ``TypeAdapter(GenerateReqInput)`` at import)."""
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        import dataclasses
+
+        value = dataclasses.dataclass(_StubClass(name, (), {}))
+        setattr(self, name, value)
+        return value
+
+
 class _StubSGLang(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Answers imports of ``roots`` (``sglang`` by default) with stub modules."""
+
+    def __init__(self, roots: tuple[str, ...] = ("sglang",), *, dataclasses: bool = False) -> None:
+        self.roots = roots
+        self.module = _DataclassStubModule if dataclasses else _StubModule
+
     def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
-        if name == "sglang" or name.startswith("sglang."):
+        if name.split(".", 1)[0] in self.roots:
             return importlib.machinery.ModuleSpec(name, self, is_package=True)
         return None
 
     def create_module(self, spec: Any) -> types.ModuleType:
-        return _StubModule(spec.name)
+        return self.module(spec.name)
 
     def exec_module(self, module: types.ModuleType) -> None:
         module.__path__ = []  # type: ignore[attr-defined]

@@ -906,3 +906,38 @@ async def test_patch_9_one_unregister_while_paused_on_the_upstream_sync() -> Non
     assert h.generate_endpoint.calls == ["unregister", "register"] * 2
     await h._invoke_engine_route(lambda body: asyncio.sleep(0, {"success": True}), {})
     assert h.generate_endpoint.calls[-1] == "register"  # unpaused: upstream's own register, untouched
+
+
+def test_patches_5_and_9_on_the_real_1_6_x_handler_over_file_discovery(tmp_path: Any) -> None:
+    """ai-dynamo 1.6.x's own ``BaseWorkerHandler`` routes (SGLang stubbed: ``real_handler16.py``) over
+    a real runtime's endpoint under file discovery. Stock: a paused flush fails with the runtime's
+    words and an abort-all with the engine-route thread's, as on the H200 tier of 2026-12-06; the
+    worker is back in discovery after the resume. Under the shim: the paused flush answers, discovery
+    holds the worker out until the resume, and ``rollout/abort`` aborts all from the worker's loop."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    _upstream_discovery_sync()  # skips on 1.4.x
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "DYN_FILE_KV": str(tmp_path / "kv"), "DYN_LOG": "error"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.dynamo.real_handler16"],
+        capture_output=True, text=True, timeout=120, cwd=root, env=env, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["instances_at_start"] == 1
+    stock = {path: (said, n) for path, said, n in out["stock"]["answered"]}
+    assert stock["pause_generation"] == ("ok", 0)
+    assert stock["flush_cache"][0].startswith("Exception: Unable to unregister endpoint instance from discovery")
+    assert stock["continue_generation"] == ("ok", 1)
+    assert "no current event loop in thread 'dynamo-sglang-engine-route'" in stock["abort_request"][0]
+    assert "rollout/abort" not in stock
+    shim = {path: (said, n) for path, said, n in out["shim"]["answered"]}
+    assert [shim[p] for p in ("pause_generation", "flush_cache", "continue_generation")] == [
+        ("ok", 0), ("ok", 0), ("ok", 1),
+    ]  # fmt: skip
+    assert shim["rollout/abort"] == ("ok", 1)
+    assert out["shim"]["engine"] == ["pause:retract", "flush", "continue", "abort::True"]
