@@ -593,7 +593,7 @@ class Upstream:
     tokenizer_manager_route: bool
     #: Engine routes re-sync discovery with SGLang's pause state (1.6.x ``handler_base.py``
     #: ``_sync_discovery_with_sglang_pause_state``), unregistering a paused worker each time.
-    discovery_resync: bool = False
+    discovery_resync: bool
 
 
 def detect_upstream() -> Upstream:

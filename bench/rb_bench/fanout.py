@@ -1676,7 +1676,7 @@ def ratio(result: RunResult, row: str, against: str, workload: str) -> Interval 
     if a is None or b is None or not a.steps or not b.steps:
         return None
     common = sorted(set(a.steps) & set(b.steps))
-    return paired_ratio(a.wall(common), b.wall(common), seed=f"{row}/{against}/{workload}")
+    return paired_ratio(a.wall(common), b.wall(common))
 
 
 def own_cpu(rr: RowResult, block: int, role: str | None) -> float:
@@ -1703,7 +1703,7 @@ def cpu_ratio(result: RunResult, row: str, against: str, workload: str, role: st
     y = [own_cpu(b, k, role) for k in common]
     if any(v <= 0 for v in y):
         return None
-    return paired_ratio(x, y, seed=f"cpu/{role}/{row}/{against}/{workload}")
+    return paired_ratio(x, y)
 
 
 def verdicts(result: RunResult) -> list[tuple[str, Verdict]]:

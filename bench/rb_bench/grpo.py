@@ -289,9 +289,9 @@ class RunResult:
         return next((x for x in self.lanes if x.row == row), None)
 
 
-def _paired(a: Sequence[float], b: Sequence[float], seed: str) -> Interval | None:
+def _paired(a: Sequence[float], b: Sequence[float]) -> Interval | None:
     n = min(len(a), len(b))
-    return paired_ratio(a[:n], b[:n], seed=seed) if n else None
+    return paired_ratio(a[:n], b[:n]) if n else None
 
 
 def part_ratio(result: RunResult, row: str, part: str) -> Interval | None:
@@ -299,7 +299,7 @@ def part_ratio(result: RunResult, row: str, part: str) -> Interval | None:
     a, b = result.lane(row), result.lane(BASELINE)
     if a is None or b is None:
         return None
-    return _paired(a.series(part), b.series(part), f"{row}/{part}")
+    return _paired(a.series(part), b.series(part))
 
 
 def sync_share(result: RunResult, row: str, *, before: bool = False) -> Interval | None:
@@ -309,10 +309,10 @@ def sync_share(result: RunResult, row: str, *, before: bool = False) -> Interval
         return None
     step, sync = lane.series("step"), lane.series("sync")
     if not before:
-        return _paired(sync, step, f"{row}/share")
+        return _paired(sync, step)
     old = lane.series("per_tensor_sync")
     steps = [s - x + y for s, x, y in zip(step, sync, old, strict=False)]
-    return _paired(old, steps, f"{row}/share-before")
+    return _paired(old, steps)
 
 
 def first_difference(result: RunResult, row: str) -> str:

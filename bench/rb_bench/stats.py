@@ -52,7 +52,6 @@ def paired_ratio(
     values: Sequence[float],
     baseline: Sequence[float],
     *,
-    seed: int | str = 0,
     level: float = 0.95,
 ) -> Interval:
     """``sum(values) / sum(baseline)`` over paired blocks, with a ``level`` interval from the ratio
@@ -61,10 +60,8 @@ def paired_ratio(
     ``values[k]`` and ``baseline[k]`` are the same block. Fewer than two blocks give an interval
     as wide as the data allows (``[nan, nan]`` for none, the point itself for one is *not* an
     interval: ``low``/``high`` are ``-inf``/``inf``), so nothing is judged on one sample; with two
-    the t quantile (12.7 at 95 %) makes it wide on purpose. ``seed`` is kept for callers that name
-    their comparison; the interval has no randomness.
+    the t quantile (12.7 at 95 %) makes it wide on purpose.
     """
-    del seed
     if len(values) != len(baseline):
         raise ValueError(f"paired samples differ in length: {len(values)} vs {len(baseline)}")
     n = len(values)

@@ -1166,7 +1166,7 @@ def interval(m: Measurement, results: Sequence[Measurement]) -> Interval | None:
     if base is None or not m.rounds_s:
         return None
     n = min(len(m.rounds_s), len(base.rounds_s))  # equal unless one row left the blocks
-    return paired_ratio(m.rounds_s[:n], base.rounds_s[:n], seed=m.transport)
+    return paired_ratio(m.rounds_s[:n], base.rounds_s[:n])
 
 
 def ratio(m: Measurement, results: Sequence[Measurement]) -> float | None:
@@ -1239,7 +1239,7 @@ def targets(results: Sequence[Measurement], gpu: bool = False) -> list[tuple[str
             out.append((goal, None, "not judged (not measured)"))
         else:  # time per push against the time 100 GB/s allows: ≤ 1 is the goal
             allowed = flat.nbytes / (TARGET_GB_S * 1e9)
-            iv = paired_ratio(flat.rounds_s, [allowed] * len(flat.rounds_s), seed="gb/s")
+            iv = paired_ratio(flat.rounds_s, [allowed] * len(flat.rounds_s))
             met, detail = _judged(goal, iv, 1.0)
             gb = [flat.nbytes / 1e9 / (x * allowed) for x in (iv.high, iv.estimate, iv.low)]
             out.append((goal, met, f"{gb[1]:.1f} GB/s [{gb[0]:.1f}, {gb[2]:.1f}] (mean over blocks); {detail}"))
@@ -1272,7 +1272,7 @@ def comparisons(results: Sequence[Measurement]) -> list[str]:
         ma, mb = _measured(a, results), _measured(b, results)
         if ma is not None and mb is not None:
             n = min(len(ma.rounds_s), len(mb.rounds_s))
-            out.append(f"{a} / {b} ({what}): {paired_ratio(ma.rounds_s[:n], mb.rounds_s[:n], seed=a + b).format(3)}")
+            out.append(f"{a} / {b} ({what}): {paired_ratio(ma.rounds_s[:n], mb.rounds_s[:n]).format(3)}")
     return out
 
 

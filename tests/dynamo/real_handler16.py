@@ -92,13 +92,13 @@ async def _steps(handler_cls: type, kv: str, endpoint: Any) -> dict[str, Any]:
     runtime = Routes()
     handler.register_engine_routes(runtime)
     answered: list[list[Any]] = []
-    calls: list[tuple[str, dict[str, Any]]] = [
+    update: list[tuple[str, dict[str, Any]]] = [
         ("pause_generation", {"mode": "retract"}),
         ("flush_cache", {}),
         ("continue_generation", {}),
-        ("abort_request", {"abort_all": True}),
-        ("rollout/abort", {"abort_all": True}),
     ]
+    # Two paused updates (the second after a resume), then an abort-all each way.
+    calls = [*update, *update, ("abort_request", {"abort_all": True}), ("rollout/abort", {"abort_all": True})]
     for path, body in calls:
         if path not in runtime.routes:
             continue

@@ -823,91 +823,6 @@ def test_watch_patch_9_upstream_unregisters_after_every_engine_route_while_pause
     )
 
 
-class _FileDiscoveryEndpoint:
-    """An endpoint that answers as file discovery does (the watch above holds the real runtime to
-    it): a second unregister raises the runtime's words."""
-
-    def __init__(self) -> None:
-        self.registered = True
-        self.calls: list[str] = []
-
-    async def unregister_endpoint_instance(self) -> None:
-        self.calls.append("unregister")
-        if not self.registered:
-            raise Exception("Unable to unregister endpoint instance from discovery. Check discovery service status")
-        self.registered = False
-
-    async def register_endpoint_instance(self) -> None:
-        self.calls.append("register")
-        self.registered = True
-
-
-def _upstream_handler_class() -> type:
-    """A class holding 1.6.1's own discovery sync and route wrapper (their source, compiled here:
-    importing dynamo.sglang's handlers needs SGLang), over a fake paused/unpaused tokenizer manager."""
-    sync, invoke = _upstream_discovery_sync()
-    ns: dict[str, Any] = {}
-    src = "import asyncio\nclass Handler:\n" + "\n".join(
-        "    " + line for line in (sync + "\n\n" + invoke).splitlines()
-    )
-    exec(compile(src, "<dynamo.sglang 1.6.x handler_base>", "exec"), ns)  # upstream's own code, as installed
-    handler: type = ns["Handler"]
-
-    def __init__(self: Any) -> None:
-        self.engine = types.SimpleNamespace(tokenizer_manager=types.SimpleNamespace(is_pause=False))
-        self.generate_endpoint = _FileDiscoveryEndpoint()
-        self._engine_route_lock = asyncio.Lock()
-
-    handler.__init__ = __init__  # type: ignore[misc]
-    return handler
-
-
-async def _paused_weight_update(h: Any) -> list[str]:
-    """What the transaction sends a 1.6.x worker: pause, flush, resume (each a wrapped route)."""
-    tm = h.engine.tokenizer_manager
-    done: list[str] = []
-
-    async def route(name: str, pause: bool | None = None) -> dict[str, Any]:
-        if pause is not None:
-            tm.is_pause = pause
-        done.append(name)
-        return {"success": True}
-
-    await h._invoke_engine_route(lambda body: route("pause_generation", True), {})
-    try:
-        await h._invoke_engine_route(lambda body: route("flush_cache"), {})
-        await h._invoke_engine_route(lambda body: route("release_memory_occupation"), {})
-    finally:
-        await h._invoke_engine_route(lambda body: route("continue_generation", False), {})
-    return done
-
-
-async def test_patch_9_one_unregister_while_paused_on_the_upstream_sync() -> None:
-    """Stock: the flush after the pause fails on the refused second unregister, as on the H200 tier
-    (its route ran; the worker is resumed and registered again). Patched: the paused window takes
-    every route, discovery sees one unregister and one register, and a route after resuming still
-    registers as upstream does."""
-    from rollout_backends.adapters.dynamo._sglang_shim import patch_discovery_sync
-
-    stock = _upstream_handler_class()()
-    with pytest.raises(Exception, match="Unable to unregister"):
-        await _paused_weight_update(stock)
-    assert stock.generate_endpoint.calls == ["unregister", "unregister", "register"]
-    assert stock.generate_endpoint.registered
-
-    cls = _upstream_handler_class()
-    assert patch_discovery_sync(cls) and patch_discovery_sync(cls)  # idempotent
-    h = cls()
-    assert await _paused_weight_update(h) == [
-        "pause_generation", "flush_cache", "release_memory_occupation", "continue_generation",
-    ]  # fmt: skip
-    assert h.generate_endpoint.calls == ["unregister", "register"] and h.generate_endpoint.registered
-    await _paused_weight_update(h)  # a second update: unregistered again, once
-    assert h.generate_endpoint.calls == ["unregister", "register"] * 2
-    await h._invoke_engine_route(lambda body: asyncio.sleep(0, {"success": True}), {})
-    assert h.generate_endpoint.calls[-1] == "register"  # unpaused: upstream's own register, untouched
-
-
 def test_patches_5_and_9_on_the_real_1_6_x_handler_over_file_discovery(tmp_path: Any) -> None:
     """ai-dynamo 1.6.x's own ``BaseWorkerHandler`` routes (SGLang stubbed: ``real_handler16.py``) over
     a real runtime's endpoint under file discovery. Stock: a paused flush fails with the runtime's
@@ -929,15 +844,17 @@ def test_patches_5_and_9_on_the_real_1_6_x_handler_over_file_discovery(tmp_path:
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["instances_at_start"] == 1
-    stock = {path: (said, n) for path, said, n in out["stock"]["answered"]}
-    assert stock["pause_generation"] == ("ok", 0)
-    assert stock["flush_cache"][0].startswith("Exception: Unable to unregister endpoint instance from discovery")
-    assert stock["continue_generation"] == ("ok", 1)
-    assert "no current event loop in thread 'dynamo-sglang-engine-route'" in stock["abort_request"][0]
-    assert "rollout/abort" not in stock
-    shim = {path: (said, n) for path, said, n in out["shim"]["answered"]}
-    assert [shim[p] for p in ("pause_generation", "flush_cache", "continue_generation")] == [
-        ("ok", 0), ("ok", 0), ("ok", 1),
-    ]  # fmt: skip
-    assert shim["rollout/abort"] == ("ok", 1)
-    assert out["shim"]["engine"] == ["pause:retract", "flush", "continue", "abort::True"]
+    stock = out["stock"]["answered"]
+    assert stock[0] == ["pause_generation", "ok", 0] and stock[2] == ["continue_generation", "ok", 1]
+    assert stock[1][0] == "flush_cache" and stock[1][2] == 0
+    assert stock[1][1].startswith("Exception: Unable to unregister endpoint instance from discovery")
+    assert stock[3:6] == stock[:3]  # the same at the next update: back in discovery after each resume
+    assert stock[6][0] == "abort_request"
+    assert "no current event loop in thread 'dynamo-sglang-engine-route'" in stock[6][1]
+    assert len(stock) == 7  # no rollout/abort on stock
+    # Two paused updates in a row: out of discovery once per pause, back at each resume.
+    shim = out["shim"]["answered"]
+    update = [["pause_generation", "ok", 0], ["flush_cache", "ok", 0], ["continue_generation", "ok", 1]]
+    assert shim[:6] == update * 2
+    assert shim[-1] == ["rollout/abort", "ok", 1]
+    assert out["shim"]["engine"] == ["pause:retract", "flush", "continue"] * 2 + ["abort::True"]
