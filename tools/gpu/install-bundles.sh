@@ -86,7 +86,9 @@ for m in sys.argv[1:]:
 print("\n".join(bad) if bad else "ok")' $check) > "$result" 2>&1
   fi
   if [ "$(tail -1 "$result")" = ok ]; then log "$name: imports ok; runs use PYTHONPATH=$pythonpath"; return 0; fi
-  log "$name: IMPORT FAILED with PYTHONPATH=$pythonpath:"; tail -5 "$result"; return 1
+  # A failure is not kept: it may be a part that comes in a later call (part2 imports part1's
+  # pydantic); kept, it failed every later call (H100, 2026-12-06: part2 sent before part1).
+  log "$name: IMPORT FAILED with PYTHONPATH=$pythonpath:"; tail -5 "$result"; rm -f "$result"; return 1
 }
 
 mkdir -p "$REG"
