@@ -6,7 +6,7 @@ import asyncio
 import re
 from collections.abc import AsyncGenerator
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import attrs
 import pytest
@@ -660,6 +660,9 @@ def test_a_filter_may_keep_tokens_tied_with_the_top() -> None:
         def measure(self, key: str, value: Any) -> None:
             self.measurements[key] = value
 
+        def skip(self, reason: str) -> NoReturn:
+            raise SkipCheck(reason)
+
     ctx: Any = Ctx()
     _kept_only_the_top(ctx, [_gen((5, 7, 4), (0.0, half, 0.0), None)], [greedy], "t")
     _kept_only_the_top(ctx, [_gen((5, 9, 3), (0.0, 0.0, 0.0), None)], [greedy], "t")  # parted at the tie
@@ -669,6 +672,16 @@ def test_a_filter_may_keep_tokens_tied_with_the_top() -> None:
         _kept_only_the_top(ctx, [_gen((5, 7, 4), (0.0, half, 0.0), None)], [untied], "t")
     with pytest.raises(CheckFailed, match=re.escape("not a tie in the greedy run: token 9 is not within 0.1 of 7")):
         _kept_only_the_top(ctx, [_gen((5, 9, 3), (0.0, 0.0, 0.0), None)], [untied], "t")
+    # No top logprobs (dynamo.vllm 1.4.2): a pick about one half likely may be a tie: a skip saying
+    # so, never a pass; a sure pick cannot be one: a failure.
+    unseen = attrs.evolve(greedy, top_logprobs=None)
+    with pytest.raises(
+        SkipCheck,
+        match=re.escape("position 1 (got [5, 9, 3], want [5, 7, 4]), where the greedy pick had logprob -0.6931"),
+    ):
+        _kept_only_the_top(ctx, [_gen((5, 9, 3), (0.0, 0.0, 0.0), None)], [unseen], "t")
+    with pytest.raises(CheckFailed, match=re.escape("the greedy pick had logprob -0.1, above log(1/2) + 0.1")):
+        _kept_only_the_top(ctx, [_gen((6, 7, 4), (0.0, 0.0, 0.0), None)], [unseen], "t")
 
 
 class _Buffered(BuggyDriver):
