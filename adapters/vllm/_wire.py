@@ -150,12 +150,19 @@ def _session(url: str, update_info: Mapping[str, Any], flush_cache: bool) -> tup
     return (*calls, _post(url, "/reset_prefix_cache")) if flush_cache else calls
 
 
-def _wake(url: str, tags: tuple[MemoryTag, ...] | None) -> HttpRequest | None:
-    """``/wake_up`` (every tag), or the tags vLLM knows; nothing where only ``cuda_graph`` is asked."""
-    if tags is None:
-        return _post(url, "/wake_up")
-    wake = [_WAKE_TAGS[t] for t in tags if t in _WAKE_TAGS]
-    return _post(url, "/wake_up?" + urlencode([("tags", t) for t in wake])) if wake else None
+def _wake(url: str, tags: tuple[MemoryTag, ...] | None) -> tuple[HttpRequest, ...] | None:
+    """One ``/wake_up?tags=`` per tag vLLM knows (every tag for ``None``), weights first; nothing
+    where only ``cuda_graph`` is asked.
+
+    Never a plain ``/wake_up`` and never two tags in one call: vLLM 0.26's executor skips (warns,
+    returns) a call naming a tag that is not asleep, so one call per tag wakes exactly what still
+    sleeps, whatever woke before; and a plain ``/wake_up`` after ``tags=weights`` maps the woken
+    weights again (``CuMemAllocator.wake_up(None)`` has no is-asleep check): HTTP 500 "CUDA Error:
+    invalid argument" and an engine that answered nothing after it (H100 capture of 2026-12-06).
+    """
+    wanted = set(_WAKE_TAGS) if tags is None else set(tags)
+    calls = tuple(_post(url, f"/wake_up?{urlencode({'tags': v})}") for t, v in _WAKE_TAGS.items() if t in wanted)
+    return calls or None
 
 
 class _DeltaStream:

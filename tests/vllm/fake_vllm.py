@@ -226,6 +226,10 @@ class FakeVllm:
         #: Advertise VLLM_BATCH_INVARIANT=1 (the reference engine is batch invariant either way).
         self.batch_invariant = batch_invariant
         self.sleeping = False
+        #: The executor's ``sleeping_tags`` (``vllm/v1/executor/abstract.py``): what is still asleep.
+        self.sleeping_tags: set[str] = set()
+        #: Set by a plain ``/wake_up`` after a partial one: vLLM's engine answered nothing after it.
+        self.stuck = asyncio.Event()
         self.calls: list[tuple[str, str]] = []
         #: ``host:port`` once served (the backend's worker id).
         self.url_id = ""
@@ -313,6 +317,8 @@ class FakeVllm:
         }
 
     async def generate(self, http: web.Request) -> web.StreamResponse:
+        if self.stuck.is_set():
+            await asyncio.Event().wait()  # no answer, as vLLM gave none after the failed wake-up
         try:
             req = GenerateRequestModel.model_validate(await http.json())
             request = self._engine_request(req)
@@ -452,13 +458,25 @@ class FakeVllm:
         await self.engine.pause(PauseMode.RETRACT)  # level >= 1: clear_cache, running ones preempted
         await self.engine.release_memory(None)
         self.sleeping = True
+        self.sleeping_tags = {"weights", "kv_cache"}
         return web.Response(status=200)
 
     async def wake_up(self, http: web.Request) -> web.Response:
+        """vLLM 0.26's ``Executor.wake_up``: nothing when not asleep, nothing (a warning) when a
+        named tag is not asleep; ``tags=None`` reaches ``CuMemAllocator.wake_up(None)``, which maps
+        every allocation again, so after a partial wake it fails (HTTP 500, "CUDA Error: invalid
+        argument") and the engine answers nothing more (H100 capture of 2026-12-06)."""
         tags = http.query.getall("tags", []) or None
+        if not self.sleeping_tags or (tags is not None and not set(tags) <= self.sleeping_tags):
+            return web.Response(status=200)
+        if tags is None and self.sleeping_tags != {"weights", "kv_cache"}:
+            self.stuck.set()
+            msg = "Call to wake_up method failed: CUDA Error: invalid argument at <path>:169"
+            return _error(msg, 500, None, "InternalServerError")
         known = {"weights": MemoryTag.WEIGHTS, "kv_cache": MemoryTag.KV_CACHE}
         await self.engine.resume_memory([known[t] for t in tags if t in known] if tags else None)
-        if tags is None or set(tags) >= set(known):
+        self.sleeping_tags -= set(tags) if tags else self.sleeping_tags
+        if not self.sleeping_tags:
             self.sleeping = False
             await self.engine.resume()  # EngineCore.wake_up: resume scheduling once all is resident
         return web.Response(status=200)

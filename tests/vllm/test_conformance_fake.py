@@ -97,3 +97,29 @@ def test_filtered_logprobs_follow_the_servers_logprobs_mode(
             assert result.outcome is Outcome.PASS, result.line()
         else:
             assert result.outcome is Outcome.FAIL and fails_with in result.line(), result.line()
+
+
+def test_resume_after_a_partial_resume_wakes_what_still_sleeps(tiny_model: Path) -> None:
+    """Miles' colocated order (weights back, load, then the KV cache) and a plain resume after a
+    partial one, on a fake that fails a plain ``/wake_up`` after ``tags=weights`` as vLLM 0.26
+    did on the H100 (``fake_vllm.FakeVllm.wake_up``): greedy tokens as before, every server awake."""
+
+    async def run() -> None:
+        async with fake_fleet(tiny_model, 2) as (fakes, url):
+            backend = await rb.open_backend(url)
+            try:
+                request = rb.GenerateRequest(
+                    input_ids=[5, 6, 7], sampling=rb.SamplingParams(max_new_tokens=6, temperature=0.0)
+                )
+                before = (await backend.generate(request)).output_ids
+                for second in ((rb.MemoryTag.KV_CACHE,), None):
+                    await backend.release_memory()
+                    assert all(f.sleeping_tags == {"weights", "kv_cache"} for f in fakes)
+                    await backend.resume_memory([rb.MemoryTag.WEIGHTS])
+                    await backend.resume_memory(second)
+                    assert not any(f.sleeping or f.stuck.is_set() for f in fakes), second
+                    assert (await backend.generate(request)).output_ids == before, second
+            finally:
+                await backend.aclose()
+
+    asyncio.run(asyncio.wait_for(run(), 60))
