@@ -129,6 +129,15 @@ async def vllm_scenario(rec: Recorder, alt: Path, base: Path) -> None:
         await _pause_round(rec, mode, query)
     await _loads_and_sleep(rec, alt, base)
     await _failed_load(rec, base)
+    await _wake_all_after_partial(rec)
+
+
+async def _wake_all_after_partial(rec: Recorder) -> None:
+    """Last, as vLLM 0.26 answered nothing after it (H100 capture of 2026-12-06, then in the middle
+    of the scenario): a plain ``/wake_up`` after ``tags=weights``, which the adapter never sends."""
+    await rec.call("sleep_again", "POST", "/sleep?level=1&mode=keep")
+    await rec.call("wake_up_weights_again", "POST", "/wake_up?tags=weights")
+    await rec.call("wake_up", "POST", "/wake_up", note="after tags=weights: HTTP 500, then no answers")
 
 
 async def _reads_and_generations(rec: Recorder) -> None:
@@ -209,7 +218,9 @@ async def _loads_and_sleep(rec: Recorder, alt: Path, base: Path) -> None:
     await c("is_sleeping_asleep", "GET", "/is_sleeping")
     await c("wake_up_weights", "POST", "/wake_up?tags=weights")
     await c("is_sleeping_half", "GET", "/is_sleeping")
-    await c("wake_up", "POST", "/wake_up")
+    # The adapter's resume_memory: one call per tag (adapters/vllm/_wire.py _wake).
+    await c("wake_up_kv_cache", "POST", "/wake_up?tags=kv_cache")
+    await c("is_sleeping_awake", "GET", "/is_sleeping")
     await c("greedy_after_wake", "POST", GEN, _gen("greedy-3", PROMPT, logprobs=0), note="equals greedy")
     await c("start_weight_update_unconfigured", "POST", "/start_weight_update", note="no --weight-transfer-config")
 

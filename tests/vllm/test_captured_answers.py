@@ -28,7 +28,7 @@ import rollout_backends as rb
 from rb_bench.vllm_capture import DYNAMO_FILE, LONG, PROMPT, VLLM_FILE, Recorder, vllm_scenario
 from rollout_backends import GenerateRequest, SamplingParams
 from rollout_backends.adapters.vllm import VllmWire
-from rollout_backends.kit import FlushCache, HttpResponse, Ready, SseDecoder, UpdateFromDisk, Worker
+from rollout_backends.kit import FlushCache, HttpResponse, Ready, ResumeMemory, SseDecoder, UpdateFromDisk, Worker
 from tests.vllm.fake_vllm import KNOWN_DIFFERENCES, fake_vllm
 
 CAPTURED = Path(__file__).resolve().parents[1] / "data" / VLLM_FILE
@@ -199,8 +199,26 @@ def test_the_adapter_reads_vllm_exactly() -> None:
     # Weights from disk: other weights answer other tokens; the base again answers the base's.
     greedy = _vllm_read("greedy")[0].output_ids
     assert _vllm_read("greedy_alt")[0].output_ids != greedy
+    answered = {e["name"] for e in CAPTURED_DOC["exchanges"] if e["status"] != -1}
     for name in ("greedy_base_again", "greedy_after_wake", "greedy_after_recovery"):
-        assert _vllm_read(name)[0].output_ids == greedy, name
+        if name in answered:  # greedy_after_wake: none in 2026-12-06's capture (test below)
+            assert _vllm_read(name)[0].output_ids == greedy, name
+
+
+@pytest.mark.skipif(CAPTURED_DOC is None, reason="no GPU capture of vLLM 0.26 yet")
+def test_vllm_fails_a_plain_wake_up_after_a_partial_one_and_the_adapter_never_sends_it() -> None:
+    """vLLM 0.26 after ``/sleep`` and ``/wake_up?tags=weights``: a plain ``/wake_up`` answered HTTP
+    500 (the woken weights mapped again) and the next generation got no answer in 120 s. Read as a
+    failure; the adapter never sends it (its resume: one call per tag, tests/vllm/test_vllm_wire.py)."""
+    assert CAPTURED_DOC is not None
+    ex = {e["name"]: e for e in CAPTURED_DOC["exchanges"]}
+    if ex["wake_up"]["status"] == -1:
+        pytest.skip(f"the capture's client got no answer to wake_up ({ex['wake_up']['body'][:80]})")
+    assert ex["wake_up_weights"]["status"] == 200 and json.loads(ex["is_sleeping_half"]["body"])["is_sleeping"]
+    assert ex["wake_up"]["status"] == 500 and "CUDA Error: invalid argument" in ex["wake_up"]["body"]
+    wire = VllmWire(entry_url="http://h:1")
+    with pytest.raises(rb.ControlFailed, match="CUDA Error"):
+        wire.parse_control(ResumeMemory(None), W, HttpResponse(500, ex["wake_up"]["body"].encode()))
 
 
 @pytest.mark.skipif(CAPTURED_DOC is None, reason="no GPU capture of vLLM 0.26 yet")
@@ -324,7 +342,7 @@ def test_the_dynamo_adapter_reads_dynamo_vllm_generations() -> None:
     """The frontend's ``/v1/completions`` answers in front of dynamo.vllm, read as the Dynamo wire's
     ``vllm`` flavor reads them: tokens and logprobs as ``engine_data`` gives them."""
     wire, response, ex = _dynamo()
-    for name in ("greedy", "top3", "greedy_after_wake", "greedy_after_failed_load"):
+    for name in ("greedy", "top3", "greedy_after_wake"):
         data = json.loads(ex[name]["body"])
         gen = wire.parse_generation(
             GenerateRequest(input_ids=ex[name]["request"]["prompt"], sampling=SamplingParams(max_new_tokens=8)),
@@ -341,6 +359,22 @@ def test_the_dynamo_adapter_reads_dynamo_vllm_generations() -> None:
             GenerateRequest(input_ids=PROMPT, sampling=SamplingParams(max_new_tokens=8)), response["top3"], 0.0
         ).output_ids
     )
+
+
+def test_dynamo_vllm_serves_no_generation_after_a_failed_load() -> None:
+    """dynamo.vllm 1.4.2 after a load from a missing checkpoint (answered ``{"status": "error"}``)
+    and a resume: the next completion is an HTTP 500 ("Failed to fold completions stream"; H100
+    capture of 2026-12-06), read as the backend unavailable, never as tokens of half-loaded weights."""
+    wire, response, ex = _dynamo()
+    if ex["greedy_after_failed_load"]["status"] == -1 or ex["disk_missing"]["status"] == -1:
+        pytest.skip("the capture's client got no answer to the failed load or the generation after it")
+    assert json.loads(ex["disk_missing"]["body"])["status"] == "error"
+    with pytest.raises(rb.BackendUnavailable, match="Failed to fold completions stream"):
+        wire.parse_generation(
+            GenerateRequest(input_ids=ex["greedy_after_failed_load"]["request"]["prompt"]),
+            response["greedy_after_failed_load"],
+            0.0,
+        )
 
 
 def _read_dynamo_stream(wire: Any, ex: dict[str, Any]) -> rb.Generation:
