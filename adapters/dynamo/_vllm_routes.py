@@ -129,10 +129,14 @@ def vllm_control(op: Command, worker: Worker) -> HttpRequest | tuple[HttpRequest
                 raise InvalidRequest("tags", "vLLM releases weights and KV cache together (sleep level 1)")
             return _engine(worker, "control/sleep", {"level": 1})
         case ResumeMemory(tags=tags):
-            if tags is None:
-                return _engine(worker, "control/wake_up")
-            wake = [_WAKE_TAGS[t] for t in tags if t in _WAKE_TAGS]
-            return _engine(worker, "control/wake_up", {"tags": wake}) if wake else None
+            wake = set(_WAKE_TAGS) if tags is None else {t for t in tags if t in _WAKE_TAGS}
+            if wake and wake != set(_WAKE_TAGS):
+                # dynamo.vllm 1.4.2 ends the sleep at the first wake-up, partial or not: it resumes
+                # generation, registers the worker again and answers every later wake-up "Engine
+                # already awake" (dynamo/vllm/handlers.py wake_up, VllmEnginePauseController.resume
+                # then mark_resumed), so the KV cache would stay asleep under a serving engine.
+                raise InvalidRequest("tags", "dynamo.vllm resumes weights and KV cache together (tags=None)")
+            return _engine(worker, "control/wake_up") if wake else None
         case SetVersion() | BeginWeightUpdate() | EndWeightUpdate() | DestroyWeightGroup():
             # Versions: the fleet stamps them (get_weight_version reports only labels given with a
             # load; 1.4.2 has no route to set one). No update sessions; no route drops the group.

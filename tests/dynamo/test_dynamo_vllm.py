@@ -125,7 +125,16 @@ def test_engine_route_bodies() -> None:
     assert steps[1][1]["update_info"]["names"] == ["a"]  # type: ignore[index]
     assert [b["reset_prefix_cache"] for _, b in steps] == [False, False, True]  # type: ignore[index]
     assert bodies(w.control(ReleaseMemory(None), W)) == [("control/sleep", {"level": 1})]
-    assert bodies(w.control(ResumeMemory((MemoryTag.KV_CACHE,)), W)) == [("control/wake_up", {"tags": ["kv_cache"]})]
+    both = (MemoryTag.WEIGHTS, MemoryTag.KV_CACHE)
+    assert (
+        bodies(w.control(ResumeMemory(None), W))
+        == bodies(w.control(ResumeMemory(both), W))
+        == [("control/wake_up", {})]
+    )
+    with pytest.raises(rb.InvalidRequest) as exc:  # the first wake-up ends dynamo.vllm's sleep: KV left asleep
+        w.control(ResumeMemory((MemoryTag.WEIGHTS,)), W)
+    assert exc.value.field == "tags"
+    assert w.control(ResumeMemory((MemoryTag.CUDA_GRAPH,)), W) is None
     assert w.control(SetVersion("v2"), W) is None  # the fleet stamps versions
 
 
