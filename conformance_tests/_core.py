@@ -342,6 +342,7 @@ def requires(
     progress_probe: bool | None = None,
     batch_invariant: bool | None = None,
     greedy_decoding: bool | None = None,
+    memory_release: bool | None = None,
     min_workers: int | None = None,
     versioned: bool = False,
     served_checkpoint: bool = False,
@@ -355,7 +356,7 @@ def requires(
     * ``pause_mode`` / ``transport``: each given one must be declared in ``Capabilities``;
       ``any_pause_mode`` / ``any_transport``: at least one;
     * ``abort``, ``seeded_sampling``, ``logprobs``, ``worker_pinning``, ``progress_probe``,
-      ``batch_invariant``, ``greedy_decoding``: boolean capabilities;
+      ``batch_invariant``, ``greedy_decoding``, ``memory_release``: boolean capabilities;
     * ``min_workers``: the fleet has at least that many workers;
     * ``versioned``: answers carry a weight version (``version_source`` is not ``NONE``);
     * ``served_checkpoint``: the checkpoint the backend serves is a folder on this host
@@ -389,6 +390,7 @@ def requires(
         "progress_probe": progress_probe,
         "batch_invariant": batch_invariant,
         "greedy_decoding": greedy_decoding,
+        "memory_release": memory_release,
     }
     reqs.extend(_flag_req(k, v) for k, v in flags.items() if v is not None)
     if min_workers is not None:

@@ -10,6 +10,8 @@ from collections.abc import Awaitable, Callable, Sequence
 
 from rollout_backends import (
     Generation,
+    InvalidRequest,
+    MemoryTag,
     PauseMode,
     RolloutBackend,
     WeightBucket,
@@ -33,6 +35,7 @@ __all__ = [
     "check_disk_update_matches_fresh",
     "check_distributed_update_matches_fresh",
     "check_injected_failure_rolls_back",
+    "check_memory_release_resume",
     "check_stale_prefix_after_update",
     "check_tensor_update_matches_fresh",
     "check_update_failure_keeps_version",
@@ -327,3 +330,44 @@ async def check_injected_failure_rolls_back(ctx: CheckContext) -> None:
         expect(len(gen.output_ids) == 4, "no normal generation after the failed update")
     finally:
         await _restore(ctx, previous)
+
+
+#: How the check gives memory back after each release: all at once, and in Miles' colocated order
+#: (weights back, the new weights loaded into them, then the KV cache; radixark/miles 31f1ca961a94).
+_RESUMES: dict[str, tuple[tuple[MemoryTag, ...] | None, ...]] = {
+    "all at once": (None,),
+    "weights, then kv_cache": ((MemoryTag.WEIGHTS,), (MemoryTag.KV_CACHE,)),
+}
+
+
+@check("weights")
+@requires(memory_release=True)
+async def check_memory_release_resume(ctx: CheckContext) -> None:
+    """After ``release_memory`` and ``resume_memory`` (all at once, and weights before the KV
+    cache), greedy outputs are what they were: the memory comes back holding the weights. A staged
+    resume the backend refuses (``InvalidRequest``) is recorded, and everything resumed at once."""
+    prompts = ctx.prompts(3, max_len=24, seed=131)
+    before = await ctx.generate_all(prompts, ctx.greedy(12, ignore_eos=True))
+    backend, refused = ctx.backend, []
+    for label, resumes in _RESUMES.items():
+        await backend.release_memory()
+        done = False
+        try:
+            for tags in resumes:
+                await backend.resume_memory(tags)
+            done = True
+        except InvalidRequest as exc:
+            refused.append(f"{label}: {exc}")
+        finally:
+            if not done:  # never leave the engine released
+                await backend.resume_memory()
+        after = await ctx.generate_all(prompts, ctx.greedy(12, ignore_eos=True))
+        compare(
+            after,
+            before,
+            what=f"greedy after release + resume ({label})",
+            tolerance=ctx.harness.logprob_tolerance,
+            ctx=ctx,
+        )
+    if refused:
+        ctx.measure("resume_refused", "; ".join(refused))

@@ -63,6 +63,7 @@ from rollout_backends._types import (
     FinishReason,
     GenerateRequest,
     Generation,
+    MemoryTag,
     PauseMode,
     SamplingParams,
     TokenChunk,
@@ -102,6 +103,7 @@ FAKE_CAPABILITIES = Capabilities(
     streaming=True,
     cached_tokens=True,  # a prefix index per worker (FakeDriver.generate)
     progress_probe=True,  # probe(Progress): not paused
+    memory_release=True,  # FakeDriver.release_memory: the weights' memory holds other numbers until resumed
     vocab_size=VOCAB_SIZE,
     max_context=MAX_CONTEXT,
 )
@@ -270,6 +272,9 @@ class FakeDriver:
         self.closed = False
         self.live = True
         self._running: dict[str, _Running] = {}
+        #: What ``release_memory`` freed (SGLang's tags), and the weights to put back on resume.
+        self.released: set[MemoryTag] = set()
+        self._weights_backup: tuple[int, Perm] | None = None
         self._changed = asyncio.Event()
         self._failing: dict[type[Any], Exception] = {}
         #: Refuse weight loads unless paused (as dynamo.vllm does); by default what the
@@ -568,6 +573,9 @@ class FakeDriver:
                 raise Unsupported("weight_transport.distributed", "the fake has no process group")
             case DestroyWeightGroup() | BeginWeightUpdate() | EndWeightUpdate():
                 return None
+            case UpdateFromDisk() | UpdateFromTensors() if MemoryTag.WEIGHTS in self.released:
+                why = "weights are released; call resume_memory first"  # as the reference engine
+                raise ControlFailed(op.name, [WorkerFailure(self._id, op.name, why)])
             case UpdateFromDisk() | UpdateFromTensors() if self.loads_only_paused and self.paused is None:
                 # As ai-dynamo 1.4.2's dynamo.vllm weight routes answer (Capabilities.load_needs_pause).
                 raise ControlFailed(
@@ -587,10 +595,32 @@ class FakeDriver:
                 self._load(int(named["seed"]), perm, op.version, op.flush_cache)
             case SetVersion():
                 self.version = op.version
-            case ReleaseMemory() | ResumeMemory():
-                return None
+            case ReleaseMemory(tags=tags):
+                self.release_memory(set(tags or MemoryTag))
+            case ResumeMemory(tags=tags):
+                self.resume_memory(set(tags or MemoryTag))
             case _:
                 unhandled(op)
+
+    def release_memory(self, tags: set[MemoryTag]) -> None:
+        """Free the tagged memory: the weights' memory then holds other numbers (as freed GPU
+        memory would), the KV cache is gone. Refused with requests running unless paused, as
+        SGLang asserts an idle scheduler."""
+        if self._running and self.paused is None:
+            raise ControlFailed("release_memory", [WorkerFailure(self._id, "release_memory", "requests running")])
+        if MemoryTag.WEIGHTS in tags and MemoryTag.WEIGHTS not in self.released:
+            self._weights_backup = (self.seed, self.perm)
+            self.seed, self.perm = self.seed + 7919, {}
+        if MemoryTag.KV_CACHE in tags:
+            self.cache.clear()
+        self.released |= tags
+
+    def resume_memory(self, tags: set[MemoryTag]) -> None:
+        """Take back the tagged memory (the weights from their backup); what is not released is left alone."""
+        if MemoryTag.WEIGHTS in tags and self._weights_backup is not None:
+            self.seed, self.perm = self._weights_backup
+            self._weights_backup = None
+        self.released -= tags
 
     def _abort(self, requests: Sequence[_Running]) -> None:
         for r in requests:

@@ -106,6 +106,8 @@ BUGS = frozenset(
         "label_before_load",
         # weight loads refused unless paused (as dynamo.vllm 1.4.2's routes), load_needs_pause not declared
         "loads_only_paused",
+        # resume_memory() (every tag) gives back the KV cache only: the weights' memory keeps other numbers
+        "resume_forgets_weights",
         # logprobs of the distribution sampled from, after top_k/top_p/min_p, renormalised (vLLM's
         # processed_logprobs), with filtered_logprobs not declared
         "filtered_logprobs_undeclared",
@@ -150,6 +152,11 @@ class BuggyDriver(FakeDriver):
         self.retracted: set[int] = set()  #: "retract_flips_token": requests parked mid-generation
         self.late_loads: list[asyncio.Future[None]] = []  #: "label_before_load": loads still to apply
         self.loads_only_paused = self.loads_only_paused or "loads_only_paused" in bugs
+
+    def resume_memory(self, tags: set[rb.MemoryTag]) -> None:
+        if "resume_forgets_weights" in self.bugs and tags == set(rb.MemoryTag):
+            tags = {rb.MemoryTag.KV_CACHE}
+        super().resume_memory(tags)
 
     def _check(self, request: rb.GenerateRequest) -> None:
         if "accept_oov" not in self.bugs:
