@@ -133,8 +133,10 @@ async def vllm_scenario(rec: Recorder, alt: Path, base: Path) -> None:
 
 
 async def _wake_all_after_partial(rec: Recorder) -> None:
-    """Last, as vLLM 0.26 answered nothing after it (H100 capture of 2026-12-06, then in the middle
-    of the scenario): a plain ``/wake_up`` after ``tags=weights``, which the adapter never sends."""
+    """A plain ``/wake_up`` after ``tags=weights``, which the adapter never sends: vLLM 0.26 failed
+    it and answered nothing after it (H100 capture of 2026-12-06 05:18, kept in
+    ``tests/data/vllm-0.26.0-plain-wake-up.json``). Last; after the failed load above vLLM 0.26's
+    engine is dead, so these show that (capture of 06:21) unless a later vLLM survives the load."""
     await rec.call("sleep_again", "POST", "/sleep?level=1&mode=keep")
     await rec.call("wake_up_weights_again", "POST", "/wake_up?tags=weights")
     await rec.call("wake_up", "POST", "/wake_up", note="after tags=weights: HTTP 500, then no answers")

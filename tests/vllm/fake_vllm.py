@@ -230,6 +230,9 @@ class FakeVllm:
         self.sleeping_tags: set[str] = set()
         #: Set by a plain ``/wake_up`` after a partial one: vLLM's engine answered nothing after it.
         self.stuck = asyncio.Event()
+        #: Set by a failed ``reload_weights``: vLLM 0.26's engine core died (every later POST an
+        #: HTTP 500 ``EngineDeadError``; H100 capture of 2026-12-06 06:22).
+        self.dead = False
         self.calls: list[tuple[str, str]] = []
         #: ``host:port`` once served (the backend's worker id).
         self.url_id = ""
@@ -442,8 +445,9 @@ class FakeVllm:
         path = (body.get("kwargs") or {}).get("weights_path") or str(self.model_path)
         try:
             await self.engine.update_weights_from_disk(path, flush_cache=False)
-        except Exception:
-            return web.Response(status=500, text="Internal Server Error")
+        except Exception as exc:
+            self.dead = True  # the layerwise reload failed inside the engine core, which died
+            return _error(f"Call to collective_rpc method failed: {exc}", 500, None, "InternalServerError")
         return web.json_response({"results": [None]})
 
     async def transfer_not_configured(self, http: web.Request) -> web.Response:
@@ -554,6 +558,9 @@ class FakeVllm:
     @web.middleware
     async def _record(self, request: web.Request, handler: Any) -> web.StreamResponse:
         self.calls.append((request.method, request.path_qs))
+        if self.dead and request.method == "POST":
+            msg = "EngineCore encountered an issue. See stack trace (above) for the root cause."
+            return _error(msg, 500, None, "InternalServerError")
         return await handler(request)  # type: ignore[no-any-return]
 
     async def aclose(self) -> None:

@@ -101,6 +101,10 @@ def read_exchange(wire: VllmWire, ex: dict[str, Any], missing: dict[str, str]) -
             assert exc.value.field.startswith(REFUSALS[ex["name"]]), (ex["name"], exc.value.field)
             return
         request = _request_of(body)
+        if status >= 500:  # an engine that died (a failed reload before it): never read as tokens
+            with pytest.raises(rb.BackendUnavailable):
+                wire.parse_generation(request, HttpResponse(status, ex["body"].encode()), 0.0, worker=W.id)
+            return
         if body.get("stream"):
             gen = _read_stream(wire, request, ex["body"])
         else:
@@ -199,19 +203,39 @@ def test_the_adapter_reads_vllm_exactly() -> None:
     # Weights from disk: other weights answer other tokens; the base again answers the base's.
     greedy = _vllm_read("greedy")[0].output_ids
     assert _vllm_read("greedy_alt")[0].output_ids != greedy
-    answered = {e["name"] for e in CAPTURED_DOC["exchanges"] if e["status"] != -1}
-    for name in ("greedy_base_again", "greedy_after_wake", "greedy_after_recovery"):
-        if name in answered:  # greedy_after_wake: none in 2026-12-06's capture (test below)
-            assert _vllm_read(name)[0].output_ids == greedy, name
+    for name in ("greedy_base_again", "greedy_after_wake"):  # woken tag by tag, the adapter's way
+        assert _vllm_read(name)[0].output_ids == greedy, name
 
 
 @pytest.mark.skipif(CAPTURED_DOC is None, reason="no GPU capture of vLLM 0.26 yet")
+def test_a_failed_reload_kills_vllm_and_every_later_call_is_read_as_unavailable() -> None:
+    """vLLM 0.26 after ``reload_weights`` from a missing path (HTTP 500): its engine core died
+    (``EngineDeadError``), and every later call answered HTTP 500, the reload of the good
+    checkpoint too (H100 capture of 2026-12-06 06:21). The adapter reads the load as failed and
+    each generation after it as the backend unavailable: no tokens from half-loaded weights."""
+    assert CAPTURED_DOC is not None
+    ex = {e["name"]: e for e in CAPTURED_DOC["exchanges"]}
+    after = ("greedy_after_failed_reload", "reload_base_after_failure", "greedy_after_recovery")
+    if any(ex.get(n, {"status": -1})["status"] == -1 for n in ("reload_missing", *after)):
+        pytest.skip("the capture's client got no answer to the failed reload or the calls after it")
+    wire = VllmWire(entry_url="http://h:1")
+    disk = UpdateFromDisk(path="/m", version=None, load_format=None, flush_cache=False)
+    for name in ("reload_missing", "reload_base_after_failure"):
+        with pytest.raises(rb.ControlFailed):
+            wire.parse_control(disk, W, HttpResponse(ex[name]["status"], ex[name]["body"].encode()))
+    for name in ("greedy_after_failed_reload", "greedy_after_recovery"):
+        assert "EngineCore encountered an issue" in ex[name]["body"], name
+        with pytest.raises(rb.BackendUnavailable):
+            wire.parse_generation(_request_of(ex[name]["request"]), HttpResponse(500, ex[name]["body"].encode()), 0.0)
+
+
 def test_vllm_fails_a_plain_wake_up_after_a_partial_one_and_the_adapter_never_sends_it() -> None:
     """vLLM 0.26 after ``/sleep`` and ``/wake_up?tags=weights``: a plain ``/wake_up`` answered HTTP
     500 (the woken weights mapped again) and the next generation got no answer in 120 s. Read as a
     failure; the adapter never sends it (its resume: one call per tag, tests/vllm/test_vllm_wire.py)."""
-    assert CAPTURED_DOC is not None
-    ex = {e["name"]: e for e in CAPTURED_DOC["exchanges"]}
+    plain = _captured(CAPTURED.with_name("vllm-0.26.0-plain-wake-up.json"))
+    assert plain is not None
+    ex = {e["name"]: e for e in plain["exchanges"]}
     if ex["wake_up"]["status"] == -1:
         pytest.skip(f"the capture's client got no answer to wake_up ({ex['wake_up']['body'][:80]})")
     assert ex["wake_up_weights"]["status"] == 200 and json.loads(ex["is_sleeping_half"]["body"])["is_sleeping"]

@@ -15,6 +15,9 @@ from tests.vllm.conftest import fake_fleet, fake_harness
 #: Checks that skip on the fake, and the reason each must give (anything else is a failure).
 EXPECTED_SKIPS = {
     "tensor_update_matches_fresh": "'tensor' not declared",  # no CUDA IPC on a CPU
+    # a failed reload_weights killed vLLM 0.26's engine core (H100 capture of 2026-12-06)
+    "update_failure_keeps_version": "survives_failed_load=True not declared",
+    "injected_failure_rolls_back": "survives_failed_load=True not declared",
     "distributed_update_matches_fresh": "'distributed' not declared",  # no NCCL on a CPU
     "stop_strings": "stop_strings=True not declared",  # 0.26's generate answers no text
     # vLLM is batch invariant only with VLLM_BATCH_INVARIANT=1 (test_batch_invariant_fake below).
