@@ -343,6 +343,7 @@ def requires(
     batch_invariant: bool | None = None,
     greedy_decoding: bool | None = None,
     memory_release: bool | None = None,
+    survives_failed_load: bool | None = None,
     min_workers: int | None = None,
     versioned: bool = False,
     served_checkpoint: bool = False,
@@ -356,7 +357,8 @@ def requires(
     * ``pause_mode`` / ``transport``: each given one must be declared in ``Capabilities``;
       ``any_pause_mode`` / ``any_transport``: at least one;
     * ``abort``, ``seeded_sampling``, ``logprobs``, ``worker_pinning``, ``progress_probe``,
-      ``batch_invariant``, ``greedy_decoding``, ``memory_release``: boolean capabilities;
+      ``batch_invariant``, ``greedy_decoding``, ``memory_release``, ``survives_failed_load``:
+      boolean capabilities;
     * ``min_workers``: the fleet has at least that many workers;
     * ``versioned``: answers carry a weight version (``version_source`` is not ``NONE``);
     * ``served_checkpoint``: the checkpoint the backend serves is a folder on this host
@@ -391,6 +393,7 @@ def requires(
         "batch_invariant": batch_invariant,
         "greedy_decoding": greedy_decoding,
         "memory_release": memory_release,
+        "survives_failed_load": survives_failed_load,
     }
     reqs.extend(_flag_req(k, v) for k, v in flags.items() if v is not None)
     if min_workers is not None:

@@ -294,7 +294,7 @@ async def _expect_unchanged(
 
 
 @check("weights")
-@requires(transport=WeightTransport.DISK, any_pause_mode=True)
+@requires(transport=WeightTransport.DISK, any_pause_mode=True, survives_failed_load=True)
 async def check_update_failure_keeps_version(ctx: CheckContext) -> None:
     """A disk update from a missing checkpoint raises WeightUpdateFailed; all resumed, version and outputs unchanged."""
     prompts = ctx.prompts(3, seed=95)
@@ -313,6 +313,7 @@ async def check_update_failure_keeps_version(ctx: CheckContext) -> None:
     any_transport=(WeightTransport.DISK, WeightTransport.TENSOR),
     any_pause_mode=True,
     hooks=("alt_weights_path", "inject_failure"),
+    survives_failed_load=True,
 )
 async def check_injected_failure_rolls_back(ctx: CheckContext) -> None:
     """One worker failing mid-update: WeightUpdateFailed names it; every worker resumed; no version moved."""

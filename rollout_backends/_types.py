@@ -751,6 +751,12 @@ class Capabilities:
     #: has not paused itself (``RETRACT``, else ``IN_PLACE``: their requests wait and go on after
     #: it) and resumes them after it, also when it fails.
     load_needs_pause: bool = False
+    #: A weight load that fails (a missing checkpoint) leaves the engine serving the weights it had.
+    #: Not so for vLLM 0.26: a ``reload_weights`` from a missing path killed its engine core, and
+    #: every later call answered HTTP 500 ``EngineDeadError``, the reload of the good checkpoint
+    #: too (H100 capture of 2026-12-06 06:21); behind ``dynamo.vllm`` 1.4.2 the next completion
+    #: answered HTTP 500. Undeclared, the checks that load a missing checkpoint skip.
+    survives_failed_load: bool = True
     #: ``SamplingParams.stop`` (stop strings) is honoured, with ``Generation.text``.
     stop_strings: bool = False
     #: Greedy outputs do not depend on what else is batched (SGLang: deterministic inference).

@@ -744,6 +744,7 @@ class DynamoWire:
             # dynamo.vllm's weight routes refuse a load unless pause_generation came first
             # (1.4.2 handlers.py update_weights_from_disk / update_weights_from_distributed).
             load_needs_pause=routes.vllm,
+            survives_failed_load=not routes.vllm,  # dynamo.vllm: HTTP 500 after a failed load (H100, 2026-12-06)
             # The probe is a 1-token generation pinned to the worker: only where pinning works.
             progress_probe=self.pinning,
             batch_invariant=routes.deterministic,

@@ -291,6 +291,7 @@ class VllmWire:
             pause_modes=set(PAUSE_QUERY) if dev else set(),
             weight_transports=transports,
             memory_release=dev and self.sleep_mode,
+            survives_failed_load=False,  # a failed reload_weights killed the engine core (H100, 2026-12-06)
             logprobs=True,
             top_logprobs=self.top_logprobs,
             filtered_logprobs=filtered_logprobs(self.logprobs_mode),
