@@ -8,7 +8,7 @@
 # Each bundle is a folder of .gpu-wheels/ (ignored by git) holding one xz tarball, or its chunks,
 # and a BUNDLE file (sourced by tools/gpu/install-bundles.sh on the GPU machine) naming the site it
 # unpacks into, its sha256 and the modules that must import there. Every chunk folder fits one call
-# (64 MiB with the ~5 MB checkout; CHUNK_MIB, default 56).
+# (64 MiB with the ~8.3 MB checkout of 2026-12-06; CHUNK_MIB, default 52).
 #
 #   part1    SGLang 0.5.16 stack -> /tmp/site          } the pins of shared/gpu/build-wheelhouse.sh
 #   part2    ai-dynamo 1.4.2     -> /tmp/site          } (2026-11-30), the same stamp scheme, so
@@ -26,7 +26,7 @@ set -euo pipefail
 DEST=${DEST:-.gpu-wheels}
 WHEEL_CACHE=${WHEEL_CACHE:-$HOME/.cache/gpu-wheels}
 WORK=${WORK:-$(mktemp -d /tmp/gpu-bundles.XXXXXX)}
-CHUNK_MIB=${CHUNK_MIB:-56}
+CHUNK_MIB=${CHUNK_MIB:-52}
 PY=${PY:-python3}
 
 PART1=(  # SGLang stack (shared/gpu/build-wheelhouse.sh PART1, unchanged)
