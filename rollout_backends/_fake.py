@@ -33,7 +33,14 @@ from typing import Any
 
 import attrs
 
-from rollout_backends._errors import BackendUnavailable, ControlFailed, InvalidRequest, Unsupported, WorkerFailure
+from rollout_backends._errors import (
+    BackendUnavailable,
+    ContractViolation,
+    ControlFailed,
+    InvalidRequest,
+    Unsupported,
+    WorkerFailure,
+)
 from rollout_backends._fleet import Fleet
 from rollout_backends._ops import (
     AbortAll,
@@ -392,6 +399,8 @@ class FakeDriver:
         sp = self._effective(r.request.sampling)
         prompt = r.request.input_ids
         await self._wait_resumed(r)
+        if MemoryTag.KV_CACHE in self.released:  # a real engine has nowhere to put the request's KV
+            raise ContractViolation("generated with its KV cache released", worker=self._id)
         cached = max((len(p) for p in self.cache if prompt[: len(p)] == p and len(p) < len(prompt)), default=0)
         prompt_key, r.cached = self._prefix(prompt, cached)
         for k in range(1, len(prompt) + 1):

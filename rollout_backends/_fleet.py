@@ -278,6 +278,9 @@ class Fleet:
         self._versions = VersionBook(ids)
         # The workers this fleet paused (and how): never ready, and never asked to generate a probe.
         self._paused: dict[str, PauseMode] = {}
+        # Per worker, the memory tags this fleet released and has not resumed; no entry: not known
+        # (this fleet has not released, nor resumed all, there).
+        self._released: dict[str, frozenset[MemoryTag]] = {}
         # Held by a load that pauses workers itself (_load_paused).
         self._load_lock = asyncio.Lock()
         # Whether every worker aborts one request by id; if not, abort() cancels our own call.
@@ -903,14 +906,62 @@ class Fleet:
     ) -> None:
         if not self.capabilities.memory_release:
             raise Unsupported("memory_release")
-        await self._fan(ReleaseMemory(ensure_tags(tags)), workers)
+        await self._memory(ReleaseMemory(ensure_tags(tags)), workers)
 
     async def resume_memory(
         self, tags: Sequence[MemoryTag | str] | None = None, *, workers: Sequence[str] | None = None
     ) -> None:
         if not self.capabilities.memory_release:
             raise Unsupported("memory_release")
-        await self._fan(ResumeMemory(ensure_tags(tags)), workers)
+        await self._memory(ResumeMemory(ensure_tags(tags)), workers)
+
+    async def _memory(self, op: ReleaseMemory | ResumeMemory, workers: Sequence[str] | None) -> None:
+        """Send each worker only the tags that change its state, as far as this fleet knows it.
+
+        Engines do not all make a repeated release or a resume of what is awake a no-op: SGLang
+        0.5.16 removes every resumed tag from a set (``offload_tags.remove``, ``None`` = every tag;
+        sglang/srt/managers/scheduler_components/weight_updater.py), so ``resume_memory()`` after
+        ``resume_memory([WEIGHTS])`` raises KeyError in its scheduler. A worker this fleet has not
+        released or resumed everything on is sent the call as asked (its state is not known here),
+        and so is one whose last call failed.
+        """
+        self._require_open(op.name)
+        sends = {w: send for w in self._select(workers) if (send := self._memory_op(op, w)) is not None}
+        if not sends:
+            return
+        failed: set[str] = set(sends)
+        try:
+            await self._fan_each(op.name, sends)
+            failed = set()
+        except ControlFailed as exc:
+            failed = {f.worker for f in exc.failures}
+            raise
+        finally:
+            for w, send in sends.items():
+                if w in failed:
+                    self._released.pop(w, None)  # it may have done part of it
+                else:
+                    self._memory_done(send, w)
+
+    def _memory_op(self, op: ReleaseMemory | ResumeMemory, worker: str) -> ReleaseMemory | ResumeMemory | None:
+        """``op`` for ``worker`` trimmed to the tags that change its state; ``None``: nothing would."""
+        asked = frozenset(op.tags) if op.tags else frozenset(MemoryTag)
+        known = self._released.get(worker)
+        if known is None:
+            return op
+        todo = asked - known if isinstance(op, ReleaseMemory) else asked & known
+        if not todo:
+            return None
+        # The tags in MemoryTag's order (weights first); as asked when nothing is trimmed.
+        return op if todo == asked else attrs.evolve(op, tags=tuple(t for t in MemoryTag if t in todo))
+
+    def _memory_done(self, sent: ReleaseMemory | ResumeMemory, worker: str) -> None:
+        tags = frozenset(sent.tags) if sent.tags else frozenset(MemoryTag)
+        known = self._released.get(worker)
+        if isinstance(sent, ReleaseMemory):
+            self._released[worker] = (known or frozenset()) | tags
+        elif known is not None or tags == frozenset(MemoryTag):
+            self._released[worker] = (known or frozenset()) - tags
 
     # -- health -------------------------------------------------------------------------------
 

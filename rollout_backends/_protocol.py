@@ -210,13 +210,15 @@ class RolloutBackend(Protocol):
     async def release_memory(
         self, tags: Sequence[MemoryTag | str] | None = None, *, workers: WorkerSelection = None
     ) -> None:
-        """Free GPU memory (weights, KV cache, CUDA graphs; ``None`` = all). Pause first."""
+        """Free GPU memory (weights, KV cache, CUDA graphs; ``None`` = all). Pause first. Releasing
+        what is already released is a no-op."""
         ...
 
     async def resume_memory(
         self, tags: Sequence[MemoryTag | str] | None = None, *, workers: WorkerSelection = None
     ) -> None:
-        """Take back memory freed by ``release_memory``."""
+        """Take back memory freed by ``release_memory`` (``None`` = all of it, also after a partial
+        resume); resuming what is not released is a no-op."""
         ...
 
     # -- health and lifecycle -----------------------------------------------------------------

@@ -108,6 +108,9 @@ BUGS = frozenset(
         "loads_only_paused",
         # resume_memory() (every tag) gives back the KV cache only: the weights' memory keeps other numbers
         "resume_forgets_weights",
+        # the first resume_memory after a release ends the sleep: later ones do nothing, so what the
+        # first did not name stays released (dynamo.vllm 1.4.2's wake-up, docs/vllm.md)
+        "first_resume_ends_sleep",
         # logprobs of the distribution sampled from, after top_k/top_p/min_p, renormalised (vLLM's
         # processed_logprobs), with filtered_logprobs not declared
         "filtered_logprobs_undeclared",
@@ -152,11 +155,20 @@ class BuggyDriver(FakeDriver):
         self.retracted: set[int] = set()  #: "retract_flips_token": requests parked mid-generation
         self.late_loads: list[asyncio.Future[None]] = []  #: "label_before_load": loads still to apply
         self.loads_only_paused = self.loads_only_paused or "loads_only_paused" in bugs
+        self.awake_again = False  #: "first_resume_ends_sleep": a resume came since the last release
 
     def resume_memory(self, tags: set[rb.MemoryTag]) -> None:
         if "resume_forgets_weights" in self.bugs and tags == set(rb.MemoryTag):
             tags = {rb.MemoryTag.KV_CACHE}
+        if "first_resume_ends_sleep" in self.bugs:
+            if self.awake_again:
+                return
+            self.awake_again = bool(self.released)
         super().resume_memory(tags)
+
+    def release_memory(self, tags: set[rb.MemoryTag]) -> None:
+        super().release_memory(tags)
+        self.awake_again = False
 
     def _check(self, request: rb.GenerateRequest) -> None:
         if "accept_oov" not in self.bugs:

@@ -123,6 +123,7 @@ async def test_missing_harness_hooks_skip_with_the_hook_named() -> None:
 # Each bug breaks the contract in one way; the named check must report it as a failure.
 BUG_TO_CHECK = {
     "resume_forgets_weights": "memory_release_resume",
+    "first_resume_ends_sleep": "memory_release_resume",
     "positive_logprob": "greedy_shapes",
     "wrong_prompt_tokens": "greedy_shapes",
     "ignore_stop": "finish_stop_token",
