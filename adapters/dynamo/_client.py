@@ -232,6 +232,9 @@ async def connect(
       (``rollout/info``); ``True`` requires it (``Unsupported`` when the frontend lacks the route);
       ``False`` always uses ``/v1/completions``.
     * ``transfer_backend``, ``logprobs_mode``: ``vllm`` workers' flags Dynamo does not show (``DynamoWire``).
+    * ``memory_saver``: whether ``dynamo.sglang`` workers run with ``--enable-memory-saver`` (Dynamo
+      does not show it either); ``False`` declares no ``memory_release``. The launcher passes what it
+      started; the default, ``True``, is what a colocated RL deployment runs.
     """
     _check_logprobs_mode(logprobs_mode)
     frontend = _normalise(url)
@@ -292,8 +295,9 @@ async def open_from_url(url: str, **kwargs: Any) -> HttpFleetBackend:
     ports (``DYN_TCP_RPC_PORT``, one per worker, in order: maps instance ids where the workers do not
     say theirs); other keys: ``router_mode``, ``flavor``, ``model``, ``model_path``, ``namespace``,
     ``version_source``, ``initial_version``, ``native_generate`` (``0``/``1``; default: detected),
-    ``transfer_backend`` and ``logprobs_mode`` (``vllm`` workers: ``nccl`` / ``ipc``; ``--logprobs-mode``).
-    The launcher prints such a URL with every key it knows.
+    ``transfer_backend`` and ``logprobs_mode`` (``vllm`` workers: ``nccl`` / ``ipc``; ``--logprobs-mode``),
+    ``memory_saver`` (``0``/``1``: whether ``dynamo.sglang`` workers run with ``--enable-memory-saver``,
+    so ``memory_release`` is declared; default ``1``). The launcher prints such a URL with every key it knows.
     """
     parts = urlsplit(url)
     query = parse_qs(parts.query)
@@ -310,6 +314,7 @@ async def open_from_url(url: str, **kwargs: Any) -> HttpFleetBackend:
         "rpc_ports",
         "transfer_backend",
         "logprobs_mode",
+        "memory_saver",
     }
     for key, values in query.items():
         if key not in known:
@@ -320,10 +325,10 @@ async def open_from_url(url: str, **kwargs: Any) -> HttpFleetBackend:
             kwargs["workers"] = [w for item in values for w in item.split(",") if w]
         elif key == "rpc_ports":
             continue  # paired with the workers below
-        elif key == "native_generate":
+        elif key in ("native_generate", "memory_saver"):
             flag = values[-1].lower()
             if flag not in ("0", "1", "true", "false"):
-                raise InvalidRequest("url.native_generate", f"must be 0/1/true/false, got {values[-1]!r}")
+                raise InvalidRequest(f"url.{key}", f"must be 0/1/true/false, got {values[-1]!r}")
             kwargs[key] = flag in ("1", "true")
         else:
             kwargs[key] = values[-1]

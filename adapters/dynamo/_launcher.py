@@ -354,6 +354,11 @@ class RunningDynamoFleet:
             options["transfer_backend"] = self.config.transfer_backend
         if self.config.worker_kind == "vllm":  # Dynamo does not show it either (filtered_logprobs)
             options["logprobs_mode"] = vllm_logprobs_mode(self.config.vllm_args)
+        if self.config.worker_kind == "sglang":
+            # Without --enable-memory-saver SGLang's release_memory_occupation frees nothing (its
+            # no-op memory saver adapter) yet answers success, and dynamo.sglang unregisters and
+            # re-registers the worker around it: memory_release must not be declared then.
+            options["memory_saver"] = "--enable-memory-saver" in self.config.sglang_args
         options["model"] = self.config.model_name
         options["initial_version"] = self.config.weight_version
         options["model_path"] = self.config.model_path

@@ -261,6 +261,29 @@ def test_capabilities_by_mode_and_flavor() -> None:
     assert ours.greedy_decoding and ours.vocab_size == 512 and ours.abort and ours.model_path == "/m/tiny"
 
 
+def test_memory_release_follows_the_workers_memory_saver(tmp_path: Any) -> None:
+    """SGLang without ``--enable-memory-saver`` answers a release with success and frees nothing
+    (the GRPO bench's Dynamo rows released and resumed every step, SGLang direct's did not: H100,
+    2026-12-06); the launcher says what it started, a URL may say it too."""
+    from rollout_backends.adapters.dynamo import RunningDynamoFleet, open_from_url
+
+    assert _wire(flavor="sglang14").capabilities().memory_release
+    assert not _wire(flavor="sglang14", memory_saver=False).capabilities().memory_release
+
+    def options(**kw: Any) -> dict[str, Any]:
+        cfg = DynamoFleet(model_path="/m/tiny", **kw)
+        fleet = RunningDynamoFleet(config=cfg, namespace="ns", frontend_url="http://f:1", worker_urls=(),
+                                   rpc_ports={}, worker_names=(), supervisor=None, run_dir=tmp_path)  # type: ignore[arg-type]  # fmt: skip
+        return fleet.connect_options()
+
+    assert options()["memory_saver"] is False
+    assert options(sglang_args=("--enable-memory-saver",))["memory_saver"] is True
+    assert "memory_saver" not in options(worker_kind="reference")
+    with pytest.raises(InvalidRequest) as exc:
+        asyncio.run(open_from_url("dynamo://127.0.0.1:1?memory_saver=maybe"))
+    assert exc.value.field == "url.memory_saver"
+
+
 async def test_the_mocker_relabels_in_the_fleet_and_refuses_engine_controls_typed() -> None:
     """The mocker has no engine routes: a relabel is the fleet's own (its versions are STAMPED),
     and every engine command is ``Unsupported`` naming it (each answered 404 before)."""
