@@ -59,6 +59,15 @@ def test_smoke_runs_the_loop_on_sglang_and_dynamo_with_the_same_samples(tmp_path
     assert "sglang direct: sync ≤ 5% of the step" in goals
     md = (out / "benchmarks.md").read_text()
     assert "## GRPO loop" in md and "| sync share (flat) |" in md
+    # Reference workers release their memory on both paths: the rows do the same work.
+    assert "engine memory released around training: sglang direct yes, dynamo rr yes;" in md
+
+
+def test_rows_that_release_memory_differently_are_flagged() -> None:
+    same = grpo.memory_release_note({"sglang direct": False, "smg": False})
+    assert same == "engine memory released around training: sglang direct no, smg no"
+    differ = grpo.memory_release_note({"sglang direct": False, "dynamo kv": True})
+    assert differ.endswith("dynamo kv yes (rows differ: their steps are not like for like)")
 
 
 def _lane(row: str, step: list[float], sync: list[float], *, per_tensor: list[float] | None = None,

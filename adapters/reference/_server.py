@@ -518,6 +518,9 @@ class ReferenceServer:
                 "context_length": ctx,
                 "max_total_num_tokens": None,
                 "enable_deterministic_inference": True,
+                # release/resume_memory_occupation are served (the engine's weights and cache go and
+                # come back), as SGLang serves them only with its memory saver on
+                "enable_memory_saver": True,
                 "weight_version": self.engine.weight_version,
                 "api_key_set": self._api_key is not None,
                 "admin_api_key_set": self._admin_key is not None,

@@ -36,7 +36,7 @@ import random
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -496,6 +496,16 @@ def _configure(p: argparse.ArgumentParser, argv: Sequence[str] | None) -> argpar
     return args
 
 
+def memory_release_note(released: Mapping[str, bool]) -> str:
+    """Which rows release engine memory around training (the example does where the backend
+    declares ``memory_release``). Rows that differ do different work each step: until c10caec the
+    Dynamo rows' ``dynamo.sglang`` workers declared it without a memory saver and SGLang's did not
+    (the H100 run of 2026-12-06 19:49, docs/benchmarks.md)."""
+    said = ", ".join(f"{row} {'yes' if r else 'no'}" for row, r in released.items())
+    differ = " (rows differ: their steps are not like for like)" if len(set(released.values())) > 1 else ""
+    return f"engine memory released around training: {said}{differ}"
+
+
 async def _run(args: argparse.Namespace, s: Settings, progress: report.Progress, started: float) -> RunResult:
     grpo = load_example()
     deadline = started + args.budget_s
@@ -525,6 +535,9 @@ async def _run(args: argparse.Namespace, s: Settings, progress: report.Progress,
                 await lane.loop.setup()
             except Exception as exc:
                 lane.error = f"setup: {report.summarise_error(exc)}"
+        running = {x.row: bool(x.side.backend.capabilities.memory_release) for x in lanes if x.error is None}
+        if running:
+            notes.append(memory_release_note(running))
         blocks = await run_blocks(lanes, args.blocks, deadline, args.per_tensor, args.seed, progress)
         notes.append(f"{blocks} block(s) run")
         info = {
