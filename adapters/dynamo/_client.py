@@ -225,16 +225,13 @@ async def connect(
       ``transport`` (``DYN_TCP_RPC_PORT``; the launcher fixes it per worker).
     * ``router_mode`` is the frontend's (the frontend does not report it): pinning
       (``GenerateRequest.worker``) is declared only for ``kv``/``direct``.
-    * Without ``workers``, the frontend's instances become workers without control routes
-      (generation only).
-    * ``native_generate``: unpinned requests use the frontend's native ``/generate``. ``None``
-      (default) detects it: the frontend serves the route and the workers are ours and advertise it
-      (``rollout/info``); ``True`` requires it (``Unsupported`` when the frontend lacks the route);
-      ``False`` always uses ``/v1/completions``.
-    * ``transfer_backend``, ``logprobs_mode``: ``vllm`` workers' flags Dynamo does not show (``DynamoWire``).
-    * ``memory_saver``: whether ``dynamo.sglang`` workers run with ``--enable-memory-saver`` (Dynamo
-      does not show it either); ``False`` declares no ``memory_release``. The launcher passes what it
-      started; the default, ``True``, is what a colocated RL deployment runs.
+    * Without ``workers``, the frontend's instances become workers without control routes (generation only).
+    * ``native_generate``: unpinned requests use the frontend's native ``/generate``; ``None`` (default)
+      detects it (the route served, the workers ours and saying so in ``rollout/info``); ``True``
+      requires it (``Unsupported`` without the route); ``False`` always uses ``/v1/completions``.
+    * Flags Dynamo does not show, which the launcher passes: ``transfer_backend``, ``logprobs_mode``
+      (``vllm`` workers); ``memory_saver`` (``dynamo.sglang``'s ``--enable-memory-saver``; ``False``:
+      no ``memory_release``).
     """
     _check_logprobs_mode(logprobs_mode)
     frontend = _normalise(url)
