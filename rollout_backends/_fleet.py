@@ -246,6 +246,11 @@ def _check_selector(selector: object) -> None:
         raise InvalidRequest("selector", "must be a non-empty string")
 
 
+def _tag_set(op: ReleaseMemory | ResumeMemory) -> frozenset[MemoryTag]:
+    """The tags ``op`` names; none (``None`` or empty) means every tag, as SGLang reads it."""
+    return frozenset(op.tags) if op.tags else frozenset(MemoryTag)
+
+
 class Fleet:
     """The ``RolloutBackend`` protocol over a fleet of ``Driver``s behind one ``Entry``.
 
@@ -945,7 +950,7 @@ class Fleet:
 
     def _memory_op(self, op: ReleaseMemory | ResumeMemory, worker: str) -> ReleaseMemory | ResumeMemory | None:
         """``op`` for ``worker`` trimmed to the tags that change its state; ``None``: nothing would."""
-        asked = frozenset(op.tags) if op.tags else frozenset(MemoryTag)
+        asked = _tag_set(op)
         known = self._released.get(worker)
         if known is None:
             return op
@@ -956,7 +961,7 @@ class Fleet:
         return op if todo == asked else attrs.evolve(op, tags=tuple(t for t in MemoryTag if t in todo))
 
     def _memory_done(self, sent: ReleaseMemory | ResumeMemory, worker: str) -> None:
-        tags = frozenset(sent.tags) if sent.tags else frozenset(MemoryTag)
+        tags = _tag_set(sent)
         known = self._released.get(worker)
         if isinstance(sent, ReleaseMemory):
             self._released[worker] = (known or frozenset()) | tags
