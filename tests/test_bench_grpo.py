@@ -5,14 +5,17 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
+import attrs
 import pytest
 
 from rb_bench import grpo, with_bench_path
+from rb_bench.stats import paired_ratio
 from rollout_backends.adapters.reference import cached_tiny_model
 
 X = grpo.TIMES
@@ -119,3 +122,133 @@ def test_first_difference_names_the_step_and_the_sample() -> None:
 def test_the_example_loads_from_the_checkout() -> None:
     mod = grpo.load_example()
     assert mod.PLACEMENTS == ("colocated", "disk", "distributed") and grpo.load_example() is mod
+
+
+# -- --combine: several runs pooled -----------------------------------------------------------------
+
+WORKLOAD = f"2 prompts {X} 4 samples {X} 8 new tokens (planted)"
+
+
+def _run(lanes: tuple[grpo.LaneResult, ...], date: str, workload: str = WORKLOAD) -> grpo.RunResult:
+    meta = {"date": date, "machine": "test machine", "gpu": "none", "versions": {"python": "3"}, "commit": "abc",
+            "command": "python -m rb_bench.grpo --smoke", "duration_s": 60.0}  # fmt: skip
+    info = {"workload": workload, "fleets": "one worker each", "memory": "—", "notes": [f"ran on {date}"]}
+    return grpo.RunResult(lanes, info, meta)
+
+
+def _write(folder: Path, run: grpo.RunResult) -> Path:
+    """``results.json`` as a run writes it (the run's own writer, ``_emit``)."""
+    grpo._emit(run.meta, run, str(folder), "planted", [])
+    return folder / "results.json"
+
+
+# Run 1 alone does not decide the Dynamo row's step (3 timed blocks, spread); pooled with run 2 it does.
+BASE_A, RR_A = [9.0, 1.00, 0.99, 1.01], [9.0, 0.95, 1.05, 0.97]
+BASE_B, RR_B = [8.0, 1.01, 0.99, 1.03, 1.00], [8.0, 0.99, 0.98, 1.01, 0.97]
+
+
+def _two_runs() -> tuple[grpo.RunResult, grpo.RunResult]:
+    a = _run((_lane("sglang direct", BASE_A, [0.5, 0.02, 0.02, 0.02]),
+              _lane("dynamo rr", RR_A, [0.5, 0.03, 0.02, 0.02])), "2026-12-07 10:00:00 UTC")  # fmt: skip
+    later = [["a", "b"], ["a", "b"], ["a", "X"], ["a", "b"], ["a", "b"]]  # run 2's Dynamo row samples differently
+    b = _run((_lane("dynamo rr", RR_B, [0.5, 0.01, 0.01, 0.01, 0.01], digests=later),  # rows in another order
+              _lane("sglang direct", BASE_B, [0.5, 0.02, 0.03, 0.02, 0.02])), "2026-12-07 11:00:00 UTC")  # fmt: skip
+    return a, b
+
+
+def test_pooled_runs_give_the_interval_over_the_union_of_their_blocks() -> None:
+    a, b = _two_runs()
+    pooled = grpo.pool([a, b])
+    want = paired_ratio(RR_A[1:] + RR_B[1:], BASE_A[1:] + BASE_B[1:])
+    assert grpo.part_ratio(pooled, "dynamo rr", "step") == want and want.blocks == 7
+    rr = pooled.lane("dynamo rr")
+    assert rr is not None and rr.series("step") == RR_A[1:] + RR_B[1:]
+    share = grpo.sync_share(pooled, "dynamo rr")
+    assert share == paired_ratio([0.03, 0.02, 0.02, 0.01, 0.01, 0.01, 0.01], RR_A[1:] + RR_B[1:])
+    v = dict(grpo.verdicts(pooled))[f"dynamo rr step ≤ 1.00{X} sglang direct (upper end ≤ 1.03)"]
+    assert v == f"MET: {want.format()}"
+    alone = dict(grpo.verdicts(a))[f"dynamo rr step ≤ 1.00{X} sglang direct (upper end ≤ 1.03)"]
+    assert alone.startswith("NOT DECIDED")
+    # The reward curve and the first sample unlike are run 1's (run 2's Dynamo row differs at its step 2).
+    assert rr.steps == a.lanes[1].steps and [x.row for x in pooled.lanes] == ["sglang direct", "dynamo rr"]
+    assert grpo.first_difference(pooled, "dynamo rr") == "identical through step 3"
+    assert grpo.first_difference(b, "dynamo rr") == "step 2, sample 1 (of 2)"
+    notes = "; ".join(pooled.info["notes"])
+    assert "pooled from 2 run(s)" in notes and "reward curve and first sample unlike from run 1" in notes
+    assert "3 timed of 4 blocks" in notes and "4 timed of 5 blocks" in notes
+    assert "reward per step (run 1)" in grpo.tables(pooled) and "reward per step (run 1)" not in grpo.tables(a)
+    # One run pooled is that run: the same intervals as without pooling.
+    assert grpo.part_ratio(grpo.pool([a]), "dynamo rr", "step") == grpo.part_ratio(a, "dynamo rr", "step")
+
+
+def test_pooling_cuts_each_run_to_the_blocks_all_its_rows_finished() -> None:
+    # Run 1: the Dynamo row failed in block 3; the baseline's blocks 3 and 4 (slow) have no partner there.
+    base_a, rr_a = [9.0, 1.0, 1.05, 5.0, 5.0], [9.0, 2.0, 2.1]
+    base_b, rr_b = [9.0, 1.1, 1.2, 1.15], [9.0, 2.2, 2.4, 2.3]
+    failed = attrs.evolve(_lane("dynamo rr", rr_a, [0.1] * 3), error="block 3: boom")
+    a = _run((_lane("sglang direct", base_a, [0.1] * 5), failed), "2026-12-07 10:00:00 UTC")
+    b = _run((_lane("sglang direct", base_b, [0.1] * 4), _lane("dynamo rr", rr_b, [0.1] * 4)), "2026-12-07 11:00")
+    pooled = grpo.pool([a, b])
+    base, rr = pooled.lane("sglang direct"), pooled.lane("dynamo rr")
+    assert base is not None and rr is not None
+    assert base.series("step") == [1.0, 1.05, 1.1, 1.2, 1.15]
+    assert rr.series("step") == [2.0, 2.1, 2.2, 2.4, 2.3]
+    assert grpo.part_ratio(pooled, "dynamo rr", "step") == paired_ratio(rr.series("step"), base.series("step"))
+    # Not what concatenating every step would pair: run 2's Dynamo blocks against run 1's slow baseline.
+    unpaired = paired_ratio([2.0, 2.1, 2.2, 2.4, 2.3], [1.0, 1.05, 5.0, 5.0, 1.1])
+    assert grpo.part_ratio(pooled, "dynamo rr", "step") != unpaired
+    assert rr.error == "run 1: block 3: boom" and base.error is None
+    assert "2 timed of 5 blocks" in "; ".join(pooled.info["notes"])
+
+
+def test_runs_that_differ_are_refused_naming_the_file(tmp_path: Path) -> None:
+    a, b = _two_runs()
+    first = _write(tmp_path / "a", a)
+    other = _write(tmp_path / "b", attrs.evolve(b, info={**b.info, "workload": "another workload"}))
+    with pytest.raises(ValueError, match=re.escape(f"{other}: workload 'another workload' differs from {first}'s")):
+        grpo.pool([grpo.load_result(first), grpo.load_result(other)])
+    fewer = _write(tmp_path / "c", attrs.evolve(b, lanes=b.lanes[1:]))
+    with pytest.raises(ValueError, match=re.escape(f"{fewer}: rows differ from {first}'s (missing: ['dynamo rr']")):
+        grpo.pool([grpo.load_result(first), grpo.load_result(fewer)])
+    with pytest.raises(SystemExit, match=re.escape(f"grpo --combine: {other}: workload")):
+        grpo.main(["--combine", str(first), str(other)])
+    with pytest.raises(SystemExit, match=re.escape(f"{first}: holds the run of 2026-12-07 10:00:00 UTC")):
+        grpo.main(["--combine", str(first), str(first)])
+    with pytest.raises(SystemExit, match=re.escape(f"{tmp_path / 'missing.json'}: not a GRPO results.json")):
+        grpo.main(["--combine", str(first), str(tmp_path / "missing.json")])
+
+
+_COMBINE = """
+import sys
+from rb_bench import grpo
+rc = grpo.main(sys.argv[1:])
+heavy = sorted(m for m in ("torch", "sglang", "transformers", "dynamo") if m in sys.modules)
+assert not heavy, f"--combine imported {heavy}"
+sys.exit(rc)
+"""
+
+
+def test_combine_cli_pools_two_written_runs(tmp_path: Path) -> None:
+    a, b = _two_runs()
+    files = [str(_write(tmp_path / "a", a)), str(_write(tmp_path / "b", b))]
+    out = tmp_path / "out"
+    res = subprocess.run([sys.executable, "-c", _COMBINE, "--combine", *files, "--out", str(out)],
+                         capture_output=True, text=True, timeout=120, env=with_bench_path(os.environ))  # fmt: skip
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    want = paired_ratio(RR_A[1:] + RR_B[1:], BASE_A[1:] + BASE_B[1:])
+    assert f"- dynamo rr step ≤ 1.00{X} sglang direct (upper end ≤ 1.03): MET: {want.format()}" in res.stdout
+    assert "- sglang direct: sync ≤ 5% of the step: MET" in res.stdout
+    assert "| sglang direct | 7 |" in res.stdout
+    data = json.loads((out / "results.json").read_text())["grpo"]
+    assert [len(x["timed_steps"]) for x in data["lanes"]] == [7, 7]
+    assert data["meta"]["command"].endswith("# pools runs of: python -m rb_bench.grpo --smoke")
+    assert [r["file"] for r in data["meta"]["runs"]] == files and data["meta"]["duration_s"] == "60.0 + 60.0"
+    assert {v["verdict"] for v in data["verdicts"]} >= {f"MET: {want.format()}"}
+    md = (out / "benchmarks.md").read_text()
+    assert "pooled from 2 run(s)" in md and "run 1: ran on 2026-12-07 10:00:00 UTC" in md
+    # The written pool reads back as it was; a single run's JSON keeps its old shape.
+    back = grpo.load_result(out / "results.json")
+    assert grpo.part_ratio(back, "dynamo rr", "step") == want
+    assert "timed_steps" not in json.loads(Path(files[0]).read_text())["grpo"]["lanes"][0]
+    with pytest.raises(SystemExit, match="one of the runs: pick another folder"):
+        grpo.main(["--combine", *files, "--out", str(tmp_path / "a")])

@@ -23,6 +23,8 @@ intervals; each backend's reward curve; GPU memory.
 
 CPU smoke (``--engine reference --smoke``): reference workers behind the same launchers, the tiny
 model, two rows; the same code (``tests/test_bench_grpo.py``). GPU: ``tools/gpu/session.sh grpo``.
+Several saved runs of the same workload and rows pool into one report, blocks paired within each run
+(``--combine a/results.json b/results.json [--out DIR]``; runs nothing, needs no GPU, torch or SGLang).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import asyncio
 import contextlib
 import hashlib
 import importlib.util
+import json
 import random
 import sys
 import tempfile
@@ -52,10 +55,13 @@ __all__ = [
     "ROWS",
     "LaneResult",
     "RunResult",
+    "combine",
     "first_difference",
     "load_example",
+    "load_result",
     "main",
     "part_ratio",
+    "pool",
     "sync_share",
     "tables",
     "verdicts",
@@ -272,10 +278,16 @@ class LaneResult:
     row: str
     steps: tuple[dict[str, Any], ...]
     error: str | None = None
+    #: Set where the lane pools several runs (``pool``): every run's timed steps in order, each
+    #: run's warm-up left out; ``steps`` is then the first run's (reward curve, first sample unlike).
+    timed_steps: tuple[dict[str, Any], ...] | None = None
 
     def series(self, part: str, *, timed: bool = True) -> list[float]:
-        """``part`` (rollout, train, sync, step, per_tensor_sync) per step; ``timed`` drops block 0."""
+        """``part`` (rollout, train, sync, step, per_tensor_sync) per step; ``timed`` drops block 0
+        (pooled: the timed steps of every run; untimed: the first run's steps)."""
         key = f"{part}_s"
+        if timed and self.timed_steps is not None:
+            return [float(s[key]) for s in self.timed_steps if key in s]
         values = [float(s[key]) for s in self.steps if key in s]
         return values[1:] if timed else values
 
@@ -284,9 +296,15 @@ class LaneResult:
 class RunResult:
     lanes: tuple[LaneResult, ...]
     info: dict[str, Any] = attrs.field(factory=dict)
+    #: The run's ``report.meta`` where it was read back from a ``results.json`` (``load_result``).
+    meta: dict[str, Any] = attrs.field(factory=dict)
 
     def lane(self, row: str) -> LaneResult | None:
         return next((x for x in self.lanes if x.row == row), None)
+
+    @property
+    def pooled(self) -> bool:
+        return any(x.timed_steps is not None for x in self.lanes)
 
 
 def _paired(a: Sequence[float], b: Sequence[float]) -> Interval | None:
@@ -384,9 +402,10 @@ def tables(result: RunResult) -> str:
             lane.error or "",
         ]
         rows.append(cells)
+    run1 = " (run 1)" if result.pooled else ""
     head = ["row", "timed steps", "rollout s", "train s", "sync s", "step s", f"step vs {BASELINE} [95 % CI]",
-            "sync share (flat)", "sync share before (per tensor)", "per-tensor sync s", "reward per step",
-            f"first sample unlike {BASELINE}", "error"]  # fmt: skip
+            "sync share (flat)", "sync share before (per tensor)", "per-tensor sync s", f"reward per step{run1}",
+            f"first sample unlike {BASELINE}{run1}", "error"]  # fmt: skip
     part_rows = []
     for lane in result.lanes:
         if lane.row == BASELINE:
@@ -413,7 +432,8 @@ def plot(result: RunResult, path: str, title: str) -> bool:
     fig, axes = plt.subplots(1, 2, figsize=(12, 4))
     for lane in shown:
         axes[0].plot([s["mean_reward"] for s in lane.steps], marker="o", label=lane.row)
-    axes[0].set_title("mean reward per step (same seeds on every row)", fontsize=9)
+    run1 = ", run 1 of the pooled runs" if result.pooled else ""
+    axes[0].set_title(f"mean reward per step (same seeds on every row{run1})", fontsize=9)
     axes[0].set_xlabel("step")
     axes[0].legend(fontsize=8)
     bottom = [0.0] * len(shown)
@@ -449,6 +469,151 @@ def markdown(m: dict[str, Any], result: RunResult, png: str | None) -> str:
     return "\n".join(lines) + "\n"
 
 
+# -- several runs as one ----------------------------------------------------------------------------
+
+
+def load_result(path: str | Path) -> RunResult:
+    """A run (or a pooled one) back from its ``results.json``; ``info["source"]`` names the file."""
+    try:
+        data = json.loads(Path(path).read_text())[KEY]
+        lanes = tuple(
+            LaneResult(str(x["row"]), tuple(x["steps"]), x.get("error"),
+                       None if x.get("timed_steps") is None else tuple(x["timed_steps"]))
+            for x in data["lanes"]
+        )  # fmt: skip
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"{path}: not a GRPO results.json ({report.summarise_error(exc)})") from exc
+    info = {**(data.get("info") or {}), "source": str(path)}
+    return RunResult(lanes, info, dict(data.get("meta") or {}))
+
+
+def _timed(lane: LaneResult) -> tuple[dict[str, Any], ...]:
+    """A lane's timed steps: the pooled ones where it pools runs, else every step after the warm-up."""
+    return lane.timed_steps if lane.timed_steps is not None else lane.steps[1:]
+
+
+def _source(result: RunResult, k: int) -> str:
+    return str(result.info.get("source") or f"run {k + 1}")
+
+
+def _per_tensor(result: RunResult) -> bool:
+    return any("per_tensor_sync_s" in s for x in result.lanes for s in (*x.steps, *_timed(x)))
+
+
+def _runs(result: RunResult, src: str) -> list[dict[str, Any]]:
+    """The runs a result holds (a pooled one lists them in its meta): file, date, commit, command, duration."""
+    if result.meta.get("runs"):
+        return [dict(x) for x in result.meta["runs"]]
+    return [{"file": src, **{k: result.meta.get(k) for k in ("date", "commit", "command", "duration_s")}}]
+
+
+def _check_alike(results: Sequence[RunResult]) -> None:
+    """The runs measured the same thing: the same workload, the same rows, per-tensor pushes in all
+    or none (else a row's sync share before would pair steps of one run with pushes of another);
+    and no run comes twice (the same date and command)."""
+    first, src0 = results[0], _source(results[0], 0)
+    rows0 = {x.row for x in first.lanes}
+    seen = {(r["date"], r["command"]): src0 for r in _runs(first, src0) if r.get("date")}
+    for k, res in enumerate(results[1:], 1):
+        src, rows = _source(res, k), {x.row for x in res.lanes}
+        for r in (r for r in _runs(res, src) if r.get("date")):
+            if (r["date"], r["command"]) in seen:
+                raise ValueError(f"{src}: holds the run of {r['date']} that {seen[r['date'], r['command']]} holds")
+            seen[r["date"], r["command"]] = src
+        if res.info.get("workload") != first.info.get("workload"):
+            raise ValueError(
+                f"{src}: workload {res.info.get('workload')!r} differs from {src0}'s {first.info.get('workload')!r}"
+            )
+        if rows != rows0:
+            missing, extra = sorted(rows0 - rows), sorted(rows - rows0)
+            raise ValueError(f"{src}: rows differ from {src0}'s (missing: {missing or '—'}, extra: {extra or '—'})")
+        if _per_tensor(res) != _per_tensor(first):
+            had = "has" if _per_tensor(res) else "has no"
+            raise ValueError(f"{src} {had} per-tensor pushes, unlike {src0}: run both with or without --per-tensor")
+
+
+def pool(results: Sequence[RunResult]) -> RunResult:
+    """Several runs of the same workload and rows as one. A row's timed blocks are those of every
+    run in order, each run's warm-up left out and every row of a run cut to the blocks all rows of
+    that run finished, so block k of a row stays paired with block k of the baseline of the same
+    run. Steps (the reward curve, the first sample unlike), info and meta are the first run's; the
+    notes say so, and name each run's file and timed blocks. ``ValueError`` where runs differ."""
+    if not results:
+        raise ValueError("no runs to pool")
+    _check_alike(results)
+    first = results[0]
+    timed: dict[str, list[dict[str, Any]]] = {x.row: [] for x in first.lanes}
+    errors: dict[str, list[str]] = {x.row: [] for x in first.lanes}
+    counts: list[int] = []
+    for k, res in enumerate(results):
+        n = min((len(_timed(x)) for x in res.lanes), default=0)
+        counts.append(n)
+        for lane in res.lanes:
+            timed[lane.row] += _timed(lane)[:n]
+            if lane.error:
+                errors[lane.row].append(f"run {k + 1}: {lane.error}")
+    lanes = tuple(
+        attrs.evolve(x, error="; ".join(errors[x.row]) or None, timed_steps=tuple(timed[x.row])) for x in first.lanes
+    )
+    info = {**first.info, "notes": _pooled_notes(results, counts)}
+    for key in ("fleets", "memory"):
+        info[key] = _per_run([str(r.info.get(key, "—")) for r in results])
+    return RunResult(lanes, info, dict(first.meta))
+
+
+def _per_run(values: Sequence[str]) -> str:
+    return values[0] if len(set(values)) == 1 else "; ".join(f"run {k + 1}: {v}" for k, v in enumerate(values))
+
+
+def _pooled_notes(results: Sequence[RunResult], counts: Sequence[int]) -> list[str]:
+    each = []
+    for k, (r, n) in enumerate(zip(results, counts, strict=True)):
+        ran = max((len(x.steps) for x in r.lanes), default=0)
+        each.append(f"{_source(r, k)} ({r.meta.get('date', 'date unknown')}: {n} timed of {ran} blocks)")
+    runs = ", ".join(each)
+    notes = [
+        f"pooled from {len(results)} run(s): {runs}; {sum(counts)} timed blocks, paired within each run (each "
+        "run's warm-up left out, its rows cut to the blocks all of them finished); reward curve and first "
+        "sample unlike from run 1"
+    ]
+    differ = [key for key in ("gpu", "versions", "commit") if len({repr(r.meta.get(key)) for r in results}) > 1]
+    if differ:
+        notes.append(f"the runs differ in {', '.join(differ)} (the header shows run 1's; each run's JSON has its own)")
+    for k, r in enumerate(results):
+        notes += [f"run {k + 1}: {note}" for note in r.info.get("notes", [])]
+    return notes
+
+
+def _combined_meta(results: Sequence[RunResult], paths: Sequence[str], argv: Sequence[str] | None) -> dict[str, Any]:
+    """The first run's meta, its command noted after the one that pooled the runs; each run listed."""
+    first = results[0].meta
+    m: dict[str, Any] = {"date": "?", "machine": "?", "gpu": "?", "versions": {}, **first}
+    pooled_by = report.command_line("python -m rb_bench.grpo", argv)
+    m["runs"] = [run for p, r in zip(paths, results, strict=True) for run in _runs(r, p)]
+    m["command"] = f"{pooled_by}  # pools runs of: {m['runs'][0].get('command') or '?'}"
+    m["duration_s"] = " + ".join(str(run.get("duration_s") or "?") for run in m["runs"])
+    return m
+
+
+def combine(paths: Sequence[str], out: str | None, argv: Sequence[str] | None = None) -> int:
+    """``--combine``: saved runs pooled (``pool``), their tables and verdicts printed and, with
+    ``out``, written as a run writes them (no logs). Runs nothing: no GPU, torch or SGLang."""
+    if out is not None:
+        target = (Path(out) / report.JSON_NAME).resolve()
+        clash = [p for p in paths if Path(p).resolve() == target]
+        if clash:
+            raise SystemExit(f"grpo --combine: --out {out} holds {clash[0]}, one of the runs: pick another folder")
+    try:
+        results = [load_result(p) for p in paths]
+        result = pool(results)
+    except ValueError as exc:
+        raise SystemExit(f"grpo --combine: {exc}") from exc
+    m = _combined_meta(results, paths, argv)
+    where = m["gpu"] if m["gpu"] not in ("none", "?") else m["machine"]
+    _emit(m, result, out, f"{where}; {m['date']}; pooled from {len(paths)} runs", [])
+    return 0 if all(x.series("step") for x in result.lanes) else 1
+
+
 # -- main --------------------------------------------------------------------------------------------
 
 
@@ -475,6 +640,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", help="output folder (benchmarks.md, results.json, grpo.png, grpo-logs.tar.gz)")
     p.add_argument("--smoke", action="store_true", help="CPU: reference workers, tiny model, 2 rows, 3 small blocks")
+    p.add_argument("--combine", nargs="+", metavar="RESULTS_JSON",
+                   help="pool saved runs of the same workload and rows (blocks paired within each run) into "
+                   "one report; runs nothing")  # fmt: skip
     return p
 
 
@@ -567,8 +735,32 @@ def _memory(gpu: bool) -> str:
     return "; ".join([f"trainers (this process: every row's policy and AdamW) peak {peak:.1f} GiB", *gpu_memory()])
 
 
+def _lane_data(lane: LaneResult) -> dict[str, Any]:
+    data = attrs.asdict(lane)
+    if data["timed_steps"] is None:  # a single run's JSON stays as it was
+        del data["timed_steps"]
+    return data
+
+
+def _emit(m: dict[str, Any], result: RunResult, out: str | None, title: str, log_dirs: Sequence[Path]) -> None:
+    """Print the tables and verdicts; with ``out``, write benchmarks.md, results.json, grpo.png and the logs."""
+    print(f"\nGRPO loop, {m['date']}, GPU: {m['gpu']}\n")
+    print(tables(result))
+    for goal, v in verdicts(result):
+        print(f"- {goal}: {v}")
+    if out:
+        data = {"meta": m, "info": result.info, "lanes": [_lane_data(x) for x in result.lanes],
+                "verdicts": [{"goal": g, "verdict": v} for g, v in verdicts(result)]}  # fmt: skip
+        report.write_outputs(
+            out, KEY, plot=lambda path: plot(result, path, title),
+            markdown=lambda png: markdown(m, result, png), data=data, log_dirs=log_dirs,
+        )  # fmt: skip
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _configure(_parser(), argv)
+    if args.combine:
+        return combine(args.combine, args.out, argv)
     gpu = args.engine == "sglang"
     if gpu:
         report.safe_multicast_env()
@@ -588,18 +780,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         result = asyncio.run(_run(args, s, progress, started))
         m = report.meta("python -m rb_bench.grpo", argv, PACKAGES, started_wall)
         m["duration_s"] = round(time.monotonic() - started, 1)
-        print(f"\nGRPO loop, {m['date']}, GPU: {m['gpu']}\n")
-        print(tables(result))
-        for goal, v in verdicts(result):
-            print(f"- {goal}: {v}")
-        if args.out:
-            data = {"meta": m, "info": result.info, "lanes": [attrs.asdict(x) for x in result.lanes],
-                    "verdicts": [{"goal": g, "verdict": v} for g, v in verdicts(result)]}  # fmt: skip
-            title = f"{m['gpu'] if gpu else m['machine']}; {m['date']}"
-            report.write_outputs(
-                args.out, KEY, plot=lambda path: plot(result, path, title),
-                markdown=lambda png: markdown(m, result, png), data=data, log_dirs=[run_dir / "logs"],
-            )  # fmt: skip
+        _emit(m, result, args.out, f"{m['gpu'] if gpu else m['machine']}; {m['date']}", [run_dir / "logs"])
     ran = [x for x in result.lanes if x.error is None and len(x.steps) >= 2]
     return 0 if len(ran) == len(result.lanes) else 1
 
