@@ -22,6 +22,7 @@ from rollout_backends.kit import (
 )
 
 from ..vllm import LOGPROBS_MODES
+from ._memory_saver import detect_memory_saver
 from ._wire import FLAVORS, ROUTES, DynamoWire, generate_instances, to_flavor
 
 __all__ = ["connect", "detect_flavor", "detect_native_generate", "open_from_url", "worker_id_of"]
@@ -93,6 +94,17 @@ def _eos_ids(cfg: Mapping[str, Any]) -> tuple[int, ...]:
     if isinstance(eos, list):
         return tuple(int(x) for x in eos)
     return ()
+
+
+def _model_limits(
+    info0: Mapping[str, Any] | None, model_path: str | None
+) -> tuple[int | None, int | None, tuple[int, ...]]:
+    """``(max_context, vocab_size, eos_token_ids)``: our worker's ``rollout/info``, else the checkpoint's config."""
+    cfg = _model_config(model_path)
+    vocab = (info0 or {}).get("vocab_size") or cfg.get("vocab_size")
+    ctx = (info0 or {}).get("max_context") or cfg.get("max_position_embeddings")
+    eos = tuple((info0 or {}).get("eos_token_ids") or ()) or _eos_ids(cfg)
+    return (int(ctx) if isinstance(ctx, int) else None), (int(vocab) if isinstance(vocab, int) else None), eos
 
 
 def _instances_by_rpc_port(instances: Sequence[Mapping[str, Any]]) -> dict[int, int]:
@@ -197,6 +209,12 @@ def _version_source(version_source: VersionSource | str | None, flavor: str) -> 
     return VersionSource(version_source)
 
 
+def _worker_rpc_ports(rpc_ports: Mapping[str, int] | None, fleet: Sequence[Worker]) -> dict[str, int]:
+    """Worker id -> request-plane port, for the workers of the fleet."""
+    ids = {w.id for w in fleet}
+    return {worker_id_of(u): int(p) for u, p in (rpc_ports or {}).items() if worker_id_of(_normalise(u)) in ids}
+
+
 async def connect(
     url: str,
     *,
@@ -208,7 +226,7 @@ async def connect(
     model_path: str | None = None,
     initial_version: str | None = None,
     version_source: VersionSource | str | None = None,
-    memory_saver: bool = True,
+    memory_saver: bool | None = None,
     namespace: str | None = None,
     native_generate: bool | None = None,
     transfer_backend: str | None = None,
@@ -230,8 +248,8 @@ async def connect(
       detects it (the route served, the workers ours and saying so in ``rollout/info``); ``True``
       requires it (``Unsupported`` without the route); ``False`` always uses ``/v1/completions``.
     * Flags Dynamo does not show, which the launcher passes: ``transfer_backend``, ``logprobs_mode``
-      (``vllm`` workers); ``memory_saver`` (``dynamo.sglang``'s ``--enable-memory-saver``; ``False``:
-      no ``memory_release``).
+      (``vllm`` workers). ``memory_saver`` (SGLang's ``--enable-memory-saver``; ``False``: no
+      ``memory_release``): ``None`` (default) asks the workers (``_memory_saver.py``), else ``True``.
     """
     _check_logprobs_mode(logprobs_mode)
     frontend = _normalise(url)
@@ -240,6 +258,9 @@ async def connect(
         model = await _served_model(client, frontend, model)
         flavor, fleet, info0 = await _fleet(client, frontend, namespace, workers, flavor, rpc_ports)
         native = await _use_native_generate(client, frontend, native_generate, flavor, info0)
+        saver = (
+            await detect_memory_saver(client, flavor, fleet) if memory_saver is None else (memory_saver, "caller", "")
+        )
     except RolloutBackendError:
         await client.aclose()
         raise
@@ -247,11 +268,7 @@ async def connect(
         await client.aclose()
         raise InvalidRequest("flavor", f"must be one of {FLAVORS}, got {flavor!r}")
     vs = _version_source(version_source, flavor)
-    cfg = _model_config(model_path)
-    vocab = (info0 or {}).get("vocab_size") or cfg.get("vocab_size")
-    ctx = (info0 or {}).get("max_context") or cfg.get("max_position_embeddings")
-    eos = tuple((info0 or {}).get("eos_token_ids") or ()) or _eos_ids(cfg)
-    ids = {w.id for w in fleet}
+    ctx, vocab, eos = _model_limits(info0, model_path)
     wire = DynamoWire(
         frontend_url=frontend,
         model=model,
@@ -259,13 +276,13 @@ async def connect(
         router_mode=router_mode,
         instance_workers={w.instance_id: w.id for w in fleet if w.instance_id is not None},
         url_workers={w.control_url: w.id for w in fleet if w.control_url},
-        worker_rpc_ports={
-            worker_id_of(u): int(p) for u, p in (rpc_ports or {}).items() if worker_id_of(_normalise(u)) in ids
-        },
+        worker_rpc_ports=_worker_rpc_ports(rpc_ports, fleet),
         version_source=vs,
-        memory_saver=memory_saver,
-        max_context=int(ctx) if isinstance(ctx, int) else None,
-        vocab_size=int(vocab) if isinstance(vocab, int) else None,
+        memory_saver=saver[0],
+        memory_saver_source=saver[1],
+        memory_saver_note=saver[2],
+        max_context=ctx,
+        vocab_size=vocab,
         model_path=model_path,
         eos_token_ids=eos,
         namespace=namespace,
@@ -294,7 +311,8 @@ async def open_from_url(url: str, **kwargs: Any) -> HttpFleetBackend:
     ``version_source``, ``initial_version``, ``native_generate`` (``0``/``1``; default: detected),
     ``transfer_backend`` and ``logprobs_mode`` (``vllm`` workers: ``nccl`` / ``ipc``; ``--logprobs-mode``),
     ``memory_saver`` (``0``/``1``: whether ``dynamo.sglang`` workers run with ``--enable-memory-saver``,
-    so ``memory_release`` is declared; default ``1``). The launcher prints such a URL with every key it knows.
+    so ``memory_release`` is declared; default: asked of the workers, see ``connect``). The launcher
+    prints such a URL with every key it knows.
     """
     parts = urlsplit(url)
     query = parse_qs(parts.query)

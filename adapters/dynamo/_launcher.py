@@ -357,7 +357,8 @@ class RunningDynamoFleet:
         if self.config.worker_kind == "sglang":
             # Without --enable-memory-saver SGLang's release_memory_occupation frees nothing (its
             # no-op memory saver adapter) yet answers success, and dynamo.sglang unregisters and
-            # re-registers the worker around it: memory_release must not be declared then.
+            # re-registers the worker around it: memory_release must not be declared then. Said,
+            # not asked (connect's detection): stock 1.6.x workers have no route that shows it.
             options["memory_saver"] = "--enable-memory-saver" in self.config.sglang_args
         options["model"] = self.config.model_name
         options["initial_version"] = self.config.weight_version

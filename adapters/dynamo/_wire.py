@@ -658,7 +658,14 @@ class DynamoWire:
     #: instance id on the same port, so readiness also matches by port.
     worker_rpc_ports: Mapping[str, int] = attrs.field(factory=dict)
     version_source: VersionSource = VersionSource.RESPONSE
+    #: The workers' SGLang runs with ``--enable-memory-saver`` (``vllm``: ``--enable-sleep-mode``):
+    #: without it a release frees nothing, so ``memory_release`` is not declared.
     memory_saver: bool = True
+    #: How ``memory_saver`` was decided (``connect``): ``"caller"`` (said), ``"workers"`` (read from
+    #: them, ``_memory_saver.py``) or ``"default"`` (assumed); ``memory_saver_note`` says what was
+    #: read, or why nothing was.
+    memory_saver_source: str = "caller"
+    memory_saver_note: str = ""
     max_context: int | None = None
     vocab_size: int | None = None
     #: The checkpoint the workers loaded (the launcher's connect URL names it).

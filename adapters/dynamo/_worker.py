@@ -620,6 +620,11 @@ class DynamoWorker:
             except Exception as e:
                 return {"success": False, "message": str(e)}
             return {"success": True, "message": "Succeeded to destroy custom process group."}
+        if method == "get_internal_state":
+            # SGLang 0.5.16: one state per DP rank, each vars(ServerArgs) and load figures
+            # (Scheduler.get_internal_state); dynamo.sglang 1.4.2 answers the list as {"result": [...]}
+            # (RLMixin._normalize_result). connect() reads enable_memory_saver from it (_memory_saver.py).
+            return {"result": [{**await self._server_args({}), "last_gen_throughput": 0.0}]}
         if method == "abort_request":
             rid = args[0] if args else kwargs.get("rid", "")
             if kwargs.get("abort_all") or (len(args) > 1 and args[1]):
@@ -653,14 +658,20 @@ class DynamoWorker:
 
     async def _server_args(self, body: dict[str, Any]) -> dict[str, Any]:
         """The engine settings a benchmark compares across fleets (the shim's route of the same
-        name answers SGLang's resolved ``ServerArgs``)."""
-        return {
+        name answers SGLang's resolved ``ServerArgs``); ``enable_memory_saver`` where the engine says
+        it (the reference engine: what its SGLang-shaped server reports, ``ENABLE_MEMORY_SAVER`` of
+        ``adapters/reference/_engine.py``)."""
+        args: dict[str, Any] = {
             "page_size": self.kv_cache_block_size,
             "context_length": self.context_length or getattr(self.engine, "max_context", None),
             "skip_tokenizer_init": True,
             "tp_size": 1,
             "dp_size": 1,
         }
+        saver = getattr(self.engine, "enable_memory_saver", None)
+        if isinstance(saver, bool):
+            args["enable_memory_saver"] = saver
+        return args
 
     async def _abort(self, body: dict[str, Any]) -> dict[str, Any]:
         if body.get("abort_all"):

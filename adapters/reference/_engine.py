@@ -50,7 +50,13 @@ from rollout_backends.sglang_native import StopStrings, trim_at_stop
 
 from ._dist import GlooGroup, open_gloo_group, torch_dtype
 
-__all__ = ["EngineError", "EngineHealth", "ReferenceEngine"]
+__all__ = ["ENABLE_MEMORY_SAVER", "EngineError", "EngineHealth", "ReferenceEngine"]
+
+#: ``release_memory`` / ``resume_memory`` drop and restore the weights and the KV cache, as SGLang's
+#: ``release_memory_occupation`` does only with ``--enable-memory-saver``: what the reference server's
+#: ``/server_info`` reports as ``enable_memory_saver``, and (``ReferenceEngine.enable_memory_saver``)
+#: our Dynamo worker's ``get_internal_state`` (``adapters/dynamo/_worker.py``).
+ENABLE_MEMORY_SAVER = True
 
 _LOAD_FORMATS = (None, "auto", "safetensors")
 #: "flattened_bucket": the pairs were sent as one flat bucket (the server unflattens them; ``FlatBucket``).
@@ -151,6 +157,9 @@ class ReferenceEngine:
     The engine binds to the running loop on first use; once idle it may be used from another
     loop (e.g. a new pytest-asyncio loop per test).
     """
+
+    #: What its servers report as SGLang's ``enable_memory_saver`` (``ENABLE_MEMORY_SAVER``).
+    enable_memory_saver = ENABLE_MEMORY_SAVER
 
     def __init__(
         self,

@@ -82,6 +82,8 @@ from rollout_backends.sglang_native import (
     parse_tensors_body,
 )
 
+from ._engine import ENABLE_MEMORY_SAVER
+
 __all__ = [
     "SERVER_KEY",
     "ReferenceServer",
@@ -518,9 +520,7 @@ class ReferenceServer:
                 "context_length": ctx,
                 "max_total_num_tokens": None,
                 "enable_deterministic_inference": True,
-                # release/resume_memory_occupation are served (the engine's weights and cache go and
-                # come back), as SGLang serves them only with its memory saver on
-                "enable_memory_saver": True,
+                "enable_memory_saver": ENABLE_MEMORY_SAVER,
                 "weight_version": self.engine.weight_version,
                 "api_key_set": self._api_key is not None,
                 "admin_api_key_set": self._admin_key is not None,

@@ -105,6 +105,13 @@ class TokenizerManager:
     def abort_request(self, rid: str = "", abort_all: bool = False) -> None:  # synchronous in 0.5.16
         self.aborted.append("*" if abort_all else rid)
 
+    async def get_internal_state(self) -> list[dict[str, Any]]:
+        """SGLang 0.5.16 (``TokenizerControlMixin.get_internal_state``): one state per DP rank, each
+        ``vars(ServerArgs)`` and load figures (``Scheduler.get_internal_state``); here two ranks of a
+        server run without ``--enable-memory-saver``."""
+        state = {**vars(self.server_args), "enable_memory_saver": False, "last_gen_throughput": 0.0}
+        return [dict(state), dict(state)]
+
 
 class Engine:
     """``async_generate(stream=True)`` of SGLang 0.5.16 with incremental streaming output."""
@@ -261,6 +268,8 @@ async def _run(model_path: str) -> dict[str, Any]:
 
     out["flush_result"] = h._normalize_result(FlushCacheReqOutput(success=False, message="not idle"))
     out["tuple_result"] = h._normalize_result((True, "ok"))
+    # What POST /engine/call_tokenizer_manager answers (1.4.2's own passthrough, the shim's patch on).
+    out["internal_state"] = await h.call_tokenizer_manager({"method": "get_internal_state", "args": [], "kwargs": {}})
     return out
 
 

@@ -14,6 +14,7 @@ import json
 import os
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import attrs
@@ -86,6 +87,18 @@ async def test_capabilities(fleet: tuple[RunningDynamoFleet, HttpFleetBackend]) 
     report = await b.health(probe=True)
     assert report.ready and report.router_live and all(w.making_progress for w in report.workers)
     assert await b.weight_version() == "default"
+
+
+async def test_memory_saver_is_read_from_the_workers(fleet: tuple[RunningDynamoFleet, HttpFleetBackend]) -> None:
+    """connect() asked every worker whether SGLang's memory saver is on (``get_internal_state``
+    through ``call_tokenizer_manager``, as dynamo.sglang 1.4.x serves it); ours say what the
+    reference server says. A caller who says otherwise wins, and nothing is asked."""
+    running, b = fleet
+    wire: Any = b.wire
+    assert (wire.memory_saver, wire.memory_saver_source) == (True, "workers"), wire.memory_saver_note
+    assert b.capabilities.memory_release
+    said = await running.connect(memory_saver=False)
+    assert not said.capabilities.memory_release and said.wire.memory_saver_source == "caller"  # type: ignore[attr-defined]
 
 
 async def test_tokens_and_logprobs_equal_in_process(

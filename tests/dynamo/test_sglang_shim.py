@@ -19,6 +19,7 @@ import pytest
 
 logprobs = pytest.importorskip("dynamo.common.backend.logprobs")
 
+from rollout_backends.adapters.dynamo._memory_saver import memory_saver_of  # noqa: E402
 from rollout_backends.adapters.dynamo._sglang_shim import (  # noqa: E402
     REQUESTS,
     patch_control_results,
@@ -357,6 +358,9 @@ def test_patches_on_the_real_1_4_2_handler(tiny_model: Any) -> None:
     # A refused flush stays refused; tuples as before.
     assert r["flush_result"]["success"] is False and r["flush_result"]["message"] == "not idle"
     assert r["tuple_result"] == {"success": True, "message": "ok"}
+    # connect() reads the memory saver from 1.4.2's answer to get_internal_state: {"result": [per DP rank]}.
+    assert set(r["internal_state"]) == {"result"} and len(r["internal_state"]["result"]) == 2
+    assert memory_saver_of(r["internal_state"]) is False
 
 
 def test_server_args_come_back_as_json_values_with_nested_configs_as_objects() -> None:
