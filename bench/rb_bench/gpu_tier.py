@@ -412,6 +412,22 @@ async def inject_http_failure(backend: RolloutBackend, worker: str) -> AsyncIter
 # -- results ----------------------------------------------------------------------------------------
 
 
+async def memory_saver_note(fleet: Any, name: str) -> str:
+    """What ``dynamo.connect`` learns by asking the workers whether SGLang's memory saver is on (its
+    default, ``memory_saver=None``) against what the launcher says from the SGLang args it passed: a
+    fleet where the two disagree would declare a memory release SGLang never does, or not declare one."""
+    told = fleet.connect_options().get("memory_saver")
+    try:
+        wire: Any = (await fleet.connect(memory_saver=None)).wire
+    except Exception as exc:
+        return f"{name}: memory saver: connect(memory_saver=None) FAILED: {type(exc).__name__}: {exc}"
+    asked = f"{wire.memory_saver} ({wire.memory_saver_source}: {wire.memory_saver_note})"
+    if told is None:
+        return f"{name}: memory saver asked of the workers: {asked}; the launcher says nothing for these workers"
+    agree = "agree" if told == wire.memory_saver and wire.memory_saver_source == "workers" else "DISAGREE"
+    return f"{name}: memory saver asked of the workers: {asked}; the launcher says {told}: {agree}"
+
+
 @attrs.define(eq=False)
 class _Running:
     """A started backend (or the oracle)."""
@@ -677,6 +693,7 @@ class _Tier:
             await cm.__aexit__(None, None, None)
 
         self.closers.append((name, close))
+        self.result.notes.append(await memory_saver_note(fleet, name))
 
         async def factory() -> RolloutBackend:
             return await fleet.connect()

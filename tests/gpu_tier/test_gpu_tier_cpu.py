@@ -256,4 +256,10 @@ def test_cpu_tier_stream_version_spans_run_over_dynamo(tmp_path: Path) -> None:
     outcomes = {r["name"]: r["outcome"] for r in b["results"]}
     want = {"stream_version_spans_across_update": "pass", "stream_version_spans_across_in_place_update": "pass"}
     assert outcomes == want, outcomes
+    # connect()'s default asks the workers (our worker answers get_internal_state as dynamo.sglang 1.4.x).
+    said = [n for n in data["notes"] if "memory saver" in n]
+    assert said == [
+        "dynamo-rr: memory saver asked of the workers: True (workers: enable_memory_saver is on on every "
+        "worker); the launcher says nothing for these workers"
+    ], said
     assert not _leftovers(str(work)), _leftovers(str(work))
