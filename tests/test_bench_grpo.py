@@ -52,6 +52,9 @@ def test_smoke_runs_the_loop_on_sglang_and_dynamo_with_the_same_samples(tmp_path
             abs(s["step_s"] - (s["rollout_s"] + s["train_s"] + s["sync_s"] + s["memory_s"])) < 1e-9 for s in steps
         )
         assert all(len(s["digests"]) == 2 * 4 for s in steps)
+        # every step records when the rollout's answers came back (client-side, all sent at once)
+        assert all(0 < s["latency_first_s"] <= s["latency_median_s"] <= s["latency_last_s"] for s in steps)
+        assert all(s["latency_last_s"] <= s["rollout_s"] for s in steps)
     # The reference engine samples by seed, the same on both paths: the same tokens, the same curve.
     assert [s["digests"] for s in lanes["dynamo rr"]["steps"]] == [
         s["digests"] for s in lanes["sglang direct"]["steps"]
@@ -252,3 +255,25 @@ def test_combine_cli_pools_two_written_runs(tmp_path: Path) -> None:
     assert "timed_steps" not in json.loads(Path(files[0]).read_text())["grpo"]["lanes"][0]
     with pytest.raises(SystemExit, match="one of the runs: pick another folder"):
         grpo.main(["--combine", *files, "--out", str(tmp_path / "a")])
+
+
+def test_latency_spread_and_its_table() -> None:
+    assert grpo.latency_spread([]) == {}
+    got = grpo.latency_spread([0.30, 0.10, 0.20, 0.90])
+    assert got == {"latency_first_s": 0.10, "latency_median_s": 0.30, "latency_last_s": 0.90}
+
+    def lane(row: str, last: list[float]) -> grpo.LaneResult:
+        steps = [{"step": k, "step_s": 1.0, "latency_first_s": 0.5, "latency_median_s": 0.6, "latency_last_s": x}
+                 for k, x in enumerate(last)]  # fmt: skip
+        return grpo.LaneResult(row, tuple(steps))
+
+    result = grpo.RunResult((lane("sglang direct", [9.0, 1.0, 1.0, 1.0]), lane("dynamo kv", [9.0, 1.1, 1.2, 1.1])))
+    text = grpo.latency_table(result)
+    rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]] for line in text.splitlines()[2:]
+            if line.startswith("| ") and not line.startswith("| row")}  # fmt: skip
+    # the warm-up (9.0) leaves the means; last minus first per step, then the mean
+    assert rows["sglang direct"][:5] == ["0.500", "0.600", "1.000", "0.500", "baseline"]
+    assert rows["dynamo kv"][2:4] == ["1.133", "0.633"]
+    assert rows["dynamo kv"][4].startswith("1.133")
+    # runs saved before the field existed: no table
+    assert grpo.latency_table(grpo.RunResult((_lane("sglang direct", [1.0, 1.0], [0.1, 0.1]),))) == ""

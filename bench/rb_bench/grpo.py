@@ -221,6 +221,15 @@ async def per_tensor_push(loop: Any) -> float:
     return time.perf_counter() - t0
 
 
+def latency_spread(latencies: Sequence[float]) -> dict[str, float]:
+    """The first, median and last answer of a rollout's requests (client-side latency, all sent at
+    once): a router that admits a burst's requests late shows in the last, not the first."""
+    xs = sorted(latencies)
+    if not xs:
+        return {}
+    return {"latency_first_s": xs[0], "latency_median_s": xs[len(xs) // 2], "latency_last_s": xs[-1]}
+
+
 async def step_lane(lane: Lane, per_tensor: bool) -> None:
     record = await lane.loop.step()
     row: dict[str, Any] = {
@@ -235,6 +244,7 @@ async def step_lane(lane: Lane, per_tensor: bool) -> None:
         "loss": record.loss,
         "logprob_gap": record.logprob_gap,
         "digests": [_digest(s.output) for s in lane.loop.samples],
+        **latency_spread([s.latency_s for s in lane.loop.samples]),
     }
     if per_tensor:
         row["per_tensor_sync_s"] = await per_tensor_push(lane.loop)
@@ -412,7 +422,26 @@ def tables(result: RunResult) -> str:
             continue
         part_rows.append([lane.row, *[_fmt(part_ratio(result, lane.row, p)) for p in PARTS]])
     parts = report.md_table(["row", *(f"{p} vs {BASELINE}" for p in PARTS)], part_rows)
-    return report.md_table(head, rows, "l" + "r" * 9 + "lll") + "\n\n" + parts
+    return report.md_table(head, rows, "l" + "r" * 9 + "lll") + "\n\n" + parts + latency_table(result)
+
+
+def latency_table(result: RunResult) -> str:
+    """A rollout's answers in time (timed steps, mean): first, median, last, and last minus first, with
+    the last against the baseline's; empty where the run did not record them (before 2026-12-06)."""
+    rows = []
+    for lane in result.lanes:
+        first, mid, last = (lane.series(f"latency_{k}") for k in ("first", "median", "last"))
+        if not last:
+            continue
+        iv = None if lane.row == BASELINE else _fmt(part_ratio(result, lane.row, "latency_last"))
+        spread = _mean([b - a for a, b in zip(first, last, strict=True)])
+        rows.append([lane.row, f"{_mean(first):.3f}", f"{_mean(mid):.3f}", f"{_mean(last):.3f}", f"{spread:.3f}",
+                     iv or "baseline"])  # fmt: skip
+    if not rows:
+        return ""
+    head = ["row", "first answer s", "median answer s", "last answer s", "last - first s",
+            f"last answer vs {BASELINE}"]  # fmt: skip
+    return "\n\n" + report.md_table(head, rows)
 
 
 def _fmt(iv: Interval | None) -> str:

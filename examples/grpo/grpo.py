@@ -91,6 +91,7 @@ class Sample:
     rollout_logprobs: tuple[float, ...]
     reward: float
     version: str | None
+    latency_s: float = 0.0  # request sent -> answer, on the client (Generation.latency_s)
 
 
 @dataclasses.dataclass
@@ -387,6 +388,7 @@ class GRPO:
                 done[r.request_id].logprobs or (),
                 reward(done[r.request_id].output_ids),
                 done[r.request_id].weight_version,
+                done[r.request_id].latency_s,
             )
             for r in requests
         ]
