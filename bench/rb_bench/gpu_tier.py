@@ -409,9 +409,6 @@ async def inject_http_failure(backend: RolloutBackend, worker: str) -> AsyncIter
             delattr(backend, "_control")
 
 
-# -- results ----------------------------------------------------------------------------------------
-
-
 async def memory_saver_note(fleet: Any, name: str) -> str:
     """What ``dynamo.connect`` learns by asking the workers whether SGLang's memory saver is on (its
     default, ``memory_saver=None``) against what the launcher says from the SGLang args it passed: a
@@ -426,6 +423,9 @@ async def memory_saver_note(fleet: Any, name: str) -> str:
         return f"{name}: memory saver asked of the workers: {asked}; the launcher says nothing for these workers"
     agree = "agree" if told == wire.memory_saver and wire.memory_saver_source == "workers" else "DISAGREE"
     return f"{name}: memory saver asked of the workers: {asked}; the launcher says {told}: {agree}"
+
+
+# -- results ----------------------------------------------------------------------------------------
 
 
 @attrs.define(eq=False)

@@ -36,6 +36,7 @@ import hashlib
 import importlib.util
 import json
 import random
+import statistics
 import sys
 import tempfile
 import time
@@ -227,7 +228,7 @@ def latency_spread(latencies: Sequence[float]) -> dict[str, float]:
     xs = sorted(latencies)
     if not xs:
         return {}
-    return {"latency_first_s": xs[0], "latency_median_s": xs[len(xs) // 2], "latency_last_s": xs[-1]}
+    return {"latency_first_s": xs[0], "latency_median_s": statistics.median(xs), "latency_last_s": xs[-1]}
 
 
 async def step_lane(lane: Lane, per_tensor: bool) -> None:
